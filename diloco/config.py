@@ -1,0 +1,262 @@
+"""Typed, frozen run configuration: built once from a plain dict (Hydra's output) and validated.
+
+Nothing below this module sees a Hydra DictConfig. `from_dict` rejects unknown keys and wrong
+types, `validate` checks cross-field constraints; both raise ConfigError naming the offending
+values, so a bad launch fails before any data is read or any device is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, mistyped or inconsistent with another one."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer shape; the vocabulary size comes from the tokenizer."""
+
+    name: str = "small"
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2  # grouped-query attention: n_heads query heads share n_kv_heads K/V heads
+    d_ff: int = 384  # SwiGLU hidden width
+    max_seq_len: int = 256
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    dtype: str = "float32"  # activation dtype; parameters are always float32
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where text comes from, how it is tokenized and how batches are cut."""
+
+    source: str = "shakespeare"  # shakespeare | files | synthetic
+    paths: tuple[str, ...] = ()  # files/globs for source=files (.txt or .jsonl)
+    text_field: str = "text"  # JSONL field holding the text
+    tokenizer: str = "byte"  # byte | bpe
+    bpe_vocab_size: int = 1024
+    seq_len: int = 128
+    batch_size: int = 32  # sequences per step of one trainer (or one learner)
+    val_fraction: float = 0.05
+    data_dir: str = "data"  # downloads, extracted text and tokenized stores are cached here
+    synthetic_vocab: int = 16
+    synthetic_tokens: int = 200_000
+    synthetic_branching: int = 4  # successors per state: sets the entropy floor of the source
+    synthetic_seed: int = 1234
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """The inner optimizer a trainer (or each learner) runs every step."""
+
+    optimizer: str = "adamw"  # adamw | sgd
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    schedule: str = "cosine"  # cosine | constant
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0  # global-norm clipping; 0 disables it
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh of one trainer: batch over (data, fsdp); parameters over fsdp."""
+
+    data: int = -1  # -1: all devices not used by fsdp
+    fsdp: int = 1
+    devices: int = 0  # how many devices to use; 0 = all visible
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Length of the run and what happens periodically."""
+
+    steps: int = 600
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 2
+    out_dir: str = "runs/default"
+    resume: bool = False
+    progress: bool = True
+    plot: bool = True
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def from_dict(cls: type, raw: Any, path: str = "") -> Any:
+    """Build dataclass `cls` from nested plain data, rejecting unknown keys and wrong types."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path or 'config'} must be a mapping, got {type(raw).__name__}: {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(
+            f"unknown key(s) {', '.join(where + k for k in unknown)}; "
+            f"{path or 'the top level'} accepts: {', '.join(sorted(fields))}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = _coerce(hints[name], value, f"{path}.{name}" if path else name)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, path)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be a list, got {value!r}")
+        (item,) = typing.get_args(tp)[:1]
+        return tuple(_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def to_dict(cfg: Any) -> dict:
+    """Plain nested dict (lists for tuples), suitable for YAML/JSON."""
+    return _plain(dataclasses.asdict(cfg))
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _check(errors: list[str], ok: bool, message: str) -> None:
+    if not ok:
+        errors.append(message)
+
+
+def model_errors(m: ModelConfig) -> list[str]:
+    e: list[str] = []
+    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
+        _check(e, getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be > 0")
+    if m.n_heads > 0 and m.n_kv_heads > 0:
+        _check(e, m.d_model % m.n_heads == 0,
+               f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+        _check(e, m.n_heads % m.n_kv_heads == 0,
+               f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
+        if m.d_model % m.n_heads == 0:
+            head_dim = m.d_model // m.n_heads
+            _check(e, head_dim % 2 == 0,
+                   f"head dim model.d_model/model.n_heads={head_dim} must be even for RoPE")
+    _check(e, m.dtype in ("float32", "bfloat16"), f"model.dtype={m.dtype!r} not in float32|bfloat16")
+    return e
+
+
+def data_errors(d: DataConfig) -> list[str]:
+    e: list[str] = []
+    _check(e, d.source in ("shakespeare", "files", "synthetic"),
+           f"data.source={d.source!r} not in shakespeare|files|synthetic")
+    _check(e, d.source != "files" or len(d.paths) > 0, "data.source=files needs data.paths")
+    _check(e, d.tokenizer in ("byte", "bpe"), f"data.tokenizer={d.tokenizer!r} not in byte|bpe")
+    _check(e, d.tokenizer != "bpe" or d.bpe_vocab_size >= 260,
+           f"data.bpe_vocab_size={d.bpe_vocab_size} must be >= 260 (256 bytes + specials)")
+    _check(e, d.seq_len > 0, f"data.seq_len={d.seq_len} must be > 0")
+    _check(e, d.batch_size > 0, f"data.batch_size={d.batch_size} must be > 0")
+    _check(e, 0.0 < d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
+    if d.source == "synthetic":
+        _check(e, d.synthetic_vocab >= 2, f"data.synthetic_vocab={d.synthetic_vocab} must be >= 2")
+        _check(e, 1 <= d.synthetic_branching <= d.synthetic_vocab,
+               f"data.synthetic_branching={d.synthetic_branching} must be in "
+               f"[1, data.synthetic_vocab={d.synthetic_vocab}]")
+    return e
+
+
+def inner_errors(i: InnerConfig, steps: int) -> list[str]:
+    e: list[str] = []
+    _check(e, i.optimizer in ("adamw", "sgd"), f"inner.optimizer={i.optimizer!r} not in adamw|sgd")
+    _check(e, i.schedule in ("cosine", "constant"), f"inner.schedule={i.schedule!r} not in cosine|constant")
+    _check(e, i.lr > 0, f"inner.lr={i.lr} must be > 0")
+    _check(e, 0 <= i.warmup_steps <= steps,
+           f"inner.warmup_steps={i.warmup_steps} must be in [0, run.steps={steps}]")
+    _check(e, 0.0 <= i.min_lr_ratio <= 1.0, f"inner.min_lr_ratio={i.min_lr_ratio} must be in [0, 1]")
+    _check(e, i.clip_norm >= 0, f"inner.clip_norm={i.clip_norm} must be >= 0")
+    _check(e, i.weight_decay >= 0, f"inner.weight_decay={i.weight_decay} must be >= 0")
+    return e
+
+
+def mesh_errors(mesh: MeshConfig, batch_size: int, n_visible: int) -> list[str]:
+    """Mesh checks need the number of visible devices, so they run where devices are known."""
+    e: list[str] = []
+    n = mesh.devices or n_visible
+    _check(e, 0 < n <= n_visible, f"mesh.devices={mesh.devices} but only {n_visible} devices are visible")
+    _check(e, mesh.fsdp >= 1, f"mesh.fsdp={mesh.fsdp} must be >= 1")
+    if e:
+        return e
+    data = mesh.data if mesh.data > 0 else n // mesh.fsdp
+    _check(e, data * mesh.fsdp == n,
+           f"mesh.data={data} x mesh.fsdp={mesh.fsdp} != {n} devices (mesh.devices={mesh.devices})")
+    _check(e, batch_size % (data * mesh.fsdp) == 0,
+           f"data.batch_size={batch_size} is not divisible by mesh.data*mesh.fsdp={data * mesh.fsdp}")
+    return e
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check cross-field constraints that do not depend on the machine; return cfg unchanged."""
+    errors = model_errors(cfg.model) + data_errors(cfg.data) + inner_errors(cfg.inner, cfg.run.steps)
+    r = cfg.run
+    _check(errors, r.steps > 0, f"run.steps={r.steps} must be > 0")
+    for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "keep_checkpoints"):
+        _check(errors, getattr(r, name) >= 0, f"run.{name}={getattr(r, name)} must be >= 0")
+    _check(errors, cfg.data.seq_len <= cfg.model.max_seq_len,
+           f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    return cfg
+
+
+def load(raw: dict) -> TrainConfig:
+    """Plain dict -> validated TrainConfig."""
+    return validate(from_dict(TrainConfig, raw))
