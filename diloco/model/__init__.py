@@ -1,0 +1,74 @@
+"""The one boundary where the NNX model becomes a pure `apply(params, tokens)` over a plain dict.
+
+Reference: Flax NNX functional API (nnx.split / nnx.merge),
+https://flax.readthedocs.io/en/latest/nnx_basics.html#the-flax-functional-api
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+from flax import nnx
+
+from diloco.config import ConfigError, ModelConfig, model_errors
+from diloco.model.transformer import Transformer
+
+Params = dict[str, Any]  # nested dicts with str keys; leaves are float32 jax arrays
+
+# Top-level params entries holding a vocabulary-sized matrix: merged by plain averaging downstream.
+_EMBEDDING_KEYS = ("embed", "lm_head")
+
+
+class Model(NamedTuple):
+    apply: Callable[[Params, jax.Array], jax.Array]  # (params, tokens_BxL int32) -> logits_BxLxV f32
+    params: Params
+
+
+def _init(cfg: ModelConfig, vocab_size: int, seed: int) -> Params:
+    _, state = nnx.split(Transformer(cfg, vocab_size, nnx.Rngs(seed)))
+    return nnx.to_pure_dict(state)
+
+
+def _check(cfg: ModelConfig, vocab_size: int) -> None:
+    errors = model_errors(cfg)
+    if vocab_size <= 0:
+        errors.append(f"vocab_size={vocab_size} must be > 0")
+    if errors:
+        raise ConfigError("invalid model config:\n  " + "\n  ".join(errors))
+
+
+def build(cfg: ModelConfig, vocab_size: int, seed: int) -> Model:
+    """Initialise params for `cfg` with `seed` and return them with the pure apply function."""
+    _check(cfg, vocab_size)
+    # The graphdef comes from an abstract module so no array is materialised twice; the params come
+    # from one jitted init, so a large model is built on device in a single program.
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, vocab_size, nnx.Rngs(seed))))
+    params = jax.jit(_init, static_argnums=(0, 1, 2))(cfg, vocab_size, seed)
+
+    def apply(params: Params, tokens_BxL: jax.Array) -> jax.Array:
+        # A fresh module per call: nothing is mutated, so apply is pure under jit, grad and sharding.
+        return nnx.merge(graphdef, params)(tokens_BxL)
+
+    return Model(apply=apply, params=params)
+
+
+def abstract_params(cfg: ModelConfig, vocab_size: int) -> Params:
+    """Shapes and dtypes of `build(cfg, vocab_size, seed).params`, without allocating them."""
+    _check(cfg, vocab_size)
+    return jax.eval_shape(lambda: _init(cfg, vocab_size, 0))
+
+
+def count_params(params: Params) -> int:
+    """Number of scalars in a params pytree (arrays or ShapeDtypeStructs)."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(params))
+
+
+def is_embedding(path: tuple[Any, ...]) -> bool:
+    """True for the token embedding and an untied lm_head.
+
+    `path` holds str keys, or the DictKey entries of jax.tree_util.tree_flatten_with_path.
+    """
+    names = tuple(getattr(k, "key", k) for k in path)
+    return len(names) > 0 and names[0] in _EMBEDDING_KEYS

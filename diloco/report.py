@@ -1,0 +1,97 @@
+"""Run outputs: metrics JSONL, a progress bar, the final summary table and a loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+from tqdm import tqdm
+
+
+def due(step: int, every: int, total: int) -> bool:
+    """Whether periodic work runs after `step` (1-based): every `every` steps and at the last one."""
+    return step == total or (every > 0 and step % every == 0)
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to metrics.jsonl; flushed per record so a crash loses nothing."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(_plain(record)) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if hasattr(x, "item"):  # numpy / jax scalars
+        return x.item()
+    return x
+
+
+def read_metrics(path: Path) -> list[dict]:
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def progress(total: int, initial: int, enabled: bool) -> tqdm:
+    return tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True,
+                unit="step", file=sys.stderr, smoothing=0.1)
+
+
+def format_table(rows: Iterable[tuple[str, Any]], title: str = "summary") -> str:
+    """Two-column text table; floats get 4 significant digits."""
+    rows = [(k, _fmt(v)) for k, v in rows]
+    width = max([len(k) for k, _ in rows] + [len(title)])
+    vwidth = max([len(v) for _, v in rows] + [1])
+    rule = "-" * (width + vwidth + 3)
+    lines = [rule, title, rule] + [f"{k:<{width}}   {v:>{vwidth}}" for k, v in rows] + [rule]
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return f"{v:,.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def plot_losses(records: list[dict], path: Path, baselines: dict[str, float] | None = None) -> Path:
+    """Train loss (per logged step) and eval loss against tokens, with horizontal baselines."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers; imported lazily because it is slow to load
+    import matplotlib.pyplot as plt
+
+    train = [(r["tokens"], r["loss"]) for r in records if r.get("kind") == "train"]
+    evals = [(r["tokens"], r["eval_loss"]) for r in records if r.get("kind") == "eval"]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    if train:
+        ax.plot(*zip(*train), lw=1, alpha=0.7, label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", lw=1.5, label="eval loss")
+    for name, value in (baselines or {}).items():
+        ax.axhline(value, ls="--", lw=1, color="gray")
+        ax.annotate(f"{name} {value:.3f}", (0.99, value), xycoords=("axes fraction", "data"),
+                    ha="right", va="bottom", fontsize=8, color="gray")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,122 @@
+"""The plain data-parallel trainer: the baseline every DiLoCo result is compared with.
+
+It is also the inner loop's toolbox: `compile_steps` builds the jitted, sharded steps that a
+Decoupled DiLoCo learner runs on its own sub-mesh.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from diloco import checkpoint, report
+from diloco.config import TrainConfig
+from diloco.data import Corpus, batch_at, eval_batches
+from diloco.model import Model
+from diloco.train.mesh import batch_sharding, replicated, tree_shardings
+from diloco.train.optim import lr_schedule, make_optimizer
+from diloco.train.step import TrainState, init_state, make_eval_step, make_train_step
+
+
+class Compiled(NamedTuple):
+    """Jitted steps over one mesh, with the shardings they expect."""
+
+    init: Callable[[dict], TrainState]  # params -> sharded TrainState
+    train_step: Callable  # (state, batch) -> (state, metrics); donates state
+    eval_step: Callable  # (params, batch) -> loss
+    state_sharding: object
+    batch_sharding: object
+    abstract_state: TrainState
+
+
+def compile_steps(model: Model, cfg: TrainConfig, mesh: Mesh) -> Compiled:
+    optimizer = make_optimizer(cfg.inner, cfg.run.steps)
+    schedule = lr_schedule(cfg.inner, cfg.run.steps)
+    abstract = jax.eval_shape(lambda p: init_state(p, optimizer), model.params)
+    state_sh = tree_shardings(mesh, abstract)
+    batch_sh = batch_sharding(mesh)
+    rep = replicated(mesh)
+    init = jax.jit(lambda p: init_state(p, optimizer), out_shardings=state_sh)
+    train_step = jax.jit(make_train_step(model.apply, optimizer, schedule),
+                         in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep),
+                         donate_argnums=0)
+    eval_step = jax.jit(make_eval_step(model.apply), in_shardings=(state_sh.params, batch_sh),
+                        out_shardings=rep)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, state_sh)
+    return Compiled(init, train_step, eval_step, state_sh, batch_sh, abstract)
+
+
+def evaluate(compiled: Compiled, params: dict, batches: list[np.ndarray]) -> float:
+    losses = [compiled.eval_step(params, jax.device_put(b, compiled.batch_sharding)) for b in batches]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh,
+             run_dir: Path) -> tuple[TrainState, dict]:
+    """Train with data parallelism over `mesh`; returns the final state and a summary dict."""
+    run, data = cfg.run, cfg.data
+    compiled = compile_steps(model, cfg, mesh)
+    val = eval_batches(corpus.val, batch_size=data.batch_size, seq_len=data.seq_len, n=run.eval_batches)
+    tokens_per_step = data.batch_size * data.seq_len
+    manager = checkpoint.open_manager(run_dir / "checkpoints", run.keep_checkpoints)
+    writer = report.MetricsWriter(run_dir / "metrics.jsonl")
+    try:
+        state, start = compiled.init(model.params), 0
+        if run.resume:
+            found = checkpoint.restore_latest(manager, compiled.abstract_state)
+            if found is not None:
+                start, state, _ = found
+        state, summary = _loop(cfg, corpus, compiled, state, start, tokens_per_step, val, manager, writer)
+        manager.wait_until_finished()
+        return state, summary
+    finally:
+        writer.close()
+        manager.close()
+
+
+def _loop(cfg, corpus, compiled, state, start, tokens_per_step, val, manager, writer):
+    run, data = cfg.run, cfg.data
+    bar = report.progress(run.steps, start, run.progress)
+    t0 = t_log = time.perf_counter()
+    compile_s, last, eval_loss, steps_since_log = None, {}, float("nan"), 0
+    for step in range(start + 1, run.steps + 1):
+        batch = batch_at(corpus.train, seed=run.seed, learner=0, num_learners=1, step=step - 1,
+                         batch_size=data.batch_size, seq_len=data.seq_len)
+        state, metrics = compiled.train_step(state, jax.device_put(batch, compiled.batch_sharding))
+        steps_since_log += 1
+        if compile_s is None:  # the first step includes compilation; keep it out of tokens/s
+            jax.block_until_ready(metrics)
+            compile_s, t_log, steps_since_log = time.perf_counter() - t0, time.perf_counter(), 0
+        bar.update(1)
+        if report.due(step, run.log_every, run.steps):
+            last = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            now = time.perf_counter()
+            tok_s = steps_since_log * tokens_per_step / max(now - t_log, 1e-9)
+            t_log, steps_since_log = now, 0
+            writer.write({"kind": "train", "step": step, "tokens": step * tokens_per_step,
+                          **last, "tokens_per_s": tok_s})
+            bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
+        if report.due(step, run.eval_every, run.steps):
+            eval_loss = evaluate(compiled, state.params, val)
+            writer.write({"kind": "eval", "step": step, "tokens": step * tokens_per_step,
+                          "eval_loss": eval_loss})
+        if report.due(step, run.checkpoint_every, run.steps):
+            checkpoint.save(manager, step, state, {"tokens": step * tokens_per_step})
+    bar.close()
+    wall = time.perf_counter() - t0
+    done = run.steps - start
+    return state, {
+        "steps": run.steps,
+        "tokens": run.steps * tokens_per_step,
+        "train_loss": last.get("loss", float("nan")),
+        "eval_loss": eval_loss,
+        "wall_s": wall,
+        "compile_s": compile_s or 0.0,
+        "tokens_per_s": (done - 1) * tokens_per_step / max(wall - (compile_s or 0.0), 1e-9) if done > 1 else 0.0,
+    }

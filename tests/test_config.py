@@ -1,0 +1,104 @@
+"""Config conversion and validation: unknown keys, wrong types and inconsistent values are named."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from diloco.config import (ConfigError, DataConfig, MeshConfig, ModelConfig, TrainConfig,
+                           from_dict, load, mesh_errors, to_dict, validate)
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_defaults_are_valid_and_round_trip():
+    cfg = validate(TrainConfig())
+    assert load(to_dict(cfg)) == cfg
+
+
+def test_unknown_key_is_named():
+    raw = to_dict(TrainConfig())
+    raw["model"]["d_modle"] = 64
+    with pytest.raises(ConfigError, match=r"model\.d_modle"):
+        load(raw)
+
+
+def test_unknown_top_level_section_is_named():
+    with pytest.raises(ConfigError, match="optimiser"):
+        load({"optimiser": {}})
+
+
+@pytest.mark.parametrize("section,key,value,expected", [
+    ("model", "n_layers", "four", "model.n_layers must be an integer"),
+    ("run", "resume", "yes", "run.resume must be true or false"),
+    ("inner", "lr", None, "inner.lr must be a number"),
+    ("data", "paths", 3, "data.paths must be a list"),
+])
+def test_wrong_types_are_named(section, key, value, expected):
+    raw = to_dict(TrainConfig())
+    raw[section][key] = value
+    with pytest.raises(ConfigError, match=expected.replace(".", r"\.")):
+        load(raw)
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ({"model": {"d_model": 100, "n_heads": 6}}, "model.d_model=100 is not divisible by model.n_heads=6"),
+    ({"model": {"n_heads": 4, "n_kv_heads": 3}}, "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
+    ({"model": {"d_model": 12, "n_heads": 4, "n_kv_heads": 4}}, "head dim model.d_model/model.n_heads=3"),
+    ({"data": {"seq_len": 512}}, "data.seq_len=512 exceeds model.max_seq_len=256"),
+    ({"data": {"source": "wiki"}}, "data.source='wiki'"),
+    ({"data": {"source": "files"}}, "data.source=files needs data.paths"),
+    ({"inner": {"warmup_steps": 900}}, "inner.warmup_steps=900 must be in [0, run.steps=600]"),
+    ({"run": {"steps": 0}}, "run.steps=0 must be > 0"),
+])
+def test_cross_field_errors_name_the_values(overrides, expected):
+    raw = to_dict(TrainConfig())
+    for section, values in overrides.items():
+        raw[section].update(values)
+    with pytest.raises(ConfigError) as err:
+        load(raw)
+    assert expected in str(err.value)
+
+
+def test_all_errors_are_reported_together():
+    raw = to_dict(TrainConfig())
+    raw["run"]["steps"] = -1
+    raw["data"]["batch_size"] = 0
+    with pytest.raises(ConfigError) as err:
+        load(raw)
+    assert "run.steps=-1" in str(err.value) and "data.batch_size=0" in str(err.value)
+
+
+def test_mesh_errors_name_batch_and_devices():
+    assert mesh_errors(MeshConfig(), batch_size=32, n_visible=8) == []
+    (msg,) = mesh_errors(MeshConfig(), batch_size=30, n_visible=8)
+    assert msg == "data.batch_size=30 is not divisible by mesh.data*mesh.fsdp=8"
+    (msg,) = mesh_errors(MeshConfig(devices=16), batch_size=32, n_visible=8)
+    assert "mesh.devices=16" in msg and "8 devices" in msg
+    msgs = mesh_errors(MeshConfig(data=3, fsdp=2), batch_size=32, n_visible=8)
+    assert "mesh.data=3 x mesh.fsdp=2 != 8 devices (mesh.devices=0)" in msgs
+
+
+def _group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+def _all_compositions():
+    groups = ["model", "data", "inner", "mesh"]
+    for group in groups:
+        for option in _group_options(group):
+            yield f"{group}={option}"
+
+
+@pytest.mark.parametrize("override", list(_all_compositions()))
+def test_every_config_file_composes_and_validates(override):
+    """Every group file composes with the rest of train.yaml into a valid TrainConfig."""
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        raw = compose(config_name="train", overrides=[override, "run.out_dir=runs/test"])
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(raw, resolve=True)
+    if override.startswith("model="):  # big models may need a longer context than the default data
+        data["data"]["seq_len"] = min(data["data"]["seq_len"], data["model"]["max_seq_len"])
+    cfg = load(data)
+    assert isinstance(cfg.model, ModelConfig) and isinstance(cfg.data, DataConfig)
