@@ -26,9 +26,9 @@ class Model(NamedTuple):
     params: Params
 
 
-def _init(cfg: ModelConfig, vocab_size: int, seed: int) -> Params:
-    _, state = nnx.split(Transformer(cfg, vocab_size, nnx.Rngs(seed)))
-    return nnx.to_pure_dict(state)
+def _split(cfg: ModelConfig, vocab_size: int, seed: int) -> tuple[nnx.GraphDef, Params]:
+    graphdef, state = nnx.split(Transformer(cfg, vocab_size, nnx.Rngs(seed)))
+    return graphdef, nnx.to_pure_dict(state)
 
 
 def _check(cfg: ModelConfig, vocab_size: int) -> None:
@@ -42,10 +42,9 @@ def _check(cfg: ModelConfig, vocab_size: int) -> None:
 def build(cfg: ModelConfig, vocab_size: int, seed: int) -> Model:
     """Initialise params for `cfg` with `seed` and return them with the pure apply function."""
     _check(cfg, vocab_size)
-    # The graphdef comes from an abstract module so no array is materialised twice; the params come
-    # from one jitted init, so a large model is built on device in a single program.
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, vocab_size, nnx.Rngs(seed))))
-    params = jax.jit(_init, static_argnums=(0, 1, 2))(cfg, vocab_size, seed)
+    # Initialised op by op rather than under jit: XLA compiles each random draw slowly on CPU, and
+    # eager kernels are cached per shape, so later builds (other seeds, dtypes) reuse them.
+    graphdef, params = _split(cfg, vocab_size, seed)
 
     def apply(params: Params, tokens_BxL: jax.Array) -> jax.Array:
         # A fresh module per call: nothing is mutated, so apply is pure under jit, grad and sharding.
@@ -57,7 +56,7 @@ def build(cfg: ModelConfig, vocab_size: int, seed: int) -> Model:
 def abstract_params(cfg: ModelConfig, vocab_size: int) -> Params:
     """Shapes and dtypes of `build(cfg, vocab_size, seed).params`, without allocating them."""
     _check(cfg, vocab_size)
-    return jax.eval_shape(lambda: _init(cfg, vocab_size, 0))
+    return jax.eval_shape(lambda: _split(cfg, vocab_size, 0)[1])
 
 
 def count_params(params: Params) -> int:

@@ -44,9 +44,13 @@ def causal_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: jax.
     G = H // K
     # Grouping query heads instead of repeating K/V keeps memory at K heads (the point of GQA).
     q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, G, E)
-    scores_BxKxGxLxS = jnp.einsum("blkge,bske->bkgls", q_BxLxKxGxE, k_BxSxKxE) / math.sqrt(E)
+    # Scores and softmax in float32 whatever the compute dtype: bf16 logits lose the small
+    # differences that decide attention at long range.
+    scores_BxKxGxLxS = jnp.einsum("blkge,bske->bkgls", q_BxLxKxGxE, k_BxSxKxE,
+                                  preferred_element_type=jnp.float32) / math.sqrt(E)
+    # Query l sits at key position l + S - L, so with S == L this is the plain lower triangle.
     causal_LxS = jnp.tril(jnp.ones((L, S), dtype=bool), k=S - L)
-    scores_BxKxGxLxS = jnp.where(causal_LxS, scores_BxKxGxLxS.astype(jnp.float32), _MASKED)
+    scores_BxKxGxLxS = jnp.where(causal_LxS, scores_BxKxGxLxS, _MASKED)
     probs_BxKxGxLxS = jax.nn.softmax(scores_BxKxGxLxS, axis=-1).astype(v_BxSxKxE.dtype)
     out_BxLxKxGxE = jnp.einsum("bkgls,bske->blkge", probs_BxKxGxLxS, v_BxSxKxE)
     return out_BxLxKxGxE.reshape(B, L, H, E)

@@ -1,0 +1,142 @@
+"""Pseudo-gradients and their token-weighted merge: averaging or RDA (ALGORITHM.md section 4).
+
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 4 and appendix D.2.
+
+Everything is computed in float32 whatever the wire precision was (section 5). Deltas are any
+pytrees of equal structure: a fragment as returned by `fragments.extract`, or whole params.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Tree = Any
+
+
+def pseudo_gradient(global_params: Tree, local_params: Tree) -> Tree:
+    """delta = global - local: the one place that defines the sign.
+
+    A learner that moved downhill from Theta gives a delta pointing uphill, i.e. a gradient, so the
+    outer optimizer descends along -delta (DiLoCo, arXiv 2311.08105, Algorithm 1).
+    """
+    return jax.tree.map(
+        lambda g, l: jnp.asarray(g, jnp.float32) - jnp.asarray(l, jnp.float32), global_params, local_params
+    )
+
+
+def token_weight(c_tokens: float, c_steps: float) -> float:
+    """w = c_tokens**2 / c_steps = tokens x (tokens per step); 0 when no step was taken.
+
+    A learner that just rejoined (small counters), ran slow (few steps) or lost devices (fewer
+    tokens per step) counts less (section 4).
+    """
+    if c_tokens < 0 or c_steps < 0:
+        raise ValueError(f"counters must be non-negative, got c_tokens={c_tokens}, c_steps={c_steps}")
+    if c_steps == 0:
+        return 0.0
+    return float(c_tokens) ** 2 / float(c_steps)
+
+
+def _normalized(deltas: Sequence[Tree], weights: Sequence[float]) -> jax.Array:
+    """Weights divided by their sum, in float64 before the cast: raw token weights reach ~1e12."""
+    if len(deltas) != len(weights):
+        raise ValueError(f"{len(deltas)} deltas but {len(weights)} weights")
+    w = np.asarray(weights, dtype=np.float64)
+    if w.size == 0:
+        raise ValueError("nothing to merge: no contributions (the caller must not merge an empty set)")
+    if not np.all(np.isfinite(w)) or np.any(w < 0):
+        raise ValueError(f"weights must be finite and non-negative, got {list(weights)}")
+    total = float(w.sum())
+    if total <= 0.0:
+        raise ValueError(
+            f"total weight is 0 over {len(weights)} contributions (weights {list(weights)}):"
+            " nothing to merge, the caller must skip this round"
+        )
+    return jnp.asarray(w / total, jnp.float32)
+
+
+@jax.jit
+def _average(deltas: tuple[Tree, ...], w: jax.Array) -> Tree:
+    # A fused weighted sum; no stacked (M, ...) copy of the deltas.
+    return jax.tree.map(
+        lambda *vs: sum(w[i] * jnp.asarray(v, jnp.float32) for i, v in enumerate(vs)), *deltas
+    )
+
+
+def weighted_average(deltas: Sequence[Tree], weights: Sequence[float]) -> Tree:
+    """sum_m w_m delta_m / sum_m w_m, leaf by leaf (the merge for embedding fragments)."""
+    return _average(tuple(deltas), _normalized(deltas, weights))
+
+
+def _norm(tree: Tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def _unit(tree: Tree, norm: jax.Array) -> Tree:
+    """tree / norm, and exactly 0 when the norm is 0 (unit(0) = 0, no NaN)."""
+    safe = jnp.where(norm > 0, norm, 1.0)
+    return jax.tree.map(lambda x: jnp.where(norm > 0, jnp.asarray(x, jnp.float32) / safe, 0.0), tree)
+
+
+def _rda_group(deltas: Sequence[Tree], w: jax.Array) -> Tree:
+    """RDA over one group (a tensor, or a whole fragment): norms and directions averaged apart."""
+    norms = jnp.stack([_norm(d) for d in deltas])
+    radius = jnp.dot(w, norms)
+    units = [_unit(d, n) for d, n in zip(deltas, norms)]
+    direction = jax.tree.map(lambda *us: sum(w[i] * u for i, u in enumerate(us)), *units)
+    return jax.tree.map(lambda x: radius * x, _unit(direction, _norm(direction)))
+
+
+@partial(jax.jit, static_argnames="per")
+def _rda(deltas: tuple[Tree, ...], w: jax.Array, per: str) -> Tree:
+    if per == "fragment":
+        return _rda_group(deltas, w)
+    return jax.tree.map(lambda *vs: _rda_group(vs, w), *deltas)
+
+
+def rda(deltas: Sequence[Tree], weights: Sequence[float], per: str = "tensor") -> Tree:
+    """Radial-directional averaging (appendix D.2).
+
+    RDA = (sum w ||v|| / sum w) * unit(sum w unit(v) / sum w), with unit(0) = 0. Pseudo-gradients of
+    different learners are nearly orthogonal, so a plain average of M deltas of norm R has norm
+    about R / sqrt(M); RDA keeps norm R. Norms are taken per tensor (default) or over the whole
+    fragment (per="fragment"); which one the paper uses is not public, hence the knob.
+    """
+    if per not in ("tensor", "fragment"):
+        raise ValueError(f"rda per={per!r}; choose 'tensor' or 'fragment'")
+    return _rda(tuple(deltas), _normalized(deltas, weights), per)
+
+
+def rda_fragment(deltas: Sequence[Tree], weights: Sequence[float]) -> Tree:
+    """RDA with norms over the whole fragment."""
+    return rda(deltas, weights, per="fragment")
+
+
+MERGES: dict[str, Callable[[Sequence[Tree], Sequence[float]], Tree]] = {
+    "average": weighted_average,
+    "rda": rda,
+    "rda_fragment": rda_fragment,
+}
+
+
+def merge(deltas: Sequence[Tree], weights: Sequence[float], method: str) -> Tree:
+    """Merge the deltas of one fragment round with the named method from MERGES.
+
+    Raises ValueError when there is nothing to merge or the weights sum to 0: skipping the round
+    is the caller's decision, never a silent zero update.
+    """
+    if method not in MERGES:
+        raise ValueError(f"unknown merge method {method!r}; choose from {sorted(MERGES)}")
+    return MERGES[method](deltas, weights)
+
+
+def global_norm(tree: Tree) -> float:
+    """sqrt of the sum of squares over all leaves, as a Python float (for merge records)."""
+    return math.sqrt(float(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(tree))))

@@ -1,0 +1,102 @@
+"""Outer optimizers: optax transformations fed the merged pseudo-gradient as gradient (ALGORITHM.md section 4).
+
+Reference: DiLoCo (Douillard et al., arXiv 2311.08105) for outer Nesterov SGD; Async Local-SGD
+(Liu et al., arXiv 2401.09135, Algorithm 3) for Delayed Nesterov.
+
+The syncer keeps one optimizer state per fragment (`opt.init(Theta_p)`) and calls `outer_step` once
+per merged round. All state is float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+Tree = Any
+
+
+def nesterov(lr: float = 0.7, momentum: float = 0.9) -> optax.GradientTransformation:
+    """DiLoCo's outer optimizer: b <- mu b + delta; Theta <- Theta - lr (delta + mu b)."""
+    return optax.sgd(lr, momentum=momentum, nesterov=True)
+
+
+def sgd_momentum(lr: float = 1.0, momentum: float = 0.0) -> optax.GradientTransformation:
+    """Heavy-ball SGD: b <- mu b + delta; Theta <- Theta - lr b (plain SGD when momentum is 0)."""
+    return optax.sgd(lr, momentum=momentum or None)
+
+
+def averaging() -> optax.GradientTransformation:
+    """Theta <- Theta - delta: with delta = mean(Theta - theta_m) this is parameter averaging."""
+    return optax.sgd(1.0)
+
+
+class DelayedNesterovState(NamedTuple):
+    count: jax.Array  # arrivals so far (int32)
+    buffer: Tree  # sum of the deltas since the last momentum update
+    momentum: Tree  # m, updated once every N arrivals
+
+
+def delayed_nesterov(lr: float = 0.7, momentum: float = 0.9, N: int = 4,
+                     activation: float = 0.0) -> optax.GradientTransformation:
+    """Delayed Nesterov (Async Local-SGD, arXiv 2401.09135, Algorithm 3).
+
+    For the t-th delta g_t (t from 1), with Delta the sum of the buffered deltas:
+        t mod N == 0:  m <- beta m + Delta / N;  Theta <- Theta - lr (g_t / N + beta m);  Delta <- 0
+        otherwise:     Theta <- Theta - lr (g_t / N + c m)   (c = `activation`, default 0)
+    Each arrival takes a plain gradient step of 1/N, and momentum moves once per N arrivals with
+    their average. So N arrivals of the same g add up to one Nesterov step on g, and N = 1 is
+    exactly `nesterov(lr, momentum)`; applying every arrival through ordinary Nesterov would
+    compound momentum over stale deltas (section 4, Async Local-SGD eq. 5).
+    """
+    if not isinstance(N, int) or N < 1:
+        raise ValueError(f"delayed Nesterov buffer size N={N!r} must be a positive integer")
+    if activation < 0.0:
+        raise ValueError(f"momentum activation c={activation} must be non-negative (the paper uses 0)")
+
+    def init_fn(params: Tree) -> DelayedNesterovState:
+        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        return DelayedNesterovState(jnp.zeros((), jnp.int32), zeros, zeros)
+
+    def update_fn(updates: Tree, state: DelayedNesterovState, params: Tree = None):
+        del params
+        count = state.count + 1
+        fire = count % N == 0
+        buffer = jax.tree.map(lambda b, g: b + g, state.buffer, updates)
+        m = jax.tree.map(lambda m, b: jnp.where(fire, momentum * m + b / N, m), state.momentum, buffer)
+        coef = jnp.where(fire, momentum, activation)
+        step = jax.tree.map(lambda g, m: -lr * (g / N + coef * m), updates, m)
+        buffer = jax.tree.map(lambda b: jnp.where(fire, jnp.zeros_like(b), b), buffer)
+        return step, DelayedNesterovState(count, buffer, m)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+OUTER: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "nesterov": nesterov,
+    "sgd": sgd_momentum,
+    "average": averaging,
+    "delayed_nesterov": delayed_nesterov,
+}
+
+
+def make_outer(name: str, **kwargs: Any) -> optax.GradientTransformation:
+    """The outer optimizer `name` from OUTER, built with its keyword arguments."""
+    if name not in OUTER:
+        raise ValueError(f"unknown outer optimizer {name!r}; choose from {sorted(OUTER)}")
+    return OUTER[name](**kwargs)
+
+
+def outer_step(opt: optax.GradientTransformation, theta: Tree, opt_state: Any,
+               delta: Tree) -> tuple[Tree, Any]:
+    """One outer step on one fragment: delta is the gradient, Theta moves against it.
+
+    Pure; jit it with the optimizer closed over: `jax.jit(functools.partial(outer_step, opt))`.
+    """
+    theta = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), theta)
+    delta = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), delta)
+    updates, opt_state = opt.update(delta, opt_state, theta)
+    return optax.apply_updates(theta, updates), opt_state
