@@ -1,0 +1,364 @@
+"""The wire format between learners and the syncer: a JSON header plus raw payload bytes (DESIGN.md "Messages").
+
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), sections 3-5 of ALGORITHM.md.
+
+A frame is `b"DLC1" | uint32 LE header length | UTF-8 JSON header | payload`. Nothing is pickled:
+a frame from a crashed, buggy or hostile peer can at worst be rejected, never execute code. Every
+rejection is a `MessageError` whose `reason` is one of QUARANTINE_REASONS, so the syncer can
+quarantine the message and book its tokens under that reason in the ledger.
+
+The payload of a fragment is the concatenation, in header order, of each tensor's codec payload;
+`tensors[i].nbytes` says where one ends. Tensors are float32 on the wire whatever the codec:
+decoding and merging happen in FP32 (ALGORITHM.md section 5).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from diloco.algo.codecs import Codec, CodecError, make_codec
+
+Path = tuple[str, ...]
+
+MAGIC = b"DLC1"
+_PREFIX = struct.Struct("<4sI")  # magic, header length
+MAX_HEADER_BYTES = 1 << 20  # a header lists tensor shapes only; 1 MiB is thousands of tensors
+KINDS = ("contribution", "fragment", "ack")
+DTYPES = ("float32",)  # the wire dtype; codecs decode to float32 and merges run in FP32
+
+# Frame and header faults (decode), payload faults (unpack_fragment), admission faults (check_admission).
+FRAME_REASONS = ("bad_magic", "bad_header", "truncated", "trailing_bytes", "too_large", "checksum")
+PAYLOAD_REASONS = ("wrong_codec", "wrong_shape", "wrong_dtype", "codec_error", "non_finite")
+ADMISSION_REASONS = (
+    "wrong_kind", "unknown_learner", "unknown_fragment", "dead_incarnation", "duplicate",
+    "future_version", "stale",
+)
+QUARANTINE_REASONS = FRAME_REASONS + PAYLOAD_REASONS + ADMISSION_REASONS
+
+# Field -> accepted JSON types. bool is excluded from int explicitly (JSON true is a Python int).
+_INT_FIELDS = ("learner", "incarnation", "seq", "fragment", "base_version", "version", "c_steps",
+               "c_tokens", "payload_len")
+HEADER_FIELDS = ("kind", *_INT_FIELDS, "codec", "delta_against", "tensors", "checksum")
+
+
+class MessageError(ValueError):
+    """A message that must be quarantined; `reason` is one of QUARANTINE_REASONS."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        assert reason in QUARANTINE_REASONS, reason
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class Message(NamedTuple):
+    header: dict[str, Any]  # validated; tensor paths are lists of str as on the wire
+    payload: bytes
+
+
+def checksum(payload: bytes) -> str:
+    """blake2b with an 8-byte digest, as hex.
+
+    Chosen over zlib.crc32: a 64-bit digest makes an undetected corruption (2**-64 per message)
+    negligible over millions of messages, where crc32's 2**-32 is not; blake2b runs at about
+    1 GB/s, small next to encoding a fragment.
+    """
+    return hashlib.blake2b(payload, digest_size=8).hexdigest()
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _bad(detail: str) -> MessageError:
+    return MessageError("bad_header", detail)
+
+
+def _check_tensors(tensors: Any) -> None:
+    if not isinstance(tensors, list):
+        raise _bad(f"tensors must be a list, got {type(tensors).__name__}")
+    seen: set[Path] = set()
+    for i, t in enumerate(tensors):
+        if not isinstance(t, dict) or set(t) != {"path", "shape", "dtype", "nbytes"}:
+            raise _bad(f"tensors[{i}] must have exactly path, shape, dtype, nbytes; got {t!r}")
+        path, shape = t["path"], t["shape"]
+        if not isinstance(path, list) or not path or not all(isinstance(k, str) for k in path):
+            raise _bad(f"tensors[{i}].path must be a non-empty list of str, got {path!r}")
+        if tuple(path) in seen:
+            raise _bad(f"tensors[{i}].path {path!r} appears twice")
+        seen.add(tuple(path))
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise _bad(f"tensors[{i}].shape must be a list of non-negative int, got {shape!r}")
+        if not isinstance(t["dtype"], str):
+            raise _bad(f"tensors[{i}].dtype must be str, got {t['dtype']!r}")
+        if not (_is_int(t["nbytes"]) and t["nbytes"] >= 0):
+            raise _bad(f"tensors[{i}].nbytes must be a non-negative int, got {t['nbytes']!r}")
+
+
+def validate_header(header: Any) -> None:
+    """Raise MessageError("bad_header") unless every field is present, typed and consistent."""
+    if not isinstance(header, dict):
+        raise _bad(f"header must be a JSON object, got {type(header).__name__}")
+    missing = [f for f in HEADER_FIELDS if f not in header]
+    extra = sorted(set(header) - set(HEADER_FIELDS))
+    if missing or extra:
+        raise _bad(f"missing fields {missing}, unknown fields {extra}")
+    if header["kind"] not in KINDS:
+        raise _bad(f"kind must be one of {KINDS}, got {header['kind']!r}")
+    for f in _INT_FIELDS:
+        if not _is_int(header[f]) or header[f] < 0:
+            raise _bad(f"{f} must be a non-negative int, got {header[f]!r}")
+    c_steps, c_tokens = header["c_steps"], header["c_tokens"]
+    # Every inner step consumes at least one token, and tokens come only from steps.
+    if c_tokens < c_steps or (c_steps == 0) != (c_tokens == 0):
+        raise _bad(f"c_tokens={c_tokens} inconsistent with c_steps={c_steps}")
+    if not isinstance(header["codec"], str) or not header["codec"]:
+        raise _bad(f"codec must be a non-empty str, got {header['codec']!r}")
+    d = header["delta_against"]
+    if d is not None and not (_is_int(d) and d >= 0):
+        raise _bad(f"delta_against must be null or a non-negative int, got {d!r}")
+    if header["kind"] == "fragment" and d is not None and d >= header["version"]:
+        raise _bad(f"a delta against version {d} cannot publish version {header['version']}")
+    if not isinstance(header["checksum"], str):
+        raise _bad(f"checksum must be str, got {header['checksum']!r}")
+    _check_tensors(header["tensors"])
+    total = sum(t["nbytes"] for t in header["tensors"])
+    if total != header["payload_len"]:
+        raise _bad(f"tensors' nbytes sum to {total}, payload_len is {header['payload_len']}")
+
+
+def encode(header: Mapping[str, Any], payload: bytes) -> bytes:
+    """One frame; fills payload_len and checksum, and validates the header so bad frames never leave."""
+    full = dict(header, payload_len=len(payload), checksum=checksum(payload))
+    validate_header(full)
+    raw = json.dumps(full, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    return _PREFIX.pack(MAGIC, len(raw)) + raw + bytes(payload)
+
+
+def decode(frame: bytes, *, max_payload: int | None = None) -> Message:
+    """Parse and validate a frame; `max_payload` bounds payload_len before any payload byte is touched."""
+    frame = bytes(frame)
+    if len(frame) < _PREFIX.size:
+        if MAGIC.startswith(frame[:4]):
+            raise MessageError("truncated", f"{len(frame)} bytes, the prefix alone is {_PREFIX.size}")
+        raise MessageError("bad_magic", f"got {frame[:4]!r}")
+    magic, hlen = _PREFIX.unpack_from(frame)
+    if magic != MAGIC:
+        raise MessageError("bad_magic", f"got {magic!r}, want {MAGIC!r}")
+    if hlen > MAX_HEADER_BYTES:
+        raise MessageError("too_large", f"header of {hlen} bytes > {MAX_HEADER_BYTES}")
+    end = _PREFIX.size + hlen
+    if len(frame) < end:
+        raise MessageError("truncated", f"header declares {hlen} bytes, frame holds {len(frame) - _PREFIX.size}")
+    try:
+        header = json.loads(frame[_PREFIX.size:end].decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise MessageError("bad_header", f"not UTF-8 JSON: {e}") from None
+    validate_header(header)
+    n = header["payload_len"]
+    if max_payload is not None and n > max_payload:
+        raise MessageError("too_large", f"payload_len {n} > bound {max_payload}")
+    payload = frame[end:]
+    if len(payload) < n:
+        raise MessageError("truncated", f"payload_len {n}, frame holds {len(payload)}")
+    if len(payload) > n:
+        raise MessageError("trailing_bytes", f"payload_len {n}, frame holds {len(payload)}")
+    if checksum(payload) != header["checksum"]:
+        raise MessageError("checksum", f"header says {header['checksum']}, payload hashes to {checksum(payload)}")
+    return Message(header, payload)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # NaN / Infinity are Python extensions, not JSON
+
+
+_SPEC_PART = re.compile(r"^(ef|zstd(\d+)|b(\d+)|k([0-9.eE+-]+))$")
+_DEFAULT_BLOCK, _DEFAULT_TOPK = 64, 0.01
+
+
+def codec_spec(name: str, error_feedback: bool = False, zstd_level: int = 0, *,
+               block: int = _DEFAULT_BLOCK, topk_fraction: float = _DEFAULT_TOPK) -> str:
+    """The header's codec string, e.g. "int4+ef+zstd1"; non-default block / top-k fraction are
+    spelled out ("int8+b32", "topk+k0.05") because the receiver needs them to decode."""
+    parts = [name]
+    if error_feedback:
+        parts.append("ef")
+    if zstd_level:
+        parts.append(f"zstd{int(zstd_level)}")
+    if block != _DEFAULT_BLOCK:
+        parts.append(f"b{int(block)}")
+    if topk_fraction != _DEFAULT_TOPK:
+        parts.append(f"k{topk_fraction!r}")
+    return "+".join(parts)
+
+
+def parse_spec(spec: str) -> dict[str, Any]:
+    """make_codec's keyword arguments for a codec string; MessageError("wrong_codec") if malformed."""
+    name, *rest = spec.split("+")
+    kw: dict[str, Any] = {"name": name}
+    for part in rest:
+        m = _SPEC_PART.match(part)
+        if not name or m is None:
+            raise MessageError("wrong_codec", f"cannot parse codec spec {spec!r} at {part!r}")
+        if part == "ef":
+            kw["error_feedback"] = True
+        elif m.group(2) is not None:
+            kw["zstd_level"] = int(m.group(2))
+        elif m.group(3) is not None:
+            kw["block"] = int(m.group(3))
+        else:
+            kw["topk_fraction"] = float(m.group(4))
+    if codec_spec(**kw) != spec:  # one spelling per codec, so spec equality means codec equality
+        raise MessageError("wrong_codec", f"{spec!r} is not canonical; write {codec_spec(**kw)!r}")
+    return kw
+
+
+def codec_from_spec(spec: str) -> Codec:
+    """The codec a header names; MessageError("wrong_codec") for unknown or malformed specs."""
+    kw = parse_spec(spec)
+    name = kw.pop("name")
+    try:
+        return make_codec(name, **kw)
+    except (CodecError, ValueError, KeyError) as e:
+        raise MessageError("wrong_codec", f"{spec!r}: {e}") from None
+
+
+def pack_fragment(
+    values: Mapping[Path, Any], codec: Codec, states: Mapping[Path, Any] | None = None,
+) -> tuple[list[dict[str, Any]], bytes, dict[Path, Any]]:
+    """Encode a fragment's tensors, in sorted path order (the order of Fragment.paths).
+
+    `states` holds each tensor's codec state (error-feedback residual); a missing one starts from
+    codec.init. Returns the header's tensors list, the payload and the new states.
+    """
+    states = {} if states is None else states
+    tensors, chunks, new_states = [], [], {}
+    for path in sorted(values):
+        x = np.asarray(values[path])
+        if not np.issubdtype(x.dtype, np.floating):
+            raise TypeError(f"{path}: only floating tensors travel as fragments, got {x.dtype}")
+        x = x.astype(np.float32, copy=False)  # lossless from bf16/f16; the wire dtype is float32
+        state = states[path] if path in states else codec.init(x.shape)
+        chunk, new_states[path] = codec.encode(x, state)
+        chunks.append(chunk)
+        tensors.append({"path": list(path), "shape": list(x.shape), "dtype": "float32", "nbytes": len(chunk)})
+    return tensors, b"".join(chunks), new_states
+
+
+def unpack_fragment(
+    header: Mapping[str, Any], payload: bytes, codec: Codec | None,
+    expected: Mapping[Path, tuple[Iterable[int], Any]],
+) -> dict[Path, np.ndarray]:
+    """Decode and check a fragment's tensors against `expected` {path: (shape, dtype)}.
+
+    `codec=None` decodes with the codec the header names; a given codec must match the header's
+    spec (compared through codec_from_spec, since the wire names the codec by its spec).
+    """
+    named = codec_from_spec(header["codec"])
+    if codec is None:
+        codec = named
+    elif _decoder_name(codec.name) != _decoder_name(named.name):
+        raise MessageError("wrong_codec", f"header codec {header['codec']!r}, receiver decodes {codec.name!r}")
+    got = {tuple(t["path"]): t for t in header["tensors"]}
+    if set(got) != set(expected):
+        missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+        raise MessageError("wrong_shape", f"missing tensors {missing}, unexpected tensors {extra}")
+    out: dict[Path, np.ndarray] = {}
+    offset = 0
+    for t in header["tensors"]:
+        path, shape = tuple(t["path"]), tuple(t["shape"])
+        want_shape, want_dtype = expected[path]
+        if shape != tuple(want_shape):
+            raise MessageError("wrong_shape", f"{path}: header shape {shape}, expected {tuple(want_shape)}")
+        if t["dtype"] not in DTYPES or np.dtype(want_dtype) != np.dtype(t["dtype"]):
+            raise MessageError("wrong_dtype", f"{path}: header dtype {t['dtype']}, expected {np.dtype(want_dtype)}")
+        chunk = payload[offset:offset + t["nbytes"]]
+        offset += t["nbytes"]
+        try:
+            x = np.asarray(codec.decode(chunk, shape))
+        except CodecError as e:
+            # codecs.py refuses non-finite values itself, with this wording (its _require_finite).
+            reason = "non_finite" if "non-finite" in str(e) else "codec_error"
+            raise MessageError(reason, f"{path}: {e}") from None
+        if x.shape != shape or x.dtype != np.float32:
+            raise MessageError("codec_error", f"{path}: decoded {x.dtype}{list(x.shape)}, want float32{list(shape)}")
+        if not np.isfinite(x).all():
+            raise MessageError("non_finite", f"{path}: {int(x.size - np.isfinite(x).sum())} of {x.size} values")
+        out[path] = x
+    if offset != len(payload):
+        raise MessageError("codec_error", f"tensors cover {offset} bytes of a {len(payload)}-byte payload")
+    return out
+
+
+def _decoder_name(name: str) -> str:
+    """A codec's name without its error_feedback(...) wrapper, which changes encode but not decode."""
+    start = name.find("error_feedback(")
+    if start < 0:
+        return name
+    i, depth = start + len("error_feedback("), 1
+    inner = i
+    while depth:
+        depth += {"(": 1, ")": -1}.get(name[i], 0)
+        i += 1
+    return name[:start] + name[inner:i - 1] + name[i:]
+
+
+def payload_bound(spec: str, shapes: Iterable[Iterable[int]]) -> int:
+    """An upper bound on a fragment's payload at a codec's rate, for decode(max_payload=...).
+
+    Exact for fixed-rate codecs; a codec of unknown size counts as fp32, and zstd adds its
+    worst-case expansion (ZSTD_COMPRESSBOUND: n + n/256 + a little per frame).
+    """
+    kw = parse_spec(spec)
+    level = kw.pop("zstd_level", 0)
+    base = make_codec(kw.pop("name"), **kw)
+    total = 0
+    for shape in shapes:
+        shape = tuple(shape)
+        n = base.payload_bytes(shape)
+        n = 4 * math.prod(shape) + 64 if n is None else n
+        total += n + (n >> 8) + 256 if level else n
+    return total
+
+
+def check_admission(
+    header: Mapping[str, Any],
+    known_learners: Mapping[int, int],
+    last_seq: Mapping[tuple[int, int], int],
+    current_version: int,
+    max_staleness: int | None,
+    *,
+    num_fragments: int | None = None,
+) -> str | None:
+    """Why the syncer must not admit a validated contribution, or None to admit it.
+
+    `known_learners` maps learner -> live incarnation, `last_seq` (learner, incarnation) -> highest
+    seq admitted, `current_version` is the syncer's version of the header's fragment. A higher
+    incarnation than the live one is admitted: the learner restarted, and the caller records it as
+    live, which makes every older incarnation dead (ALGORITHM.md section 6).
+    """
+    if header["kind"] != "contribution":
+        return "wrong_kind"
+    m, inc = header["learner"], header["incarnation"]
+    if m not in known_learners:
+        return "unknown_learner"
+    if num_fragments is not None and not 0 <= header["fragment"] < num_fragments:
+        return "unknown_fragment"
+    if inc < known_learners[m]:
+        return "dead_incarnation"
+    if (m, inc) in last_seq and header["seq"] <= last_seq[(m, inc)]:
+        return "duplicate"
+    staleness = current_version - header["base_version"]
+    if staleness < 0:  # the learner claims a version the syncer never published
+        return "future_version"
+    if max_staleness is not None and staleness > max_staleness:
+        return "stale"
+    return None
