@@ -206,8 +206,13 @@ def data_errors(d: DataConfig) -> list[str]:
     _check(e, d.seq_len > 0, f"data.seq_len={d.seq_len} must be > 0")
     _check(e, d.batch_size > 0, f"data.batch_size={d.batch_size} must be > 0")
     _check(e, 0.0 < d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
+    _check(e, d.data_dir != "", "data.data_dir must not be empty (use '.' for the working directory)")
+    _check(e, d.text_field != "", "data.text_field must not be empty")
     if d.source == "synthetic":
         _check(e, d.synthetic_vocab >= 2, f"data.synthetic_vocab={d.synthetic_vocab} must be >= 2")
+        _check(e, d.synthetic_tokens > 0, f"data.synthetic_tokens={d.synthetic_tokens} must be > 0")
+        # numpy seeds its generators from non-negative integers only
+        _check(e, d.synthetic_seed >= 0, f"data.synthetic_seed={d.synthetic_seed} must be >= 0")
         _check(e, 1 <= d.synthetic_branching <= d.synthetic_vocab,
                f"data.synthetic_branching={d.synthetic_branching} must be in "
                f"[1, data.synthetic_vocab={d.synthetic_vocab}]")

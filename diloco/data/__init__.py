@@ -1,0 +1,21 @@
+"""Data layer: text or synthetic tokens, cached as zarr3 arrays, cut into stateless batches.
+
+Reference: docs/DESIGN.md ("Checkpoints": the data position is a pure function of learner and step).
+"""
+
+from diloco.data.batches import batch_at, eval_batches, shard_bounds
+from diloco.data.corpus import Corpus, load_corpus, unigram_loss
+from diloco.data.errors import DataError
+from diloco.data.tokenizer import Tokenizer, byte_tokenizer
+
+__all__ = [
+    "Corpus",
+    "DataError",
+    "Tokenizer",
+    "batch_at",
+    "byte_tokenizer",
+    "eval_batches",
+    "load_corpus",
+    "shard_bounds",
+    "unigram_loss",
+]

@@ -1,0 +1,62 @@
+"""Batches as pure functions of (seed, learner, step): resuming a run needs no saved data state.
+
+Reference: Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models"
+(arXiv 2311.08105), Algorithm 1: each of the k workers trains on its own data shard D_i.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from diloco.data.errors import DataError
+
+
+def shard_bounds(n_tokens: int, num_learners: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each learner's contiguous shard; the shards tile [0, n_tokens) without overlap."""
+    if num_learners < 1:
+        raise DataError(f"num_learners={num_learners} must be >= 1")
+    cuts = [m * n_tokens // num_learners for m in range(num_learners + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def batch_at(tokens: np.ndarray, *, seed: int, learner: int, num_learners: int, step: int,
+             batch_size: int, seq_len: int) -> np.ndarray:
+    """int32 [batch_size, seq_len + 1]: windows drawn uniformly from inside learner's shard.
+
+    The generator is keyed by (seed, learner, step) through numpy's SeedSequence, so a step's
+    batch is the same whenever it is asked for, and learners never share a stream.
+    """
+    if not 0 <= learner < num_learners:
+        raise DataError(f"learner={learner} is not in [0, num_learners={num_learners})")
+    if seed < 0 or step < 0 or batch_size < 1 or seq_len < 1:
+        raise DataError(f"need seed >= 0, step >= 0, batch_size >= 1, seq_len >= 1; got seed={seed}, "
+                        f"step={step}, batch_size={batch_size}, seq_len={seq_len}")
+    lo, hi = shard_bounds(len(tokens), num_learners)[learner]
+    width = seq_len + 1
+    if hi - lo < width:
+        raise DataError(f"shard {learner} of {num_learners} has {hi - lo} tokens "
+                        f"({len(tokens)} train tokens in all), fewer than seq_len+1={width}; "
+                        f"use fewer learners, a shorter seq_len or more data")
+    rng = np.random.default_rng([seed, learner, step])
+    starts = lo + rng.integers(0, hi - lo - width + 1, size=batch_size)
+    return np.asarray(tokens[starts[:, None] + np.arange(width)], dtype=np.int32)
+
+
+def eval_batches(tokens: np.ndarray, *, batch_size: int, seq_len: int, n: int) -> list[np.ndarray]:
+    """n batches of int32 [batch_size, seq_len + 1] at evenly spaced fixed starts.
+
+    When the tokens hold fewer than n * batch_size disjoint windows, n shrinks to the number of
+    whole batches that fit (at least one, whose windows then overlap), so a short validation
+    split is not counted many times over.
+    """
+    width = seq_len + 1
+    if len(tokens) < width:
+        raise DataError(f"validation split has {len(tokens)} tokens, fewer than "
+                        f"seq_len+1={width}; raise data.val_fraction or use more data")
+    if n <= 0:
+        return []
+    disjoint = len(tokens) // width
+    n = min(n, max(1, disjoint // batch_size))
+    starts = np.linspace(0, len(tokens) - width, n * batch_size).round().astype(np.int64)
+    windows = np.asarray(tokens[starts[:, None] + np.arange(width)], dtype=np.int32)
+    return list(windows.reshape(n, batch_size, width))

