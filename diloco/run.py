@@ -16,7 +16,7 @@ from diloco.train.mesh import make_mesh
 from diloco.train.trainer import train_dp
 
 # A resumed run may change how it is watched, never what it computes.
-_RESUMABLE_CHANGES = {("run", "resume"), ("run", "progress"), ("run", "plot"), ("run", "steps")}
+_RESUMABLE_CHANGES = {("run", "resume"), ("run", "progress"), ("run", "plot")}
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:

@@ -57,9 +57,13 @@ def evaluate(compiled: Compiled, params: dict, batches: list[np.ndarray]) -> flo
     return float(np.mean(jax.device_get(losses)))
 
 
-def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh,
-             run_dir: Path) -> tuple[TrainState, dict]:
-    """Train with data parallelism over `mesh`; returns the final state and a summary dict."""
+def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir: Path,
+             stop: Callable[[int], bool] = lambda step: False) -> tuple[TrainState, dict]:
+    """Train with data parallelism over `mesh`; returns the final state and a summary dict.
+
+    `stop(step)` is asked after every step; when it says yes (preemption, a signal, a test that
+    simulates a crash) the state is checkpointed and the run ends early, to be resumed later.
+    """
     run, data = cfg.run, cfg.data
     compiled = compile_steps(model, cfg, mesh)
     val = eval_batches(corpus.val, batch_size=data.batch_size, seq_len=data.seq_len, n=run.eval_batches)
@@ -72,7 +76,8 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh,
             found = checkpoint.restore_latest(manager, compiled.abstract_state)
             if found is not None:
                 start, state, _ = found
-        state, summary = _loop(cfg, corpus, compiled, state, start, tokens_per_step, val, manager, writer)
+        state, summary = _loop(cfg, corpus, compiled, state, start, tokens_per_step, val, manager, writer,
+                               stop)
         manager.wait_until_finished()
         return state, summary
     finally:
@@ -80,7 +85,7 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh,
         manager.close()
 
 
-def _loop(cfg, corpus, compiled, state, start, tokens_per_step, val, manager, writer):
+def _loop(cfg, corpus, compiled, state, start, tokens_per_step, val, manager, writer, stop):
     run, data = cfg.run, cfg.data
     bar = report.progress(run.steps, start, run.progress)
     t0 = t_log = time.perf_counter()
@@ -106,14 +111,17 @@ def _loop(cfg, corpus, compiled, state, start, tokens_per_step, val, manager, wr
             eval_loss = evaluate(compiled, state.params, val)
             writer.write({"kind": "eval", "step": step, "tokens": step * tokens_per_step,
                           "eval_loss": eval_loss})
-        if report.due(step, run.checkpoint_every, run.steps):
+        stopping = stop(step)
+        if stopping or report.due(step, run.checkpoint_every, run.steps):
             checkpoint.save(manager, step, state, {"tokens": step * tokens_per_step})
+        if stopping:
+            break
     bar.close()
     wall = time.perf_counter() - t0
-    done = run.steps - start
+    done = int(state.step) - start
     return state, {
-        "steps": run.steps,
-        "tokens": run.steps * tokens_per_step,
+        "steps": int(state.step),
+        "tokens": int(state.step) * tokens_per_step,
         "train_loss": last.get("loss", float("nan")),
         "eval_loss": eval_loss,
         "wall_s": wall,
