@@ -83,17 +83,79 @@ class MeshConfig:
 class RunConfig:
     """Length of the run and what happens periodically."""
 
-    steps: int = 600
+    steps: int = 300
     seed: int = 0
     log_every: int = 10
-    eval_every: int = 100
+    eval_every: int = 50
     eval_batches: int = 8
-    checkpoint_every: int = 200
+    checkpoint_every: int = 100
     keep_checkpoints: int = 2
     out_dir: str = "runs/default"
     resume: bool = False
     progress: bool = True
     plot: bool = True
+
+
+@dataclass(frozen=True)
+class FragmentsConfig:
+    """How parameters are split and when each fragment travels (Streaming DiLoCo)."""
+
+    count: int = 4  # P
+    H: int = 24  # each fragment is sent once per H inner steps
+    tau: int = 2  # overlap: the merged fragment is applied tau steps after sending
+    alpha: float = 0.0  # learner mix on apply: alpha * local + (1 - alpha) * global [unsure]
+    strategy: str = "balanced"  # balanced | layer_strided | layer_sequential | tensor
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """The syncer's outer optimizer, one state per fragment."""
+
+    name: str = "nesterov"  # nesterov | sgd | average | delayed_nesterov
+    lr: float = 0.7
+    momentum: float = 0.9
+    delay: int = 4  # N of delayed_nesterov
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Wire precision of contributions (up) and broadcasts (down)."""
+
+    up: str = "int4"  # fp32 | bf16 | int8 | int4 | fp4 | 2bit | topk
+    down: str = "int8"  # broadcast deltas; learners that missed a version get fp32
+    error_feedback: bool = False  # on the up direction
+    zstd_level: int = 1  # 0 disables the zstd stage
+    block: int = 64
+    topk_fraction: float = 0.01
+
+
+@dataclass(frozen=True)
+class SyncerConfig:
+    """Quorum, grace window and merge rules (ALGORITHM.md section 4)."""
+
+    quorum: int = 1  # K
+    gamma: float = 0.8  # Eq. 3 safety factor [unsure]
+    grace_cap_steps: float = 1.0
+    merge: str = "rda"  # rda | average | rda_fragment, for non-embedding fragments
+    embedding_merge: str = "average"
+    max_staleness: int = -1  # versions; -1 = no cut-off
+    history: int = 16  # versions of broadcast references kept for decoding contributions
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Who runs the learners and how time passes. sim: virtual clock, modelled link."""
+
+    kind: str = "sim"
+    learners: int = 4  # M
+    devices_per_learner: int = 2
+    step_time: float = 1.0  # modelled seconds per inner step at speed 1 (sim)
+    speeds: tuple[float, ...] = ()  # per learner step-time factor; () = all 1.0
+    jitter: float = 0.0  # relative std of each step time
+    bandwidth: float = 1e8  # bytes/s per learner link, each direction (sim)
+    latency: float = 0.01  # seconds per message (sim)
+    stall_limit_steps: float = 8.0  # a learner waits at most this many step times for a fragment
+    seed: int = 0  # jitter and other runtime randomness
 
 
 @dataclass(frozen=True)
@@ -103,6 +165,12 @@ class TrainConfig:
     inner: InnerConfig = field(default_factory=InnerConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    algo: str = "dp"  # dp: the data-parallel baseline | diloco: Decoupled DiLoCo
+    fragments: FragmentsConfig = field(default_factory=FragmentsConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    syncer: SyncerConfig = field(default_factory=SyncerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
 def from_dict(cls: type, raw: Any, path: str = "") -> Any:
@@ -248,9 +316,48 @@ def mesh_errors(mesh: MeshConfig, batch_size: int, n_visible: int) -> list[str]:
     return e
 
 
+def diloco_errors(cfg: TrainConfig) -> list[str]:
+    e: list[str] = []
+    f, o, c, s, r = cfg.fragments, cfg.outer, cfg.codec, cfg.syncer, cfg.runtime
+    _check(e, cfg.algo in ("dp", "diloco"), f"algo={cfg.algo!r} not in dp|diloco")
+    _check(e, 1 <= f.count <= f.H, f"fragments.count={f.count} must be in [1, fragments.H={f.H}]")
+    _check(e, 0 <= f.tau < f.H, f"fragments.tau={f.tau} must be in [0, fragments.H={f.H})")
+    _check(e, 0.0 <= f.alpha <= 1.0, f"fragments.alpha={f.alpha} must be in [0, 1]")
+    _check(e, f.strategy in ("balanced", "layer_strided", "layer_sequential", "tensor"),
+           f"fragments.strategy={f.strategy!r} not in balanced|layer_strided|layer_sequential|tensor")
+    _check(e, o.name in ("nesterov", "sgd", "average", "delayed_nesterov"),
+           f"outer.name={o.name!r} not in nesterov|sgd|average|delayed_nesterov")
+    _check(e, o.lr > 0 and 0 <= o.momentum < 1, f"outer.lr={o.lr} must be > 0 and outer.momentum={o.momentum} in [0, 1)")
+    codecs = ("fp32", "bf16", "int8", "int4", "fp4", "2bit", "topk")
+    _check(e, c.up in codecs, f"codec.up={c.up!r} not in {'|'.join(codecs)}")
+    _check(e, c.down in codecs, f"codec.down={c.down!r} not in {'|'.join(codecs)}")
+    _check(e, 0 <= c.zstd_level <= 22, f"codec.zstd_level={c.zstd_level} must be in [0, 22]")
+    _check(e, 1 <= s.quorum <= r.learners, f"syncer.quorum={s.quorum} must be in [1, runtime.learners={r.learners}]")
+    _check(e, 0 <= s.gamma <= 1, f"syncer.gamma={s.gamma} must be in [0, 1]")
+    for name in ("merge", "embedding_merge"):
+        _check(e, getattr(s, name) in ("rda", "average", "rda_fragment"),
+               f"syncer.{name}={getattr(s, name)!r} not in rda|average|rda_fragment")
+    _check(e, s.history >= 1, f"syncer.history={s.history} must be >= 1")
+    _check(e, r.kind in ("sim",), f"runtime.kind={r.kind!r} not in sim")
+    _check(e, r.learners >= 1, f"runtime.learners={r.learners} must be >= 1")
+    _check(e, r.devices_per_learner >= 1, f"runtime.devices_per_learner={r.devices_per_learner} must be >= 1")
+    _check(e, len(r.speeds) in (0, r.learners),
+           f"runtime.speeds has {len(r.speeds)} entries for runtime.learners={r.learners}")
+    _check(e, all(x > 0 for x in r.speeds), f"runtime.speeds={list(r.speeds)} must all be > 0")
+    _check(e, r.step_time > 0 and r.bandwidth > 0 and r.latency >= 0 and r.jitter >= 0,
+           f"runtime.step_time={r.step_time}, bandwidth={r.bandwidth} must be > 0; latency={r.latency}, "
+           f"jitter={r.jitter} >= 0")
+    if cfg.algo == "diloco":
+        _check(e, cfg.data.batch_size % r.devices_per_learner == 0,
+               f"data.batch_size={cfg.data.batch_size} is not divisible by "
+               f"runtime.devices_per_learner={r.devices_per_learner}")
+    return e
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check cross-field constraints that do not depend on the machine; return cfg unchanged."""
-    errors = model_errors(cfg.model) + data_errors(cfg.data) + inner_errors(cfg.inner, cfg.run.steps)
+    errors = (model_errors(cfg.model) + data_errors(cfg.data) + inner_errors(cfg.inner, cfg.run.steps)
+              + diloco_errors(cfg))
     r = cfg.run
     _check(errors, r.steps > 0, f"run.steps={r.steps} must be > 0")
     for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "keep_checkpoints"):

@@ -10,10 +10,10 @@ import yaml
 
 from diloco import report
 from diloco.config import ConfigError, TrainConfig, to_dict
-from diloco.data import load_corpus
-from diloco.model import build, count_params
+from diloco.data import Corpus, eval_batches, load_corpus
+from diloco.model import Model, build, count_params
 from diloco.train.mesh import make_mesh
-from diloco.train.trainer import train_dp
+from diloco.train.trainer import evaluate, train_dp
 
 # A resumed run may change how it is watched, never what it computes.
 _RESUMABLE_CHANGES = {("run", "resume"), ("run", "progress"), ("run", "plot")}
@@ -28,7 +28,8 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     if cfg.run.resume and path.exists():
         saved = yaml.safe_load(path.read_text())
         changed = [f"{g}.{k}: {saved.get(g, {}).get(k)!r} -> {v!r}"
-                   for g, section in resolved.items() for k, v in section.items()
+                   for g, section in resolved.items() if isinstance(section, dict)
+                   for k, v in section.items()
                    if saved.get(g, {}).get(k) != v and (g, k) not in _RESUMABLE_CHANGES]
         if changed:
             raise ConfigError(f"run.resume=true but the config in {path} differs:\n  " + "\n  ".join(changed))
@@ -36,20 +37,47 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     return run_dir
 
 
+def dp_bytes_per_step(n_params: int, learners: int) -> float:
+    """Bytes one participant sends per step in a bf16 ring all-reduce among `learners` peers."""
+    return 2 * (learners - 1) / learners * n_params * 2
+
+
+def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path) -> dict:
+    from diloco.runtime import setup as build_setup
+    from diloco.runtime import sim
+
+    setup = build_setup.build(cfg, corpus, model)
+    val = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
+                       n=cfg.run.eval_batches)
+    compiled = setup.compiled[0]
+
+    def evaluate_global(theta_by_path: dict) -> float:
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, _: theta_by_path[tuple(k.key for k in path)], model.params)
+        return evaluate(compiled, jax.device_put(params, compiled.state_sharding.params), val)
+
+    _, summary = sim.run(cfg, setup, run_dir, evaluate_global)
+    M, steps = cfg.runtime.learners, cfg.run.steps
+    dp = M * steps * dp_bytes_per_step(count_params(model.params), M)
+    summary["dp_bytes_same_steps"] = int(dp)
+    sent = summary["bytes_up"] + summary["bytes_down"]
+    summary["dp_bytes_over_diloco"] = dp / sent if sent else float("inf")
+    return summary
+
+
 def run(cfg: TrainConfig) -> dict:
     """Train as `cfg` says, write outputs into cfg.run.out_dir, print and return the summary."""
     run_dir = prepare_run_dir(cfg)
     corpus = load_corpus(cfg.data)
     model = build(cfg.model, corpus.vocab_size, cfg.run.seed)
-    mesh = make_mesh(cfg.mesh, cfg.data.batch_size)
-    _, summary = train_dp(cfg, corpus, model, mesh, run_dir)
-    summary = {
-        "corpus": corpus.name,
-        "params": count_params(model.params),
-        "devices": f"{mesh.devices.size} x {jax.devices()[0].platform}",
-        **summary,
-        "unigram_loss": corpus.unigram_loss,
-    }
+    head = {"corpus": corpus.name, "algo": cfg.algo, "params": count_params(model.params)}
+    if cfg.algo == "diloco":
+        summary = {**head, "learners": cfg.runtime.learners, **run_diloco(cfg, corpus, model, run_dir)}
+    else:
+        mesh = make_mesh(cfg.mesh, cfg.data.batch_size)
+        _, result = train_dp(cfg, corpus, model, mesh, run_dir)
+        summary = {**head, "devices": f"{mesh.devices.size} x {jax.devices()[0].platform}", **result}
+    summary["unigram_loss"] = corpus.unigram_loss
     if corpus.entropy_floor is not None:
         summary["entropy_floor"] = corpus.entropy_floor
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -1,0 +1,126 @@
+"""The learner state machine: per-fragment counters, the send schedule, applying merged fragments tau
+steps after sending, and the stall rule (ALGORITHM.md section 3).
+
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); fragments and overlap from
+Streaming DiLoCo (arXiv 2501.18512).
+
+The state is bookkeeping only (ints and tuples). Parameters live on the learner's devices and the
+fragment values in the runtime's learner unit; the events here say what to do with them: which
+fragment to encode and send after a step, and which received global fragment to apply before one.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from diloco.algo.fragments import Schedule, due
+
+
+class Send(NamedTuple):
+    """Action: encode fragment `fragment` against the held version `base_version` and send it."""
+
+    fragment: int
+    seq: int
+    base_version: int
+    c_steps: int
+    c_tokens: int
+    step: int  # local step after which it was sent
+
+
+class InFlight(NamedTuple):
+    fragment: int
+    seq: int
+    sent_at: int  # local step after which it left
+
+
+class Pending(NamedTuple):
+    """A merged global fragment that arrived and waits for its apply step."""
+
+    fragment: int
+    version: int
+    apply_at: int  # applied before the local step apply_at + 1, i.e. once step >= apply_at
+
+
+class LearnerState(NamedTuple):
+    learner: int
+    incarnation: int  # grows on every restart; the syncer drops messages of dead incarnations
+    step: int  # local inner steps taken by this incarnation's parameters
+    seq: int  # sequence number of the last message sent
+    c_steps: tuple[int, ...]  # per fragment: inner steps since fragment p was last applied
+    c_tokens: tuple[int, ...]  # per fragment: tokens over those steps
+    versions: tuple[int, ...]  # per fragment: the global version the learner holds (its anchor)
+    in_flight: tuple[InFlight, ...] = ()
+    pending: tuple[Pending, ...] = ()
+
+
+def init(learner: int, incarnation: int, versions: tuple[int, ...], step: int = 0) -> LearnerState:
+    """A learner holding global `versions`, with zero counters (a fresh start or a rejoin)."""
+    zeros = (0,) * len(versions)
+    return LearnerState(learner, incarnation, step, 0, zeros, zeros, tuple(versions))
+
+
+def after_step(st: LearnerState, schedule: Schedule, tokens: int) -> tuple[LearnerState, tuple[Send, ...]]:
+    """Count one inner step of `tokens` tokens; return the sends the schedule asks for now."""
+    step = st.step + 1
+    c_steps = tuple(c + 1 for c in st.c_steps)
+    c_tokens = tuple(c + tokens for c in st.c_tokens)
+    sends, in_flight, seq = [], list(st.in_flight), st.seq
+    for p in due(schedule, step):
+        seq += 1
+        sends.append(Send(p, seq, st.versions[p], c_steps[p], c_tokens[p], step))
+        in_flight.append(InFlight(p, seq, step))
+    st = st._replace(step=step, seq=seq, c_steps=c_steps, c_tokens=c_tokens, in_flight=tuple(in_flight))
+    return st, tuple(sends)
+
+
+def on_fragment(st: LearnerState, schedule: Schedule, fragment: int, version: int) -> LearnerState:
+    """A merged global fragment arrived: schedule its application.
+
+    If the learner has this fragment in flight, the merge answers that send and is applied tau
+    steps after it (the overlap of Streaming DiLoCo section 2.3); otherwise, e.g. a merge another
+    learner triggered, it is applied before the next step. Versions not newer than one already held
+    or pending are ignored.
+    """
+    newest = max([st.versions[fragment]] + [q.version for q in st.pending if q.fragment == fragment])
+    if version <= newest:
+        return st
+    sent = [f.sent_at for f in st.in_flight if f.fragment == fragment]
+    apply_at = max(st.step, min(sent) + schedule.tau) if sent else st.step
+    pending = tuple(q for q in st.pending if q.fragment != fragment) + (Pending(fragment, version, apply_at),)
+    return st._replace(pending=pending)
+
+
+def to_apply(st: LearnerState) -> tuple[LearnerState, tuple[Pending, ...]]:
+    """Pop the pending fragments due before the next step; their counters reset, their sends answered."""
+    ready = tuple(q for q in st.pending if q.apply_at <= st.step)
+    if not ready:
+        return st, ()
+    done = {q.fragment for q in ready}
+    c_steps = tuple(0 if p in done else c for p, c in enumerate(st.c_steps))
+    c_tokens = tuple(0 if p in done else c for p, c in enumerate(st.c_tokens))
+    versions = list(st.versions)
+    for q in ready:
+        versions[q.fragment] = q.version
+    st = st._replace(
+        c_steps=c_steps, c_tokens=c_tokens, versions=tuple(versions),
+        pending=tuple(q for q in st.pending if q.apply_at > st.step),
+        in_flight=tuple(f for f in st.in_flight if f.fragment not in done),
+    )
+    return st, ready
+
+
+def blocking(st: LearnerState, schedule: Schedule) -> InFlight | None:
+    """The send whose merged fragment is overdue (sent at least tau steps ago), if any.
+
+    The learner must not take another step until it arrives (tau-bounded staleness), or until
+    the runtime's stall limit makes it `give_up`.
+    """
+    overdue = [f for f in st.in_flight
+               if st.step >= f.sent_at + schedule.tau
+               and not any(q.fragment == f.fragment for q in st.pending)]
+    return min(overdue, key=lambda f: f.sent_at) if overdue else None
+
+
+def give_up(st: LearnerState, fragment: int) -> LearnerState:
+    """Stop waiting for `fragment` after the stall limit; it is applied whenever it arrives."""
+    return st._replace(in_flight=tuple(f for f in st.in_flight if f.fragment != fragment))

@@ -1,0 +1,320 @@
+"""The syncer state machine: admit contributions, merge a quorum per fragment round with token
+weights, step the outer optimizer and publish the new version (ALGORITHM.md section 4).
+
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), sections 3-5.
+
+The state is a value; every event returns a new state and a tuple of actions for the runtime:
+`SetDeadline` (arm a grace timer), `Publish` (frames to deliver, one per learner) and `Outcome`
+(what became of each contribution, for the token ledger). Every decision is also appended to the
+tape as a plain dict. No threads, clocks or files: `now` is passed in.
+
+Broadcasts carry a quantized delta against the version the learner holds, so the syncer keeps, per
+fragment, the values learners reconstruct ("refs") for the last `history` versions: a contribution
+is decoded against the ref of its base version, and a broadcast's rounding error is carried into
+the next delta instead of accumulating.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+from diloco.algo import merge as merging
+from diloco.algo import messages, quorum
+from diloco.algo.codecs import Codec
+from diloco.algo.fragments import Fragment, Path
+
+Values = dict[Path, np.ndarray]
+
+
+class Policy(NamedTuple):
+    """How the syncer merges: quorum and grace, merge rules, outer optimizer, broadcast codec."""
+
+    grace: quorum.GraceConfig
+    outer: optax.GradientTransformation
+    merge: str = "rda"  # non-embedding fragments
+    embedding_merge: str = "average"  # embedding fragments (section 4)
+    max_staleness: int | None = None
+    history: int = 16  # versions of refs kept; contributions based on older ones are stale
+    down_codec: Codec | None = None  # broadcast codec for deltas; None sends fp32 values
+    down_spec: str = "fp32"
+    t_sync: float = 0.0  # expected pull + merge + publish time in Eq. 3 (seconds)
+
+
+class Contribution(NamedTuple):
+    key: tuple[int, int, int]  # (learner, incarnation, seq)
+    base_version: int
+    c_steps: int
+    c_tokens: int
+    local: Values  # the learner's fragment, reconstructed: ref[base] - decoded delta
+    arrived: float
+
+
+class FragmentState(NamedTuple):
+    spec: Fragment
+    theta: Values  # FP32 master copy
+    outer_state: Any
+    version: int
+    refs: tuple[tuple[int, Values], ...]  # (version, values learners hold), oldest first
+    round: quorum.Round | None = None  # open round; None until a contribution arrives
+    contributions: tuple[Contribution, ...] = ()  # admitted into the open round
+
+
+class SyncerState(NamedTuple):
+    fragments: tuple[FragmentState, ...]
+    live: dict[int, int]  # learner -> live incarnation
+    last_seq: dict[tuple[int, int], int]
+    held: dict[int, tuple[int, ...]]  # learner -> version of each fragment it was last sent
+    step_times: quorum.StepTimes = quorum.StepTimes()
+    merges: int = 0
+    quarantined: dict[str, int] = {}
+    tape: tuple[dict, ...] = ()
+
+
+class SetDeadline(NamedTuple):
+    fragment: int
+    at: float
+
+
+class Publish(NamedTuple):
+    fragment: int
+    version: int
+    frames: dict[int, bytes]  # learner -> frame
+    full: tuple[int, ...]  # learners sent a full FP32 copy; the others got the quantized delta
+
+
+class Outcome(NamedTuple):
+    key: tuple[int, int, int] | None  # None when the frame could not even be attributed
+    outcome: str  # "merged" or a ledger drop reason ("stale", "excluded", "quarantined:<r>")
+
+
+def init(cfg: Policy, fragments: tuple[Fragment, ...], values: tuple[Values, ...],
+         learners: dict[int, int]) -> SyncerState:
+    """Theta_0 = `values` (the learners start from exactly these), version 0 everywhere."""
+    frags = []
+    for spec, v in zip(fragments, values):
+        theta = {p: np.asarray(x, np.float32) for p, x in v.items()}
+        frags.append(FragmentState(spec, theta, cfg.outer.init(theta), 0, ((0, theta),)))
+    held = {m: (0,) * len(fragments) for m in learners}
+    return SyncerState(tuple(frags), dict(learners), {}, held)
+
+
+def _ref(fs: FragmentState, version: int) -> Values | None:
+    return next((v for ver, v in fs.refs if ver == version), None)
+
+
+def _quarantine(st: SyncerState, reason: str, key, now: float, detail: str) -> tuple[SyncerState, tuple]:
+    counts = {**st.quarantined, reason: st.quarantined.get(reason, 0) + 1}
+    record = {"event": "quarantine", "at": now, "reason": reason, "key": key, "detail": detail[:200]}
+    outcome = "stale" if reason == "stale" else f"quarantined:{reason}"
+    return st._replace(quarantined=counts, tape=st.tape + (record,)), (Outcome(key, outcome),)
+
+
+def _with_fragment(st: SyncerState, p: int, fs: FragmentState) -> SyncerState:
+    return st._replace(fragments=st.fragments[:p] + (fs,) + st.fragments[p + 1:])
+
+
+def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> tuple[SyncerState, tuple]:
+    """Validate, decode and admit one contribution frame; merge if the round's decision says so."""
+    try:
+        msg = messages.decode(frame, max_payload=_max_payload(st))
+    except messages.MessageError as e:
+        return _quarantine(st, e.reason, None, now, e.detail)
+    h = msg.header
+    key = (h["learner"], h["incarnation"], h["seq"])
+    p = h["fragment"]
+    version = st.fragments[p].version if 0 <= p < len(st.fragments) else 0
+    reason = messages.check_admission(h, st.live, st.last_seq, version, cfg.max_staleness,
+                                      num_fragments=len(st.fragments))
+    if reason is not None:
+        return _quarantine(st, reason, key, now, f"fragment {p} base {h['base_version']} now {version}")
+    fs = st.fragments[p]
+    ref = _ref(fs, h["base_version"])
+    if ref is None:  # older than the kept history: cannot be decoded against what the learner held
+        return _quarantine(st, "stale", key, now, f"base version {h['base_version']} not in history")
+    expected = {path: (x.shape, np.float32) for path, x in fs.theta.items()}
+    try:
+        wire = messages.unpack_fragment(h, msg.payload, None, expected)
+    except messages.MessageError as e:
+        return _quarantine(st, e.reason, key, now, e.detail)
+    m, inc = h["learner"], h["incarnation"]
+    st = st._replace(last_seq={**st.last_seq, (m, inc): h["seq"]})
+    if inc > st.live[m]:  # a restarted learner: every older incarnation is dead from now on
+        st = st._replace(live={**st.live, m: inc})
+    local = {path: ref[path] - wire[path] for path in ref}
+    contribution = Contribution(key, h["base_version"], h["c_steps"], h["c_tokens"], local, now)
+    return _admit(cfg, st, p, contribution, now)
+
+
+def _admit(cfg: Policy, st: SyncerState, p: int, c: Contribution, now: float) -> tuple[SyncerState, tuple]:
+    fs = st.fragments[p]
+    rnd = fs.round or quorum.open_round(p, now, st.live)
+    step_time = quorum.slowest_step_time(st.step_times, st.live)
+    rnd, decision = quorum.on_arrival(rnd, cfg.grace, c.key[0], now, step_time, cfg.t_sync)
+    actions: tuple = ()
+    if decision.reason == quorum.REPEAT:  # the newer contribution of the same learner replaces the older
+        old = [x for x in fs.contributions if x.key[0] == c.key[0]]
+        kept = tuple(x for x in fs.contributions if x.key[0] != c.key[0]) + (c,)
+        actions += tuple(Outcome(x.key, "excluded") for x in old)
+        fs = fs._replace(round=rnd, contributions=kept)
+    elif decision.action == quorum.MERGE and c.key[0] in decision.late:
+        fs = fs._replace(round=rnd)  # the late one goes into the next round, after this merge
+    else:
+        fs = fs._replace(round=rnd, contributions=fs.contributions + (c,))
+    st = _with_fragment(st, p, fs)
+    st = st._replace(tape=st.tape + (_record("arrival", decision, c),))
+    if decision.action == quorum.QUORUM:
+        return st, actions + (SetDeadline(p, decision.deadline),)
+    if decision.action == quorum.MERGE:
+        st, merged = _merge(cfg, st, p, decision, now)
+        actions += merged
+        if c.key[0] in decision.late:
+            st, more = _admit(cfg, st, p, c, now)
+            actions += more
+    return st, actions
+
+
+def on_deadline(cfg: Policy, st: SyncerState, p: int, now: float) -> tuple[SyncerState, tuple]:
+    fs = st.fragments[p]
+    if fs.round is None:
+        return st, ()
+    rnd, decision = quorum.on_deadline(fs.round, cfg.grace, now)
+    st = _with_fragment(st, p, fs._replace(round=rnd))
+    if decision.action != quorum.MERGE:
+        return st, ()
+    return _merge(cfg, st, p, decision, now)
+
+
+def on_live_change(cfg: Policy, st: SyncerState, live: dict[int, int], now: float) -> tuple[SyncerState, tuple]:
+    """Learners died or joined (`live`: learner -> incarnation). A joiner is held at no version
+    (-1) so its next broadcast is a full copy. Open rounds are re-evaluated: a death may complete one."""
+    held = {m: st.held.get(m, (-1,) * len(st.fragments)) for m in live}
+    for m, inc in live.items():
+        if m in st.live and inc != st.live[m]:
+            held[m] = (-1,) * len(st.fragments)
+    st = st._replace(live=dict(live), held=held)
+    actions: tuple = ()
+    for p, fs in enumerate(st.fragments):
+        if fs.round is None:
+            continue
+        step_time = quorum.slowest_step_time(st.step_times, live)
+        rnd, decision = quorum.on_live_change(fs.round, cfg.grace, live, now, step_time, cfg.t_sync)
+        st = _with_fragment(st, p, fs._replace(round=rnd))
+        if decision.action == quorum.MERGE:
+            st, more = _merge(cfg, st, p, decision, now)
+            actions += more
+        elif decision.action == quorum.QUORUM:
+            actions += (SetDeadline(p, decision.deadline),)
+    return st, actions
+
+
+def observe_step_time(st: SyncerState, learner: int, seconds: float) -> SyncerState:
+    return st._replace(step_times=quorum.observe_step_time(st.step_times, learner, seconds))
+
+
+def _merge(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
+           now: float) -> tuple[SyncerState, tuple]:
+    fs = st.fragments[p]
+    inside = [c for c in fs.contributions if c.key[0] in decision.admitted]
+    weights = [merging.token_weight(c.c_tokens, c.c_steps) for c in inside]
+    fs = fs._replace(round=None, contributions=())
+    if not inside or sum(weights) <= 0:  # nothing with weight: no step, nothing published
+        st = _with_fragment(st, p, fs)
+        return st, tuple(Outcome(c.key, "excluded") for c in inside)
+    method = cfg.embedding_merge if fs.spec.embedding else cfg.merge
+    deltas = [merging.pseudo_gradient(fs.theta, c.local) for c in inside]
+    delta = merging.merge(deltas, weights, method)
+    theta, outer_state = _outer_step(cfg.outer, fs.theta, fs.outer_state, delta)
+    theta = {path: np.asarray(x) for path, x in theta.items()}
+    version = fs.version + 1
+    st, publish = _publish(cfg, st, fs._replace(theta=theta, outer_state=outer_state, version=version), p)
+    record = {
+        **_record("merge", decision, None), "version": version, "method": method,
+        "learners": [c.key[0] for c in inside], "weights": weights,
+        "staleness": [fs.version - c.base_version for c in inside],
+        "delta_norm": merging.global_norm(delta),
+    }
+    st = st._replace(merges=st.merges + 1, tape=st.tape + (record,))
+    return st, (publish,) + tuple(Outcome(c.key, "merged") for c in inside)
+
+
+@partial(jax.jit, static_argnums=0)
+def _outer_step(opt, theta, opt_state, delta):
+    updates, opt_state = opt.update(delta, opt_state, theta)
+    return optax.apply_updates(theta, updates), opt_state
+
+
+def _publish(cfg: Policy, st: SyncerState, fs: FragmentState, p: int) -> tuple[SyncerState, Publish]:
+    """New ref = old ref + decode(encode(Theta - old ref)); learners holding the previous version
+    get that delta, others (joiners, learners that missed a version) a full FP32 copy."""
+    prev_version, prev = fs.refs[-1]
+    full_codec = messages.codec_from_spec("fp32")
+    if cfg.down_codec is None:
+        ref, delta_frame = fs.theta, None
+    else:
+        diff = {path: fs.theta[path] - prev[path] for path in prev}
+        tensors, payload, _ = messages.pack_fragment(diff, cfg.down_codec)
+        decoded = messages.unpack_fragment({"codec": cfg.down_spec, "tensors": tensors}, payload,
+                                           cfg.down_codec, {k: (v.shape, np.float32) for k, v in prev.items()})
+        ref = {path: prev[path] + decoded[path] for path in prev}
+        delta_frame = _frame(p, fs.version, prev_version, cfg.down_spec, tensors, payload)
+    tensors, payload, _ = messages.pack_fragment(ref, full_codec)
+    full_frame = _frame(p, fs.version, None, "fp32", tensors, payload)
+    frames, full = {}, []
+    held = dict(st.held)
+    for m in sorted(st.live):
+        versions = held.get(m, (-1,) * len(st.fragments))
+        if delta_frame is not None and versions[p] == prev_version:
+            frames[m] = delta_frame
+        else:
+            frames[m] = full_frame
+            full.append(m)
+        held[m] = versions[:p] + (fs.version,) + versions[p + 1:]
+    refs = (fs.refs + ((fs.version, ref),))[-cfg.history:]
+    st = _with_fragment(st, p, fs._replace(refs=refs))
+    return st._replace(held=held), Publish(p, fs.version, frames, tuple(full))
+
+
+def _frame(p: int, version: int, delta_against: int | None, spec: str, tensors, payload: bytes) -> bytes:
+    header = {"kind": "fragment", "learner": 0, "incarnation": 0, "seq": version, "fragment": p,
+              "base_version": delta_against if delta_against is not None else version,
+              "version": version, "c_steps": 0, "c_tokens": 0, "codec": spec,
+              "delta_against": delta_against, "tensors": tensors}
+    return messages.encode(header, payload)
+
+
+def full_frames(st: SyncerState) -> dict[int, bytes]:
+    """Every fragment's current ref as a full FP32 frame: what a joining learner starts from."""
+    out = {}
+    codec = messages.codec_from_spec("fp32")
+    for p, fs in enumerate(st.fragments):
+        version, ref = fs.refs[-1]
+        tensors, payload, _ = messages.pack_fragment(ref, codec)
+        out[p] = _frame(p, version, None, "fp32", tensors, payload)
+    return out
+
+
+def _max_payload(st: SyncerState) -> int:
+    # No codec sends more than fp32 plus zstd's worst-case growth; a larger payload is hostile.
+    biggest = max(sum(x.size for x in fs.theta.values()) for fs in st.fragments)
+    return 4 * biggest + biggest // 64 + 4096
+
+
+def _record(event: str, d: quorum.Decision, c: Contribution | None) -> dict:
+    r = {"event": event, "at": d.at, "fragment": d.fragment, "action": d.action, "reason": d.reason,
+         "admitted": list(d.admitted), "missing": list(d.missing), "late": list(d.late),
+         "quorum": d.quorum, "t_quorum": d.t_quorum, "grace": d.grace}
+    if c is not None:
+        r.update(key=list(c.key), base_version=c.base_version, c_steps=c.c_steps, c_tokens=c.c_tokens)
+    return r
+
+
+def theta(st: SyncerState) -> dict[Path, np.ndarray]:
+    """The global model, all fragments, keyed by path."""
+    return {path: x for fs in st.fragments for path, x in fs.theta.items()}
+
+

@@ -1,0 +1,90 @@
+"""Config -> the objects every runtime needs: fragments, schedule, codecs, syncer policy, learner units.
+
+Kept apart from the runtimes so that sim, threads and procs build exactly the same algorithm.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from diloco.algo import quorum
+from diloco.algo import syncer as sync
+from diloco.algo.codecs import make_codec
+from diloco.algo.fragments import Fragment, extract, make_fragments, make_schedule
+from diloco.algo.messages import codec_spec
+from diloco.algo.outer import make_outer
+from diloco.config import ConfigError, MeshConfig, TrainConfig
+from diloco.data import Corpus
+from diloco.model import Model, is_embedding
+from diloco.runtime.unit import LearnerUnit, UnitSpec
+from diloco.train.mesh import make_mesh
+from diloco.train.trainer import Compiled, compile_steps
+
+
+class Setup(NamedTuple):
+    fragments: tuple[Fragment, ...]
+    policy: sync.Policy
+    spec: UnitSpec
+    compiled: tuple[Compiled, ...]  # one per learner sub-mesh
+    theta0: tuple[dict, ...]  # per fragment, host FP32: the global model every learner starts from
+
+
+def outer_optimizer(cfg: TrainConfig):
+    o = cfg.outer
+    if o.name == "average":
+        return make_outer("average")
+    if o.name == "delayed_nesterov":
+        return make_outer("delayed_nesterov", lr=o.lr, momentum=o.momentum, N=o.delay)
+    if o.name == "sgd":
+        return make_outer("sgd", lr=o.lr, momentum=o.momentum)
+    return make_outer("nesterov", lr=o.lr, momentum=o.momentum)
+
+
+def policy(cfg: TrainConfig) -> sync.Policy:
+    s, c = cfg.syncer, cfg.codec
+    grace = quorum.GraceConfig(K=s.quorum, gamma=s.gamma, cap_steps=s.grace_cap_steps, tau=cfg.fragments.tau)
+    down = None if c.down == "fp32" else make_codec(c.down, block=c.block, topk_fraction=c.topk_fraction)
+    down_spec = codec_spec(c.down, block=c.block, topk_fraction=c.topk_fraction)
+    return sync.Policy(grace, outer_optimizer(cfg), s.merge, s.embedding_merge,
+                       None if s.max_staleness < 0 else s.max_staleness, s.history, down, down_spec)
+
+
+def learner_meshes(cfg: TrainConfig) -> list:
+    """M disjoint sub-meshes of devices_per_learner devices each, data-parallel inside."""
+    r = cfg.runtime
+    devices = jax.devices()
+    need = r.learners * r.devices_per_learner
+    if need > len(devices):
+        raise ConfigError(f"runtime.learners={r.learners} x runtime.devices_per_learner="
+                          f"{r.devices_per_learner} = {need} devices, but only {len(devices)} are visible "
+                          f"(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={need})")
+    mesh_cfg = MeshConfig(data=r.devices_per_learner, fsdp=1, devices=r.devices_per_learner)
+    return [make_mesh(mesh_cfg, cfg.data.batch_size, devices[m * r.devices_per_learner:(m + 1) * r.devices_per_learner])
+            for m in range(r.learners)]
+
+
+def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
+    f, c = cfg.fragments, cfg.codec
+    # One fragment holds everything: there is nothing to separate embeddings from.
+    flag = is_embedding if f.count > 1 else None
+    fragments = make_fragments(model.params, f.count, f.strategy, flag)
+    schedule = make_schedule(f.count, f.H, f.tau, f.alpha)
+    up = make_codec(c.up, error_feedback=c.error_feedback, zstd_level=c.zstd_level, block=c.block,
+                    topk_fraction=c.topk_fraction)
+    up_spec = codec_spec(c.up, c.error_feedback, c.zstd_level, block=c.block, topk_fraction=c.topk_fraction)
+    spec = UnitSpec(corpus.train, cfg.run.seed, cfg.runtime.learners, cfg.data.batch_size, cfg.data.seq_len,
+                    fragments, schedule, up, up_spec)
+    compiled = tuple(compile_steps(model, cfg, mesh) for mesh in learner_meshes(cfg))
+    host = jax.device_get(model.params)
+    theta0 = tuple({p: np.asarray(v, np.float32) for p, v in extract(host, frag).items()} for frag in fragments)
+    return Setup(fragments, policy(cfg), spec, compiled, theta0)
+
+
+def new_unit(setup: Setup, learner: int, incarnation: int, syncer_state: sync.SyncerState,
+             step: int = 0) -> LearnerUnit:
+    """A learner starting from the syncer's current references: never from its own random init."""
+    anchors = {p: (fs.refs[-1][0], fs.refs[-1][1]) for p, fs in enumerate(syncer_state.fragments)}
+    return LearnerUnit(setup.spec, learner, incarnation, setup.compiled[learner], anchors, step)

@@ -1,0 +1,163 @@
+"""A learner unit: one learner's devices, jitted inner step and train state, driven by the pure
+learner state machine (diloco.algo.learner). Every runtime runs its learners through this class.
+
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), ALGORITHM.md section 3.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from diloco.algo import learner as lsm
+from diloco.algo import messages
+from diloco.algo.codecs import Codec
+from diloco.algo.fragments import Fragment, Path, Schedule
+from diloco.data import batch_at
+from diloco.train.trainer import Compiled
+
+
+class StepResult(NamedTuple):
+    tokens: int
+    loss: float | None  # None unless fetched (fetching syncs the device)
+    sends: tuple[lsm.Send, ...]
+    frames: tuple[bytes, ...]
+
+
+class UnitSpec(NamedTuple):
+    """What every learner shares: how to cut batches, fragments, schedule and the up codec."""
+
+    train_tokens: np.ndarray
+    seed: int
+    num_learners: int
+    batch_size: int
+    seq_len: int
+    fragments: tuple[Fragment, ...]
+    schedule: Schedule
+    up_codec: Codec
+    up_spec: str
+
+
+class LearnerUnit:
+    """Owns device state and host anchors; not thread-safe (one driver per unit)."""
+
+    def __init__(self, spec: UnitSpec, learner: int, incarnation: int, compiled: Compiled,
+                 anchors: dict[int, tuple[int, dict[Path, np.ndarray]]], step: int = 0):
+        self.spec, self.learner, self.compiled = spec, learner, compiled
+        # anchors[p] = (version, values) applied; latest[p] = newest received (decoding base)
+        self.anchors = dict(anchors)
+        self.latest = dict(anchors)
+        versions = tuple(anchors[p][0] for p in range(len(spec.fragments)))
+        self.ls = lsm.init(learner, incarnation, versions, step)
+        params = _assemble(spec.fragments, {p: v for p, (_, v) in anchors.items()})
+        self.state = compiled.init(jax.device_put(params, compiled.state_sharding.params))
+        self.state = self.state.replace(
+            step=jax.device_put(np.int32(step), compiled.state_sharding.step))
+        self.codec_states: dict[Path, object] = {}
+        self.dropped_frames = 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.spec.batch_size * self.spec.seq_len
+
+    def blocking(self) -> lsm.InFlight | None:
+        return lsm.blocking(self.ls, self.spec.schedule)
+
+    def give_up(self, fragment: int) -> None:
+        self.ls = lsm.give_up(self.ls, fragment)
+
+    def apply_due(self) -> tuple[lsm.Pending, ...]:
+        """Apply every received fragment whose apply step has come (before the next inner step)."""
+        self.ls, ready = lsm.to_apply(self.ls)
+        if not ready:
+            return ()
+        alpha = self.spec.schedule.alpha
+        params = self.state.params
+        for q in ready:
+            version, values = self.latest[q.fragment]
+            self.anchors[q.fragment] = (version, values)
+            for path, glob in values.items():
+                old = _get(params, path)
+                new = glob if alpha == 0.0 else alpha * np.asarray(jax.device_get(old)) + (1 - alpha) * glob
+                params = _set(params, path, jax.device_put(np.asarray(new, np.float32), old.sharding))
+        self.state = self.state.replace(params=params)
+        return ready
+
+    def step(self, fetch_loss: bool = False) -> StepResult:
+        """One inner step on this learner's shard, then the sends the schedule asks for."""
+        s = self.spec
+        batch = batch_at(s.train_tokens, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
+                         step=self.ls.step, batch_size=s.batch_size, seq_len=s.seq_len)
+        self.state, metrics = self.compiled.train_step(
+            self.state, jax.device_put(batch, self.compiled.batch_sharding))
+        self.ls, sends = lsm.after_step(self.ls, s.schedule, self.tokens_per_step)
+        frames = tuple(self._encode(send) for send in sends)
+        loss = float(metrics["loss"]) if fetch_loss else None
+        return StepResult(self.tokens_per_step, loss, sends, frames)
+
+    def _encode(self, send: lsm.Send) -> bytes:
+        """Quantize anchor - local (a pseudo-gradient against a version the syncer holds)."""
+        frag = self.spec.fragments[send.fragment]
+        _, anchor = self.anchors[send.fragment]
+        local = jax.device_get({path: _get(self.state.params, path) for path in frag.paths})
+        diff = {path: anchor[path] - np.asarray(local[path], np.float32) for path in frag.paths}
+        states = {p: self.codec_states[p] for p in frag.paths if p in self.codec_states}
+        tensors, payload, new_states = messages.pack_fragment(diff, self.spec.up_codec, states)
+        self.codec_states.update(new_states)
+        header = {"kind": "contribution", "learner": self.learner, "incarnation": self.ls.incarnation,
+                  "seq": send.seq, "fragment": send.fragment, "base_version": send.base_version,
+                  "version": send.base_version, "c_steps": send.c_steps, "c_tokens": send.c_tokens,
+                  "codec": self.spec.up_spec, "delta_against": None, "tensors": tensors}
+        return messages.encode(header, payload)
+
+    def receive(self, frame: bytes) -> tuple[int, int] | None:
+        """A broadcast arrived: decode it against the newest version held; (fragment, version) or None."""
+        try:
+            msg = messages.decode(frame)
+            h = msg.header
+            p = h["fragment"]
+            frag = self.spec.fragments[p]
+            base_version, base = self.latest[p]
+            expected = {path: (base[path].shape, np.float32) for path in frag.paths}
+            values = messages.unpack_fragment(h, msg.payload, None, expected)
+        except (messages.MessageError, IndexError, KeyError):
+            self.dropped_frames += 1
+            return None
+        if h["version"] <= base_version:
+            return None
+        if h["delta_against"] is not None:
+            if h["delta_against"] != base_version:  # cannot decode: wait for a full copy
+                self.dropped_frames += 1
+                return None
+            values = {path: base[path] + values[path] for path in values}
+        self.latest[p] = (h["version"], values)
+        self.ls = lsm.on_fragment(self.ls, self.spec.schedule, p, h["version"])
+        return p, h["version"]
+
+    def params_host(self) -> dict:
+        return jax.device_get(self.state.params)
+
+
+def _get(tree: dict, path: Path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree: dict, path: Path, value) -> dict:
+    if len(path) == 1:
+        return {**tree, path[0]: value}
+    return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
+
+
+def _assemble(fragments: tuple[Fragment, ...], values: dict[int, dict[Path, np.ndarray]]) -> dict:
+    params: dict = {}
+    for frag in fragments:
+        for path in frag.paths:
+            node = params
+            for k in path[:-1]:
+                node = node.setdefault(k, {})
+            node[path[-1]] = np.asarray(values[frag.index][path], np.float32)
+    return params
