@@ -12,6 +12,8 @@ from diloco import report
 from diloco.config import ConfigError, TrainConfig, to_dict
 from diloco.data import Corpus, eval_batches, load_corpus
 from diloco.model import Model, build, count_params
+from diloco.runtime import setup as build_setup
+from diloco.runtime import sim
 from diloco.train.mesh import make_mesh
 from diloco.train.trainer import evaluate, train_dp
 
@@ -43,9 +45,6 @@ def dp_bytes_per_step(n_params: int, learners: int) -> float:
 
 
 def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path) -> dict:
-    from diloco.runtime import setup as build_setup
-    from diloco.runtime import sim
-
     setup = build_setup.build(cfg, corpus, model)
     val = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
                        n=cfg.run.eval_batches)

@@ -48,7 +48,7 @@ def test_wrong_types_are_named(section, key, value, expected):
     ({"data": {"seq_len": 512}}, "data.seq_len=512 exceeds model.max_seq_len=256"),
     ({"data": {"source": "wiki"}}, "data.source='wiki'"),
     ({"data": {"source": "files"}}, "data.source=files needs data.paths"),
-    ({"inner": {"warmup_steps": 900}}, "inner.warmup_steps=900 must be in [0, run.steps=600]"),
+    ({"inner": {"warmup_steps": 900}}, "inner.warmup_steps=900 must be in [0, run.steps=300]"),
     ({"run": {"steps": 0}}, "run.steps=0 must be > 0"),
 ])
 def test_cross_field_errors_name_the_values(overrides, expected):
@@ -84,7 +84,7 @@ def _group_options(group: str) -> list[str]:
 
 
 def _all_compositions():
-    groups = ["model", "data", "inner", "mesh"]
+    groups = ["model", "data", "inner", "mesh", "fragments", "outer", "codec", "syncer", "runtime"]
     for group in groups:
         for option in _group_options(group):
             yield f"{group}={option}"
