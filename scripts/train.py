@@ -18,11 +18,13 @@ from diloco.run import run
 
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def main(raw: DictConfig) -> None:
+    # Orbax logs every checkpoint step at INFO through absl; keep the console for the run itself.
+    logging.getLogger("absl").setLevel(logging.WARNING)
     # The one place a DictConfig is seen: converted once to frozen, validated dataclasses.
     try:
         cfg = load(OmegaConf.to_container(raw, resolve=True))
     except ConfigError as err:
-        logging.getLogger("diloco").error("%s", err)
+        print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     run(cfg)
 

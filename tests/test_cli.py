@@ -1,0 +1,47 @@
+"""The Hydra entry point end to end: outputs of a run, and config errors that name the values."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_RUN = ["model=tiny", "data=synthetic", "data.seq_len=32", "data.batch_size=8", "run.steps=6",
+            "run.log_every=2", "run.eval_every=3", "run.eval_batches=1", "run.checkpoint_every=3",
+            "inner.warmup_steps=2", "run.progress=false"]
+
+
+def train(tmp_path, *overrides):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *overrides,
+                           f"data.data_dir={tmp_path / 'data'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_run_writes_config_metrics_checkpoints_summary_and_plot(tmp_path):
+    out = tmp_path / "run"
+    proc = train(tmp_path, *TINY_RUN, f"run.out_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["model"]["name"] == "tiny" and saved["run"]["steps"] == 6
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [2, 4, 6]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [3, 6]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["eval_loss"] < summary["unigram_loss"] + 1.0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["3", "6"]
+    assert (out / "loss.png").stat().st_size > 10_000
+    assert "eval_loss" in proc.stdout  # the summary table
+
+
+def test_unknown_key_and_bad_value_fail_before_training(tmp_path):
+    proc = train(tmp_path, *TINY_RUN, "+model.d_modle=64", f"run.out_dir={tmp_path / 'x'}")
+    assert proc.returncode == 2
+    assert "model.d_modle" in proc.stderr
+    proc = train(tmp_path, *TINY_RUN, "data.seq_len=1000", f"run.out_dir={tmp_path / 'y'}")
+    assert proc.returncode == 2
+    assert "data.seq_len=1000 exceeds model.max_seq_len=128" in proc.stderr
+    assert not (tmp_path / "y").exists() or not (tmp_path / "y" / "metrics.jsonl").exists()
