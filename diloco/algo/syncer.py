@@ -299,9 +299,10 @@ def full_frames(st: SyncerState) -> dict[int, bytes]:
 
 
 def _max_payload(st: SyncerState) -> int:
-    # No codec sends more than fp32 plus zstd's worst-case growth; a larger payload is hostile.
-    biggest = max(sum(x.size for x in fs.theta.values()) for fs in st.fragments)
-    return 4 * biggest + biggest // 64 + 4096
+    # Per tensor of n values no codec sends more than top-k at fraction 1 (a uint32 index and a
+    # float32 value each: 8n, twice fp32), and zstd adds at most n/32 of that plus 64 bytes and a
+    # 22-byte frame header and checksum (ZSTD_COMPRESSBOUND); a larger payload is hostile.
+    return max(sum(8 * x.size + x.size // 32 + 96 for x in fs.theta.values()) for fs in st.fragments)
 
 
 def _record(event: str, d: quorum.Decision, c: Contribution | None) -> dict:

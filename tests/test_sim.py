@@ -1,0 +1,357 @@
+"""The sim runtime end to end on the tiny model: degenerate cases equal plain training and plain
+averaging, merge rules per fragment kind, ledgers, determinism, heterogeneous speeds, bytes."""
+
+import json
+import math
+import struct
+from dataclasses import replace
+from unittest import mock
+
+import jax
+import numpy as np
+import pytest
+
+from diloco.algo import ledger, messages
+from diloco.algo import syncer as sync
+from diloco.algo.outer import make_outer
+from diloco.config import (CodecConfig, DataConfig, FragmentsConfig, InnerConfig, ModelConfig, OuterConfig,
+                           RunConfig, RuntimeConfig, SyncerConfig, TrainConfig, validate)
+from diloco.data import batch_at, load_corpus
+from diloco.model import build as build_model
+from diloco.model import count_params
+from diloco.run import dp_bytes_per_step, run_diloco
+from diloco.runtime import setup as setup_mod
+from diloco.runtime.sim import Sim
+from diloco.train.trainer import compile_steps
+
+TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
+SGD = InnerConfig(optimizer="sgd", lr=0.1, schedule="constant", warmup_steps=0, clip_norm=0.0, weight_decay=0.0)
+
+
+def make_cfg(tmp, steps=6, **groups) -> TrainConfig:
+    """M = 2 learners of 1 device, P = 1, H = 2, tau = 0, K = M, outer average, fp32 both ways;
+    `groups` override fields per config group, e.g. runtime=dict(speeds=(1.0, 2.0))."""
+    data = DataConfig(source="synthetic", seq_len=16, batch_size=8, data_dir=str(tmp / "data"),
+                      synthetic_vocab=16, synthetic_tokens=40_000, synthetic_branching=2)
+    base = {
+        "fragments": FragmentsConfig(count=1, H=2, tau=0),
+        "outer": OuterConfig(name="average", lr=1.0, momentum=0.0),
+        "codec": CodecConfig(up="fp32", down="fp32", zstd_level=0),
+        "syncer": SyncerConfig(quorum=2, merge="average"),
+        "runtime": RuntimeConfig(learners=2, devices_per_learner=1),
+    }
+    for group, over in groups.items():
+        base[group] = replace(base[group], **over)
+    run = RunConfig(steps=steps, log_every=0, eval_every=0, eval_batches=1, out_dir=str(tmp / "run"),
+                    progress=False, plot=False)
+    return validate(TrainConfig(model=TINY, data=data, inner=SGD, run=run, algo="diloco", **base))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return load_corpus(make_cfg(tmp_path_factory.mktemp("c")).data)
+
+
+@pytest.fixture(scope="module")
+def model(corpus):
+    return build_model(TINY, corpus.vocab_size, seed=0)
+
+
+@pytest.fixture(scope="module")
+def build(corpus, model):
+    """setup.build with each learner's jitted steps compiled once per (inner config, device) for the
+    whole module: compiling is most of the cost of these tests. The inner schedule is constant, so
+    run.steps does not change what is compiled."""
+    cache = {}
+
+    def cached_compile(model_, cfg, mesh):
+        assert model_ is model and cfg.inner.schedule == "constant"
+        key = (cfg.inner, cfg.data.batch_size, tuple(d.id for d in mesh.devices.flat))
+        if key not in cache:
+            cache[key] = compile_steps(model_, cfg, mesh)
+        return cache[key]
+
+    def build_setup(cfg):
+        with mock.patch.object(setup_mod, "compile_steps", cached_compile):
+            return setup_mod.build(cfg, corpus, model)
+
+    build_setup.patched = lambda: mock.patch.object(setup_mod, "compile_steps", cached_compile)
+    return build_setup
+
+
+def run_sim(cfg, setup, before_merge=None):
+    """Run to the end; `before_merge(sim)` is called before each contribution that merges (K = M)."""
+    sim = Sim(cfg, setup, None, None)
+    if before_merge is not None:
+        plain = sim._on_contribution
+
+        def spy(frame):
+            merges = sim.syncer.merges
+            snapshot = before_merge(sim)
+            plain(frame)
+            if sim.syncer.merges > merges:
+                snapshot()
+        sim._on_contribution = spy
+    summary = sim.run()
+    assert summary["token_ledger_imbalance"] == 0
+    assert sim.tokens.in_flight == {}  # every contribution was merged or dropped
+    return sim, summary
+
+
+def merge_records(st: sync.SyncerState) -> list[dict]:
+    return [r for r in st.tape if r["event"] == "merge"]
+
+
+def host(unit):
+    params = unit.params_host()
+    return {path: np.asarray(v) for path, v in _leaves(params)}
+
+
+def _leaves(tree, prefix=()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _leaves(v, prefix + (k,))
+        else:
+            yield prefix + (k,), v
+
+
+def test_one_learner_H1_is_plain_training(tmp_path, build, corpus, model):
+    """M = 1, H = 1, tau = 0, P = 1, inner SGD, outer average, fp32: DiLoCo is ordinary training."""
+    cfg = make_cfg(tmp_path, steps=5, runtime=dict(learners=1), fragments=dict(H=1), syncer=dict(quorum=1))
+    setup = build(cfg)
+    sim, summary = run_sim(cfg, setup)
+    assert summary["merges"] == 5 and summary["stalls"] == 5  # tau = 0: waits after every send
+    compiled = setup.compiled[0]
+    state = compiled.init(jax.device_put(model.params, compiled.state_sharding.params))
+    for step in range(5):  # what train_dp feeds its one trainer
+        batch = batch_at(corpus.train, seed=cfg.run.seed, learner=0, num_learners=1, step=step,
+                         batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len)
+        state, _ = compiled.train_step(state, jax.device_put(batch, compiled.batch_sharding))
+    plain = dict(_leaves(jax.device_get(state.params)))
+    theta = sync.theta(sim.syncer)
+    assert set(theta) == set(plain)
+    for path in plain:
+        np.testing.assert_allclose(theta[path], plain[path], rtol=1e-6, atol=1e-6, err_msg=str(path))
+    moved = max(float(np.abs(theta[p] - setup.theta0[0][p]).max()) for p in theta)
+    assert moved > 1e-3  # it did train
+    unit_params = host(sim.units[0])
+    assert all(unit_params[p].tobytes() == theta[p].tobytes() for p in theta)  # alpha = 0: overwritten
+
+
+def test_sign_through_a_learner_unit(tmp_path, build):
+    """A real inner step moves the learner from Theta by -d; outer SGD lr 0.5 then puts Theta half way
+    towards the learner, so the merged delta was +d."""
+    cfg = make_cfg(tmp_path, runtime=dict(learners=1), fragments=dict(H=1), syncer=dict(quorum=1))
+    setup = build(cfg)
+    pol = setup.policy._replace(outer=make_outer("sgd", lr=0.5, momentum=0.0))
+    st = sync.init(pol, setup.fragments, setup.theta0, {0: 0})
+    unit = setup_mod.new_unit(setup, 0, 0, st)
+    (frame,) = unit.step().frames
+    local = host(unit)
+    st, actions = sync.on_contribution(pol, st, frame, now=1.0)
+    assert sum(isinstance(a, sync.Publish) for a in actions) == 1
+    theta0, theta1 = setup.theta0[0], sync.theta(st)
+    d = {p: theta0[p] - local[p] for p in theta0}
+    norm = math.sqrt(sum(float(np.sum(np.square(v.astype(np.float64)))) for v in d.values()))
+    assert norm > 1e-3
+    assert merge_records(st)[0]["delta_norm"] == pytest.approx(norm, rel=1e-5)
+    for p in theta0:
+        np.testing.assert_allclose(theta1[p], theta0[p] - 0.5 * d[p], rtol=1e-6, atol=1e-7)
+
+
+def test_average_outer_gives_the_mean_of_the_learners_params(tmp_path, build):
+    """K = M = 2, P = 1, tau = 0, outer average, fp32: at every merge Theta becomes the mean of the two
+    learners' params (both stalled right after sending), and each learner then holds Theta exactly."""
+    cfg = make_cfg(tmp_path, steps=6)
+    checked = []
+
+    def before_merge(sim):
+        params = [host(u) for u in sim.units]
+
+        def after():
+            theta = sync.theta(sim.syncer)
+            for p in theta:
+                np.testing.assert_allclose(theta[p], (params[0][p] + params[1][p]) / 2, rtol=1e-6, atol=1e-7)
+            assert any(not np.array_equal(params[0][p], params[1][p]) for p in theta)  # different shards
+            checked.append(sim.syncer.merges)
+        return after
+
+    sim, summary = run_sim(cfg, build(cfg), before_merge)
+    assert checked == [1, 2, 3]  # steps / H merges, each over both learners
+    assert [r["learners"] for r in merge_records(sim.syncer)] == [[0, 1]] * 3
+    theta = sync.theta(sim.syncer)
+    for u in sim.units:
+        assert all(host(u)[p].tobytes() == theta[p].tobytes() for p in theta)
+    assert summary["tokens_merged_share"] == 1.0  # tau = 0: no token is overwritten, every one merged
+
+
+def test_merge_rule_per_fragment_kind_and_the_token_ledger(tmp_path, build, monkeypatch):
+    """Embedding fragments average, the others RDA; every sent contribution has exactly one outcome, and
+    the tokens sent are the tokens merged plus the tokens dropped (other than overwritten)."""
+    cfg = make_cfg(tmp_path, steps=8, fragments=dict(count=2, tau=1), syncer=dict(quorum=1, merge="rda"),
+                   codec=dict(up="int8", down="int8", zstd_level=1),
+                   runtime=dict(speeds=(1.0, 1.5), jitter=0.1))
+    setup = build(cfg)
+    assert [f.embedding for f in setup.fragments] == [False, True]
+    sent, outcomes = [], []
+    plain_send = ledger.send
+
+    def send(led, learner, incarnation, fragment, seq):
+        led = plain_send(led, learner, incarnation, fragment, seq)
+        sent.append(led.in_flight[(learner, incarnation, seq)][1])
+        return led
+    monkeypatch.setattr(ledger, "send", send)
+    plain_resolve = ledger.resolve
+    monkeypatch.setattr(ledger, "resolve", lambda led, key, outcome: (outcomes.append((key, outcome)),
+                                                                      plain_resolve(led, key, outcome))[1])
+    sim, summary = run_sim(cfg, setup)
+    records = merge_records(sim.syncer)
+    assert {r["method"] for r in records if r["fragment"] == 1} == {"average"}
+    assert {r["method"] for r in records if r["fragment"] == 0} == {"rda"}
+    tok = sim.tokens
+    assert len(sent) == len(outcomes) == len({k for k, _ in outcomes}) == 2 * 8 // 1  # one send per step
+    assert sum(o == "merged" for _, o in outcomes) == sum(len(r["learners"]) for r in records)
+    dropped = {r: sum(row) for r, row in tok.dropped.items()}
+    overwritten = dropped.pop("overwritten", 0)
+    assert sum(tok.merged) + sum(dropped.values()) == sum(sent) > 0
+    assert sum(tok.processed) == sum(sent) + overwritten + sum(ledger.outstanding(tok))
+    assert sum(tok.processed) == 2 * 8 * 2 * cfg.data.batch_size * cfg.data.seq_len  # M steps P tokens
+    assert summary["tokens_processed"] == 2 * 8 * cfg.data.batch_size * cfg.data.seq_len
+
+
+def test_same_seed_is_bit_identical_and_another_seed_changes_the_tape(tmp_path, build):
+    cfg = make_cfg(tmp_path, steps=6, fragments=dict(count=2, tau=1), syncer=dict(quorum=1),
+                   runtime=dict(jitter=0.3, seed=5))
+    setup = build(cfg)
+    a, sa = run_sim(cfg, setup)
+    b, sb = run_sim(cfg, setup)
+    assert a.syncer.tape == b.syncer.tape and len(a.syncer.tape) > 0
+    ta, tb = sync.theta(a.syncer), sync.theta(b.syncer)
+    assert all(ta[p].tobytes() == tb[p].tobytes() for p in ta)
+    assert sa == sb
+    other = replace(cfg, runtime=replace(cfg.runtime, seed=6))
+    c, _ = run_sim(other, build(other))
+    assert c.syncer.tape != a.syncer.tape
+
+
+def stall_seconds(sim, m):
+    return ledger.seconds(sim.time)[m]["stall"]
+
+
+def test_heterogeneous_speeds_K1_without_grace_never_stalls(tmp_path, build):
+    """Learner 1 takes twice as long per step. K = 1 with no grace window: nobody waits for anybody."""
+    cfg = make_cfg(tmp_path, steps=8, fragments=dict(count=2, tau=1), syncer=dict(quorum=1, gamma=0.0),
+                   runtime=dict(speeds=(1.0, 2.0)))
+    sim, summary = run_sim(cfg, build(cfg))
+    assert summary["stalls"] == 0 and stall_seconds(sim, 0) == stall_seconds(sim, 1) == 0.0
+    assert summary["goodput"] == 1.0
+    assert {len(r["learners"]) for r in merge_records(sim.syncer)} == {1}
+    assert summary["virtual_time_s"] == pytest.approx(16.0, abs=0.1)  # the slow learner's 8 steps
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Eq. 3 is evaluated with the SLOWEST learner's step time (quorum.slowest_step_time), so at "
+    "K = 1 the grace window (here 0.8 * tau * 2 s = 1.6 s) outlasts the fast learner's overlap "
+    "(tau * 1 s = 1 s) and it stalls; ALGORITHM.md says K = 1 never stalls anyone."))
+def test_heterogeneous_speeds_K1_with_default_grace_never_stalls_the_fast_learner(tmp_path, build):
+    cfg = make_cfg(tmp_path, steps=8, fragments=dict(count=2, tau=1), syncer=dict(quorum=1),
+                   runtime=dict(speeds=(1.0, 2.0)))
+    sim, _ = run_sim(cfg, build(cfg))
+    assert stall_seconds(sim, 0) == 0.0
+
+
+def test_heterogeneous_speeds_K_equals_M_stalls_the_fast_learner(tmp_path, build):
+    cfg = make_cfg(tmp_path, steps=8, fragments=dict(count=2, tau=1), syncer=dict(quorum=2),
+                   runtime=dict(speeds=(1.0, 2.0)))
+    sim, summary = run_sim(cfg, build(cfg))
+    assert stall_seconds(sim, 0) > 5.0 and stall_seconds(sim, 1) == 0.0
+    assert summary["stalls"] > 0 and summary["goodput"] < 0.9
+    assert {len(r["learners"]) for r in merge_records(sim.syncer)} == {2}
+
+
+def test_bytes_are_the_serialized_frames_and_int4_payloads_are_analytic(tmp_path, build):
+    """int4 without zstd: per tensor n / 2 bytes of codes plus a 4-byte scale per 64-value block."""
+    cfg = make_cfg(tmp_path, steps=4, fragments=dict(count=2, tau=1), syncer=dict(quorum=1),
+                   codec=dict(up="int4", down="int8", zstd_level=0))
+    setup = build(cfg)
+    up, down = [], []
+    sim = Sim(cfg, setup, None, None)
+    plain_contribution, plain_act = sim._on_contribution, sim._act
+
+    def on_contribution(frame):
+        up.append(frame)
+        plain_contribution(frame)
+
+    def act(actions):
+        down.extend(f for a in actions if isinstance(a, sync.Publish) for f in a.frames.values())
+        plain_act(actions)
+    sim._on_contribution, sim._act = on_contribution, act
+    summary = sim.run()
+    assert len(up) == 2 * 4  # P = H: one send per learner per step
+    assert summary["bytes_up"] == sum(map(len, up))
+    assert summary["bytes_down"] == sum(map(len, down)) and len(down) == 2 * sim.syncer.merges
+    sizes = {p: int(np.prod(v.shape)) for frag in setup.theta0 for p, v in frag.items()}
+    for frame in up:
+        h = messages.decode(frame).header
+        (hlen,) = struct.unpack_from("<I", frame, 4)
+        n = [sizes[tuple(t["path"])] for t in h["tensors"]]
+        assert [t["nbytes"] for t in h["tensors"]] == [math.ceil(k / 2) + 4 * math.ceil(k / 64) for k in n]
+        assert len(frame) == 8 + hlen + h["payload_len"]
+        assert hlen == len(json.dumps(h, separators=(",", ":")).encode())
+        assert h["codec"] == "int4"
+
+
+def test_run_diloco_reports_bytes_against_data_parallel(tmp_path, build, corpus, model):
+    cfg = make_cfg(tmp_path, steps=4)
+    with build.patched():
+        summary = run_diloco(cfg, corpus, model, tmp_path)
+    dp = 2 * 4 * dp_bytes_per_step(count_params(model.params), 2)
+    assert dp_bytes_per_step(10, 2) == 20.0  # bf16 ring all-reduce: 2 (M-1)/M x 2 bytes per value
+    assert summary["dp_bytes_same_steps"] == int(dp)
+    assert summary["dp_bytes_over_diloco"] == pytest.approx(dp / (summary["bytes_up"] + summary["bytes_down"]))
+    assert summary["merges"] == 2 and summary["token_ledger_imbalance"] == 0
+    evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in evals if r["kind"] == "eval"]
+    assert evals[-1]["eval_loss"] == summary["eval_loss"] and evals[-1]["merges"] == 2
+
+
+def test_unit_applies_broadcast_deltas_and_drops_what_it_cannot_decode(tmp_path, build):
+    """int8 broadcasts: the unit rebuilds the syncer's reference bit for bit and overwrites its params
+    with it (alpha = 0) or mixes (alpha = 0.5); repeats are ignored, undecodable frames dropped."""
+    from diloco.algo.fragments import make_schedule
+    from diloco.runtime.unit import LearnerUnit
+    cfg = make_cfg(tmp_path, runtime=dict(learners=1), fragments=dict(H=1), syncer=dict(quorum=1),
+                   codec=dict(down="int8"))
+    setup = build(cfg)
+    st = sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0})
+    for incarnation, alpha in enumerate((0.0, 0.5)):  # the second unit is a restart of learner 0
+        spec = setup.spec._replace(schedule=make_schedule(1, 1, tau=0, alpha=alpha))
+        anchors = {0: st.fragments[0].refs[-1]}
+        unit = LearnerUnit(spec, 0, incarnation, setup.compiled[0], anchors, step=st.fragments[0].version)
+        (frame,) = unit.step().frames
+        local = host(unit)
+        st, actions = sync.on_contribution(setup.policy, st, frame, now=float(unit.ls.step))
+        (pub,) = [a for a in actions if isinstance(a, sync.Publish)]
+        assert pub.full == ()  # a delta against the version the unit holds
+        version, ref = st.fragments[0].refs[-1]
+        assert unit.receive(pub.frames[0]) == (0, version)
+        assert unit.receive(pub.frames[0]) is None and unit.dropped_frames == 0  # a repeat: ignored
+        corrupt = bytearray(pub.frames[0])
+        corrupt[-1] ^= 1
+        assert unit.receive(bytes(corrupt)) is None and unit.dropped_frames == 1
+        h = messages.decode(pub.frames[0]).header
+        h.pop("payload_len"), h.pop("checksum")
+        future = messages.encode(dict(h, version=version + 2, delta_against=version + 1),
+                                 messages.decode(pub.frames[0]).payload)
+        assert unit.receive(future) is None and unit.dropped_frames == 2  # not against what it holds
+        assert unit.blocking() is None
+        (applied,) = unit.apply_due()
+        assert (applied.fragment, applied.version) == (0, version)
+        assert unit.anchors[0][0] == unit.ls.versions[0] == version
+        params = host(unit)
+        for p in ref:
+            assert unit.anchors[0][1][p].tobytes() == ref[p].tobytes()
+            if alpha == 0.0:
+                assert params[p].tobytes() == ref[p].tobytes()
+            else:
+                np.testing.assert_allclose(params[p], 0.5 * local[p] + 0.5 * ref[p], rtol=1e-6, atol=1e-7)

@@ -1,0 +1,416 @@
+"""The syncer state machine driven by hand-built frames: sign, exact averaging, token weights, RDA vs
+averaging, quorum and grace, quarantine, and broadcasts as quantized deltas against references."""
+
+import math
+
+import numpy as np
+import pytest
+
+from diloco.algo import messages, quorum
+from diloco.algo import syncer as sync
+from diloco.algo.codecs import make_codec
+from diloco.algo.fragments import Fragment
+from diloco.algo.outer import make_outer
+
+FP32 = make_codec("fp32")
+W, B, E = ("layer", "w"), ("layer", "b"), ("embed",)
+FRAGS = (Fragment(0, (B, W), 8, False), Fragment(1, (E,), 4, True))
+THETA0 = (
+    {W: np.linspace(-1.0, 1.0, 6, dtype=np.float32).reshape(2, 3), B: np.array([0.5, -0.25], np.float32)},
+    {E: np.array([1.0, 2.0, 3.0, 4.0], np.float32)},
+)
+
+
+def policy(K=1, gamma=0.0, tau=0, cap=1.0, outer=None, merge="average", **kw):
+    grace = quorum.GraceConfig(K=K, gamma=gamma, cap_steps=cap, tau=tau)
+    return sync.Policy(grace, outer or make_outer("average"), merge, "average", **kw)
+
+
+def start(pol, M=2, frags=FRAGS, theta0=THETA0):
+    return sync.init(pol, frags, theta0, {m: 0 for m in range(M)})
+
+
+def frame(local, ref, *, learner=0, inc=0, seq=1, fragment=0, base_version=0, c_steps=1, c_tokens=8,
+          codec=FP32, spec="fp32"):
+    """A contribution as a learner unit writes it: the fragment's anchor - local, encoded."""
+    diff = {p: np.asarray(ref[p], np.float32) - np.asarray(local[p], np.float32) for p in local}
+    tensors, payload, _ = messages.pack_fragment(diff, codec)
+    return raw_frame(tensors, payload, learner=learner, inc=inc, seq=seq, fragment=fragment,
+                     base_version=base_version, c_steps=c_steps, c_tokens=c_tokens, spec=spec)
+
+
+def raw_frame(tensors, payload, *, learner=0, inc=0, seq=1, fragment=0, base_version=0, c_steps=1,
+              c_tokens=8, spec="fp32"):
+    header = {"kind": "contribution", "learner": learner, "incarnation": inc, "seq": seq,
+              "fragment": fragment, "base_version": base_version, "version": base_version,
+              "c_steps": c_steps, "c_tokens": c_tokens, "codec": spec, "delta_against": None,
+              "tensors": tensors}
+    return messages.encode(header, payload)
+
+
+def shifted(values, by):
+    """values + by * (1, 2, 3, ...): a distinct, exactly known move per tensor entry."""
+    return {p: np.asarray(v, np.float32) + np.float32(by) * np.arange(1, v.size + 1, dtype=np.float32).reshape(v.shape)
+            for p, v in values.items()}
+
+
+def publishes(actions):
+    return [a for a in actions if isinstance(a, sync.Publish)]
+
+
+def merges(st):
+    return [r for r in st.tape if r["event"] == "merge"]
+
+
+def test_sign_learner_moved_by_minus_d_gives_merged_delta_plus_d():
+    """delta = Theta - local: a learner at Theta - d contributes +d, and outer SGD moves Theta along -d."""
+    d = {W: np.full((2, 3), 0.25, np.float32), B: np.array([0.5, -1.0], np.float32)}
+    local = {p: THETA0[0][p] - d[p] for p in d}
+    pol = policy(outer=make_outer("sgd", lr=0.5, momentum=0.0))
+    st, actions = sync.on_contribution(pol, start(pol), frame(local, THETA0[0]), now=1.0)
+    (rec,) = merges(st)
+    assert rec["delta_norm"] == pytest.approx(math.sqrt(6 * 0.25**2 + 0.5**2 + 1.0), rel=1e-6)
+    for p in d:  # Theta - lr * (+d): half-way towards the learner
+        np.testing.assert_allclose(st.fragments[0].theta[p], THETA0[0][p] - 0.5 * d[p], rtol=1e-6, atol=1e-7)
+    assert [a.outcome for a in actions if isinstance(a, sync.Outcome)] == ["merged"]
+
+
+def test_average_outer_gives_the_plain_mean_of_learners_every_round():
+    """outer = average (SGD lr 1, no momentum), K = M, equal token weights, fp32 both ways:
+    Theta after each round is the plain mean of the learners' params, within float32 rounding."""
+    M = 3
+    pol = policy(K=M, merge="rda")  # fragment 1 is an embedding fragment: averaged whatever `merge` says
+    st = start(pol, M=M)
+    rng = np.random.default_rng(0)
+    for rnd in range(3):
+        ref = st.fragments[1].refs[-1][1]
+        assert ref is st.fragments[1].theta  # fp32 down: the reference is Theta itself
+        locals_ = [{E: ref[E] + rng.normal(0, 0.1, 4).astype(np.float32)} for _ in range(M)]
+        for m in range(M):
+            before = st.fragments[1].theta[E].copy()
+            st, actions = sync.on_contribution(pol, st, frame(locals_[m], ref, learner=m, seq=rnd + 1,
+                                                               fragment=1, base_version=rnd), now=rnd + m / 10)
+            if m < M - 1:  # below quorum: nothing moves
+                assert publishes(actions) == []
+                np.testing.assert_array_equal(st.fragments[1].theta[E], before)
+        (pub,) = publishes(actions)
+        assert pub.version == rnd + 1 and sorted(pub.frames) == list(range(M)) and pub.full == (0, 1, 2)
+        want = np.mean(np.stack([x[E] for x in locals_]).astype(np.float64), axis=0)
+        np.testing.assert_allclose(st.fragments[1].theta[E], want, rtol=1e-6, atol=1e-7)
+        msg = messages.decode(pub.frames[0])  # every learner is sent exactly Theta
+        np.testing.assert_array_equal(np.frombuffer(msg.payload, "<f4"), st.fragments[1].theta[E])
+    assert [r["method"] for r in merges(st)] == ["average"] * 3
+    assert [r["learners"] for r in merges(st)] == [[0, 1, 2]] * 3
+    np.testing.assert_array_equal(st.fragments[0].theta[W], THETA0[0][W])  # the other fragment untouched
+
+
+def test_token_weights_are_tokens_squared_over_steps():
+    """w = c_tokens^2 / c_steps: learner 0 (2 tokens in 1 step, w 4), learner 1 (4 in 2, w 8)."""
+    pol = policy(K=2)
+    st = start(pol)
+    l0, l1 = shifted(THETA0[1], 1.0), shifted(THETA0[1], -2.0)
+    st, _ = sync.on_contribution(pol, st, frame(l0, THETA0[1], learner=0, fragment=1, c_steps=1, c_tokens=2), 0.0)
+    st, _ = sync.on_contribution(pol, st, frame(l1, THETA0[1], learner=1, fragment=1, c_steps=2, c_tokens=4), 0.0)
+    (rec,) = merges(st)
+    assert rec["weights"] == [4.0, 8.0]
+    np.testing.assert_allclose(st.fragments[1].theta[E], (4 * l0[E] + 8 * l1[E]) / 12, rtol=1e-6)
+
+
+def test_rda_for_ordinary_fragments_average_for_embeddings():
+    """Two learners with orthogonal deltas of norm r: RDA keeps norm r, averaging gives r / sqrt(2)."""
+    r = 0.5
+    pol = policy(K=2, merge="rda")
+    st = start(pol)
+    for f, p in ((0, B), (1, E)):
+        n = THETA0[f][p].size
+        for m in range(2):
+            d = {q: np.zeros_like(v) for q, v in THETA0[f].items()}
+            d[p] = np.eye(n, dtype=np.float32)[m] * r
+            local = {q: THETA0[f][q] - d[q] for q in d}
+            st, _ = sync.on_contribution(pol, st, frame(local, THETA0[f], learner=m, seq=f + 1, fragment=f),
+                                         now=1.0)
+    rda, avg = merges(st)
+    assert (rda["fragment"], rda["method"]) == (0, "rda")
+    assert (avg["fragment"], avg["method"]) == (1, "average")
+    assert rda["delta_norm"] == pytest.approx(r, rel=1e-6)
+    assert avg["delta_norm"] == pytest.approx(r / math.sqrt(2), rel=1e-6)
+    np.testing.assert_allclose(st.fragments[0].theta[B] - THETA0[0][B], -r / math.sqrt(2), rtol=1e-6)
+    np.testing.assert_allclose(st.fragments[1].theta[E] - THETA0[1][E], [-r / 2, -r / 2, 0, 0], atol=1e-7)
+    np.testing.assert_array_equal(st.fragments[0].theta[W], THETA0[0][W])  # zero delta: unit(0) = 0
+
+
+# --- quorum and grace --------------------------------------------------------------------------
+
+
+def test_K1_without_grace_merges_at_the_first_arrival():
+    pol = policy(K=1, gamma=0.0, tau=2)
+    st = sync.observe_step_time(sync.observe_step_time(start(pol), 0, 1.0), 1, 1.0)
+    st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 1), THETA0[0], learner=1), 5.0)
+    assert len(publishes(actions)) == 1 and not any(isinstance(a, sync.SetDeadline) for a in actions)
+    (rec,) = merges(st)
+    assert rec["learners"] == [1] and rec["reason"] == quorum.NO_GRACE and rec["grace"] == 0.0
+    st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 2), st.fragments[0].theta, learner=0,
+                                                      base_version=1), 5.5)
+    assert [r["learners"] for r in merges(st)] == [[1], [0]] and st.fragments[0].version == 2
+
+
+def test_K_equals_M_waits_for_every_learner():
+    pol = policy(K=3, gamma=0.0)
+    st = start(pol, M=3)
+    locals_ = [shifted(THETA0[0], m + 1) for m in range(3)]
+    for m in range(3):
+        st, actions = sync.on_contribution(pol, st, frame(locals_[m], THETA0[0], learner=m), float(m))
+        last = st.tape[-1] if m < 2 else [r for r in st.tape if r["event"] == "arrival"][-1]
+        assert last["admitted"] == list(range(m + 1))
+        if m < 2:
+            assert publishes(actions) == [] and last["reason"] == quorum.BELOW_QUORUM
+            assert st.fragments[0].version == 0
+    (rec,) = merges(st)
+    assert rec["learners"] == [0, 1, 2] and rec["reason"] == quorum.ALL_LIVE_IN and rec["at"] == 2.0
+    for p in (W, B):
+        np.testing.assert_allclose(st.fragments[0].theta[p], np.mean([x[p] for x in locals_], 0), rtol=1e-6)
+
+
+def grace_setup(M):
+    """K = 1, tau = 2, gamma 0.8, cap 1 step, step time 1 s: grace = min(0.8 * 2, 1) = 1 s."""
+    pol = policy(K=1, gamma=0.8, tau=2, cap=1.0)
+    st = start(pol, M=M)
+    for m in range(M):
+        st = sync.observe_step_time(st, m, 1.0)
+    return pol, st, [shifted(THETA0[0], m + 1) for m in range(M)]
+
+
+def test_grace_window_admits_arrivals_until_the_deadline_then_the_next_round():
+    pol, st, loc = grace_setup(3)
+    st, actions = sync.on_contribution(pol, st, frame(loc[0], THETA0[0], learner=0), 10.0)
+    assert actions == (sync.SetDeadline(0, 11.0),)
+    st, actions = sync.on_contribution(pol, st, frame(loc[1], THETA0[0], learner=1), 11.0)  # at the deadline: in
+    assert actions == ()
+    st, actions = sync.on_deadline(pol, st, 0, 10.5)  # a timer firing early changes nothing
+    assert actions == () and st.fragments[0].version == 0
+    st, actions = sync.on_deadline(pol, st, 0, 11.0)
+    (rec,) = merges(st)
+    assert rec["learners"] == [0, 1] and rec["reason"] == quorum.DEADLINE_PASSED
+    assert rec["grace"] == pytest.approx(1.0) and rec["missing"] == [2]
+    for p in (W, B):
+        np.testing.assert_allclose(st.fragments[0].theta[p], (loc[0][p] + loc[1][p]) / 2, rtol=1e-6)
+    theta1 = st.fragments[0].theta
+    st, actions = sync.on_contribution(pol, st, frame(loc[2], THETA0[0], learner=2), 11.5)  # next round
+    assert actions == (sync.SetDeadline(0, 12.5),)
+    assert st.fragments[0].theta is theta1
+    assert sync.on_deadline(pol, st, 0, 11.0)[1] == ()  # the first round's timer again: stale
+    st, _ = sync.on_deadline(pol, st, 0, 12.5)
+    assert [r["learners"] for r in merges(st)] == [[0, 1], [2]]
+    assert merges(st)[1]["staleness"] == [1]  # based on version 0, merged into version 1
+
+
+def test_arrival_after_the_deadline_fires_the_merge_and_opens_the_next_round():
+    """Without the timer (a wall-clock runtime may deliver it late), a late arrival merges the round
+    it missed and waits in the next one."""
+    pol, st, loc = grace_setup(2)
+    st, _ = sync.on_contribution(pol, st, frame(loc[0], THETA0[0], learner=0), 10.0)
+    st, actions = sync.on_contribution(pol, st, frame(loc[1], THETA0[0], learner=1), 11.25)
+    (pub,) = publishes(actions)
+    assert pub.version == 1
+    assert [a for a in actions if isinstance(a, sync.SetDeadline)] == [sync.SetDeadline(0, 12.25)]
+    assert [a for a in actions if isinstance(a, sync.Outcome)] == [sync.Outcome((0, 0, 1), "merged")]
+    rec = merges(st)[0]
+    assert rec["learners"] == [0] and rec["late"] == [1]
+    for p in (W, B):
+        np.testing.assert_allclose(st.fragments[0].theta[p], loc[0][p], rtol=1e-6)
+    st, actions = sync.on_deadline(pol, st, 0, 12.25)
+    assert [r["learners"] for r in merges(st)] == [[0], [1]]
+    assert [a for a in actions if isinstance(a, sync.Outcome)] == [sync.Outcome((1, 0, 1), "merged")]
+
+
+def test_a_newer_contribution_of_the_same_learner_replaces_the_older_in_the_round():
+    pol = policy(K=2)
+    st = start(pol)
+    st, _ = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 5), THETA0[0], learner=0, seq=1), 0.0)
+    new = shifted(THETA0[0], 1)
+    st, actions = sync.on_contribution(pol, st, frame(new, THETA0[0], learner=0, seq=2), 0.5)
+    assert actions == (sync.Outcome((0, 0, 1), "excluded"),)
+    other = shifted(THETA0[0], -1)
+    st, actions = sync.on_contribution(pol, st, frame(other, THETA0[0], learner=1), 1.0)
+    assert [a.key for a in actions if isinstance(a, sync.Outcome)] == [(0, 0, 2), (1, 0, 1)]
+    for p in (W, B):
+        np.testing.assert_allclose(st.fragments[0].theta[p], (new[p] + other[p]) / 2, rtol=1e-6)
+
+
+def test_max_staleness_drops_old_bases():
+    pol = policy(K=1, max_staleness=0)
+    st = start(pol)
+    st, _ = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 1), THETA0[0], learner=0), 0.0)
+    theta = st.fragments[0].theta
+    st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 2), THETA0[0], learner=1), 1.0)
+    assert actions == (sync.Outcome((1, 0, 1), "stale"),)
+    assert st.fragments[0].theta is theta and st.quarantined == {"stale": 1}
+
+
+# --- quarantine ---------------------------------------------------------------------------------
+
+
+def _payload_with(value):
+    """An fp32 payload for fragment 0 whose first value is `value` (encode refuses non-finite)."""
+    tensors, payload, _ = messages.pack_fragment({B: np.zeros(2, np.float32), W: np.zeros((2, 3), np.float32)}, FP32)
+    return tensors, np.float32(value).tobytes() + payload[4:]
+
+
+def _bad_frame(case):
+    """(frame, key of the frame or None, reason)."""
+    local = shifted(THETA0[0], 0.5)
+    key = (1, 0, 1)
+    if case in ("nan", "inf"):
+        tensors, payload = _payload_with(np.nan if case == "nan" else -np.inf)
+        return raw_frame(tensors, payload, learner=1), key, "non_finite"
+    if case == "wrong_shape":
+        bad = {**local, W: np.zeros((3, 2), np.float32)}
+        return frame(bad, {**THETA0[0], W: np.zeros((3, 2), np.float32)}, learner=1), key, "wrong_shape"
+    if case == "wrong_dtype":
+        tensors, payload, _ = messages.pack_fragment(local, FP32)
+        tensors[0]["dtype"] = "bfloat16"
+        return raw_frame(tensors, payload, learner=1), key, "wrong_dtype"
+    if case == "checksum":
+        good = bytearray(frame(local, THETA0[0], learner=1))
+        good[-3] ^= 0x40  # one payload bit
+        return bytes(good), None, "checksum"
+    if case == "truncated_zstd":
+        codec = make_codec("fp32", zstd_level=1)
+        tensors, payload, _ = messages.pack_fragment(local, codec)
+        tensors[-1]["nbytes"] -= 5  # header consistent with the cut payload: only zstd can tell
+        return raw_frame(tensors, payload[:-5], learner=1, spec="fp32+zstd1"), key, "codec_error"
+    if case == "duplicate":
+        return frame(local, THETA0[0], learner=0, seq=1), (0, 0, 1), "duplicate"
+    if case == "dead_incarnation":
+        return frame(local, THETA0[0], learner=0, inc=0, seq=9), (0, 0, 9), "dead_incarnation"
+    if case == "unknown_learner":
+        return frame(local, THETA0[0], learner=7), (7, 0, 1), "unknown_learner"
+    if case == "future_version":
+        return frame(local, THETA0[0], learner=1, base_version=3), key, "future_version"
+    raise AssertionError(case)
+
+
+CASES = ["nan", "inf", "wrong_shape", "wrong_dtype", "checksum", "truncated_zstd", "duplicate",
+         "dead_incarnation", "unknown_learner", "future_version"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_quarantine_leaves_theta_bit_identical(case):
+    pol = policy(K=2)
+    st = start(pol)
+    good0 = shifted(THETA0[0], 1)
+    # learner 0 is already in the open round (incarnation 1 for the dead-incarnation case)
+    inc = 1 if case == "dead_incarnation" else 0
+    st, _ = sync.on_contribution(pol, st, frame(good0, THETA0[0], learner=0, inc=inc, seq=1), 0.0)
+    before = st
+    snapshot = {p: x.tobytes() for p, x in sync.theta(st).items()}
+    bad, key, reason = _bad_frame(case)
+    st, actions = sync.on_contribution(pol, st, bad, 1.0)
+    assert actions == (sync.Outcome(key, f"quarantined:{reason}"),)
+    assert st.quarantined == {reason: 1}
+    rec = st.tape[-1]
+    assert (rec["event"], rec["reason"], rec["key"], rec["at"]) == ("quarantine", reason, key, 1.0)
+    assert st.tape[:-1] == before.tape
+    assert {p: x.tobytes() for p, x in sync.theta(st).items()} == snapshot
+    assert st.fragments is before.fragments and st.merges == 0
+    assert st.last_seq == before.last_seq and st.live == before.live
+    # the round still merges exactly the good contributions
+    good1 = shifted(THETA0[0], -3)
+    st, _ = sync.on_contribution(pol, st, frame(good1, THETA0[0], learner=1, seq=2), 2.0)
+    (rec,) = merges(st)
+    assert rec["learners"] == [0, 1]
+    for p in (W, B):
+        np.testing.assert_allclose(st.fragments[0].theta[p], (good0[p] + good1[p]) / 2, rtol=1e-6)
+
+
+def test_higher_incarnation_makes_the_older_one_dead():
+    pol = policy(K=2)
+    st = start(pol)
+    st, _ = sync.on_contribution(pol, st, frame(THETA0[0], THETA0[0], learner=1, inc=2, seq=1), 0.0)
+    assert st.live == {0: 0, 1: 2} and st.last_seq == {(1, 2): 1}
+    st, actions = sync.on_contribution(pol, st, frame(THETA0[0], THETA0[0], learner=1, inc=1, seq=5), 0.0)
+    assert actions == (sync.Outcome((1, 1, 5), "quarantined:dead_incarnation"),)
+
+
+# --- publish ------------------------------------------------------------------------------------
+
+
+def decode_like_a_learner(frame_bytes, held):
+    """What a LearnerUnit reconstructs from a broadcast, given the values of the version it holds."""
+    msg = messages.decode(frame_bytes)
+    h = msg.header
+    values = messages.unpack_fragment(h, msg.payload, None, {p: (v.shape, np.float32) for p, v in held.items()})
+    if h["delta_against"] is not None:
+        values = {p: held[p] + values[p] for p in values}
+    return h, values
+
+
+def test_broadcast_is_a_quantized_delta_against_the_reference_learners_hold():
+    """int8 down: learners holding the previous version get a delta; what they rebuild is the syncer's
+    reference bit for bit, and the rounding error is carried into the next delta, not accumulated."""
+    block = 64
+    down = make_codec("int8", block=block)
+    pol = policy(K=1, down_codec=down, down_spec=messages.codec_spec("int8", block=block))
+    st = start(pol)
+    held = {m: dict(THETA0[0]) for m in range(2)}
+    rng = np.random.default_rng(1)
+    for version in (1, 2, 3):
+        local = {p: v + rng.normal(0, 0.3, v.shape).astype(np.float32) for p, v in THETA0[0].items()}
+        ref = st.fragments[0].refs[-1][1]
+        st, actions = sync.on_contribution(pol, st, frame(local, ref, base_version=version - 1, seq=version),
+                                           float(version))
+        (pub,) = publishes(actions)
+        assert pub.full == ()  # everybody holds the previous version
+        new_ref_version, new_ref = st.fragments[0].refs[-1]
+        assert new_ref_version == version
+        for m in range(2):
+            h, values = decode_like_a_learner(pub.frames[m], held[m])
+            assert (h["version"], h["delta_against"], h["codec"]) == (version, version - 1, "int8")
+            assert all(values[p].tobytes() == new_ref[p].tobytes() for p in values)
+            held[m] = values
+        theta = st.fragments[0].theta
+        for p in theta:  # int8 rounding: half a step of the block's scale (plus float32 rounding)
+            bound = np.abs(theta[p] - ref[p]).max() / 127 / 2 + 1e-6
+            assert np.abs(theta[p] - new_ref[p]).max() <= bound
+    # a learner joining now holds nothing: it is sent a full fp32 copy of the reference
+    st, _ = sync.on_live_change(pol, st, {0: 0, 1: 0, 2: 0}, 4.0)
+    st, actions = sync.on_contribution(pol, st, frame(THETA0[0], st.fragments[0].refs[-1][1], base_version=3,
+                                                      seq=4), 5.0)
+    (pub,) = publishes(actions)
+    assert pub.full == (2,)
+    h, values = decode_like_a_learner(pub.frames[2], held[0])
+    assert h["delta_against"] is None and h["codec"] == "fp32"
+    assert all(values[p].tobytes() == st.fragments[0].refs[-1][1][p].tobytes() for p in values)
+
+
+def test_contribution_is_decoded_against_the_reference_of_its_base_version():
+    """With a lossy broadcast the learner's anchor is the reference, not Theta: decoding against the
+    reference recovers the learner's params exactly (fp32 up)."""
+    pol = policy(K=1, down_codec=make_codec("int8"), down_spec="int8")
+    st = start(pol)
+    st, _ = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 0.3), THETA0[0]), 0.0)
+    ref = st.fragments[0].refs[-1][1]
+    assert any(not np.array_equal(ref[p], st.fragments[0].theta[p]) for p in ref)
+    local = shifted(ref, 0.01)
+    st, _ = sync.on_contribution(pol, st, frame(local, ref, base_version=1, seq=2), 1.0)
+    for p in local:  # outer average, one learner: Theta becomes the learner's params
+        np.testing.assert_allclose(st.fragments[0].theta[p], local[p], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("spec", ["topk+k1.0", "topk+zstd1+k1.0", "fp32+zstd1"])
+def test_the_payload_bound_admits_every_codec_at_its_largest(spec):
+    """Top-k at fraction 1 sends 8 bytes per value, twice fp32; zstd adds its frame on top. A legitimate
+    contribution of a large fragment must not be refused as too large; a bigger payload is."""
+    big = (Fragment(0, (W,), 4096, False),)
+    theta0 = ({W: np.zeros((64, 64), np.float32)},)
+    pol = policy(K=1)
+    st = start(pol, frags=big, theta0=theta0)
+    local = {W: np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)}
+    kw = messages.parse_spec(spec)
+    codec = make_codec(kw.pop("name"), **kw)
+    st, actions = sync.on_contribution(pol, st, frame(local, theta0[0], codec=codec, spec=spec), 0.0)
+    assert st.quarantined == {} and st.merges == 1
+    np.testing.assert_allclose(st.fragments[0].theta[W], local[W], rtol=1e-6, atol=1e-6)
+    tensors = [{"path": list(W), "shape": [64, 64], "dtype": "float32", "nbytes": 9 * 4096}]
+    st, actions = sync.on_contribution(pol, st, raw_frame(tensors, bytes(9 * 4096), seq=2, base_version=1), 1.0)
+    assert actions == (sync.Outcome(None, "quarantined:too_large"),)
