@@ -140,6 +140,7 @@ class SyncerConfig:
     embedding_merge: str = "average"
     max_staleness: int = -1  # versions; -1 = no cut-off
     history: int = 16  # versions of broadcast references kept for decoding contributions
+    grace_budget: str = "waiting"  # Eq. 3 step time: waiting (fastest learner in the round) | slowest [unsure]
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ class RuntimeConfig:
     latency: float = 0.01  # seconds per message (sim)
     stall_limit_steps: float = 8.0  # a learner waits at most this many step times for a fragment
     seed: int = 0  # jitter and other runtime randomness
+    queue_size: int = 16  # threads: capacity of each bounded queue (learners -> syncer, syncer -> each learner)
 
 
 @dataclass(frozen=True)
@@ -338,7 +340,9 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
         _check(e, getattr(s, name) in ("rda", "average", "rda_fragment"),
                f"syncer.{name}={getattr(s, name)!r} not in rda|average|rda_fragment")
     _check(e, s.history >= 1, f"syncer.history={s.history} must be >= 1")
-    _check(e, r.kind in ("sim",), f"runtime.kind={r.kind!r} not in sim")
+    _check(e, s.grace_budget in ("waiting", "slowest"), f"syncer.grace_budget={s.grace_budget!r} not in waiting|slowest")
+    _check(e, r.kind in ("sim", "threads"), f"runtime.kind={r.kind!r} not in sim|threads")
+    _check(e, r.queue_size >= 1, f"runtime.queue_size={r.queue_size} must be >= 1")
     _check(e, r.learners >= 1, f"runtime.learners={r.learners} must be >= 1")
     _check(e, r.devices_per_learner >= 1, f"runtime.devices_per_learner={r.devices_per_learner} must be >= 1")
     _check(e, len(r.speeds) in (0, r.learners),

@@ -249,10 +249,6 @@ def test_heterogeneous_speeds_K1_without_grace_never_stalls(tmp_path, build):
     assert summary["virtual_time_s"] == pytest.approx(16.0, abs=0.1)  # the slow learner's 8 steps
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Eq. 3 is evaluated with the SLOWEST learner's step time (quorum.slowest_step_time), so at "
-    "K = 1 the grace window (here 0.8 * tau * 2 s = 1.6 s) outlasts the fast learner's overlap "
-    "(tau * 1 s = 1 s) and it stalls; ALGORITHM.md says K = 1 never stalls anyone."))
 def test_heterogeneous_speeds_K1_with_default_grace_never_stalls_the_fast_learner(tmp_path, build):
     cfg = make_cfg(tmp_path, steps=8, fragments=dict(count=2, tau=1), syncer=dict(quorum=1),
                    runtime=dict(speeds=(1.0, 2.0)))

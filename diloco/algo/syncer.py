@@ -43,6 +43,10 @@ class Policy(NamedTuple):
     down_codec: Codec | None = None  # broadcast codec for deltas; None sends fp32 values
     down_spec: str = "fp32"
     t_sync: float = 0.0  # expected pull + merge + publish time in Eq. 3 (seconds)
+    # Whose step time budgets Eq. 3 [unsure]: "waiting" = the fastest learner already in the round
+    # (its merged fragment is due back tau of ITS steps after sending, so K = 1 stalls nobody);
+    # "slowest" = the slowest live learner, the literal reading of the paper's xi_step.
+    grace_budget: str = "waiting"
 
 
 class Contribution(NamedTuple):
@@ -153,7 +157,7 @@ def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> t
 def _admit(cfg: Policy, st: SyncerState, p: int, c: Contribution, now: float) -> tuple[SyncerState, tuple]:
     fs = st.fragments[p]
     rnd = fs.round or quorum.open_round(p, now, st.live)
-    step_time = quorum.slowest_step_time(st.step_times, st.live)
+    step_time = _budget_step_time(cfg, st, {m for m, _ in rnd.arrivals} | {c.key[0]})
     rnd, decision = quorum.on_arrival(rnd, cfg.grace, c.key[0], now, step_time, cfg.t_sync)
     actions: tuple = ()
     if decision.reason == quorum.REPEAT:  # the newer contribution of the same learner replaces the older
@@ -201,7 +205,7 @@ def on_live_change(cfg: Policy, st: SyncerState, live: dict[int, int], now: floa
     for p, fs in enumerate(st.fragments):
         if fs.round is None:
             continue
-        step_time = quorum.slowest_step_time(st.step_times, live)
+        step_time = _budget_step_time(cfg, st, {m for m, _ in fs.round.arrivals})
         rnd, decision = quorum.on_live_change(fs.round, cfg.grace, live, now, step_time, cfg.t_sync)
         st = _with_fragment(st, p, fs._replace(round=rnd))
         if decision.action == quorum.MERGE:
@@ -210,6 +214,13 @@ def on_live_change(cfg: Policy, st: SyncerState, live: dict[int, int], now: floa
         elif decision.action == quorum.QUORUM:
             actions += (SetDeadline(p, decision.deadline),)
     return st, actions
+
+
+def _budget_step_time(cfg: Policy, st: SyncerState, waiting: set[int]) -> float:
+    if cfg.grace_budget == "slowest":
+        return quorum.slowest_step_time(st.step_times, st.live)
+    known = [s for m, s in st.step_times.estimates if m in waiting]
+    return min(known, default=0.0)
 
 
 def observe_step_time(st: SyncerState, learner: int, seconds: float) -> SyncerState:

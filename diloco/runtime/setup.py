@@ -49,7 +49,8 @@ def policy(cfg: TrainConfig) -> sync.Policy:
     down = None if c.down == "fp32" else make_codec(c.down, block=c.block, topk_fraction=c.topk_fraction)
     down_spec = codec_spec(c.down, block=c.block, topk_fraction=c.topk_fraction)
     return sync.Policy(grace, outer_optimizer(cfg), s.merge, s.embedding_merge,
-                       None if s.max_staleness < 0 else s.max_staleness, s.history, down, down_spec)
+                       None if s.max_staleness < 0 else s.max_staleness, s.history, down, down_spec,
+                       grace_budget=s.grace_budget)
 
 
 def learner_meshes(cfg: TrainConfig) -> list:
