@@ -20,16 +20,19 @@ import numpy as np
 from diloco import report
 from diloco.algo import ledger
 from diloco.algo import syncer as sync
+from diloco.algo.replay import Input, apply as deliver
 from diloco.config import TrainConfig
 from diloco.runtime.setup import Setup, new_unit
+from diloco.runtime.tape import InputLog, write_decisions
 
 
 class Sim:
     """Event loop state; `run` drives it to the end. One object per run, closed over nothing global."""
 
     def __init__(self, cfg: TrainConfig, setup: Setup, writer: report.MetricsWriter | None,
-                 evaluate: Callable[[dict], float] | None):
+                 evaluate: Callable[[dict], float] | None, inputs: InputLog | None = None):
         self.cfg, self.setup, self.writer, self.evaluate = cfg, setup, writer, evaluate
+        self.inputs = inputs  # every syncer input, in delivery order: the replayable tape
         r = cfg.runtime
         self.M = r.learners
         self.speeds = list(r.speeds) or [1.0] * self.M
@@ -83,7 +86,7 @@ class Sim:
         end = self.now + duration
         self.time = ledger.add_time(self.time, m, "compute", self.now, end)
         self.tokens = ledger.process(self.tokens, m, inc, result.tokens)
-        self.syncer = sync.observe_step_time(self.syncer, m, duration)
+        self._syncer(Input("step_time", self.now, (m, duration)))
         for send, frame in zip(result.sends, result.frames):
             self.tokens = ledger.send(self.tokens, m, inc, send.fragment, send.seq)
             self.bytes = ledger.add_bytes(self.bytes, end, len(frame), "up", m, send.fragment,
@@ -112,13 +115,17 @@ class Sim:
             self.push(self.now, "step", m)
 
     # --- syncer -------------------------------------------------------------------------------
-    def _on_contribution(self, frame: bytes) -> None:
-        self.syncer, actions = sync.on_contribution(self.setup.policy, self.syncer, frame, self.now)
+    def _syncer(self, event: Input) -> None:
+        if self.inputs is not None:
+            self.inputs.append(event)
+        self.syncer, actions = deliver(self.setup.policy, self.syncer, event)
         self._act(actions)
 
+    def _on_contribution(self, frame: bytes) -> None:
+        self._syncer(Input("contribution", self.now, frame))
+
     def _on_deadline(self, p: int) -> None:
-        self.syncer, actions = sync.on_deadline(self.setup.policy, self.syncer, p, self.now)
-        self._act(actions)
+        self._syncer(Input("deadline", self.now, p))
 
     def _act(self, actions: tuple) -> None:
         r = self.cfg.runtime
@@ -176,13 +183,17 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
         evaluate: Callable[[dict], float] | None) -> tuple[Sim, dict]:
     """Run Decoupled DiLoCo in virtual time; returns the finished Sim (for its state) and a summary."""
     writer = report.MetricsWriter(run_dir / "metrics.jsonl") if run_dir is not None else None
+    inputs = InputLog(run_dir / "syncer_inputs.bin") if run_dir is not None else None
     try:
-        sim = Sim(cfg, setup, writer, evaluate)
+        sim = Sim(cfg, setup, writer, evaluate, inputs)
         summary = sim.run()
         if evaluate is not None:
             sim._eval(sim.now)
             summary["eval_loss"] = sim.evals[-1][2]
+        if run_dir is not None:
+            write_decisions(run_dir / "tape.jsonl", sim.syncer.tape)
         return sim, summary
     finally:
-        if writer is not None:
-            writer.close()
+        for closable in (writer, inputs):
+            if closable is not None:
+                closable.close()

@@ -1,0 +1,67 @@
+"""Files of a run's syncer record: the decision tape (JSONL) and the inputs (a framed binary log).
+
+Reference: DESIGN.md "Outputs of a run". The inputs log is what `diloco.algo.replay` needs to
+rebuild the syncer exactly; the decision tape is what people read.
+
+inputs.bin is a sequence of records `uint32 header length | JSON header | payload`, the header
+holding kind, time and, for contributions, the payload length; no pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from diloco.algo.replay import KINDS, Input
+
+_LEN = struct.Struct("<I")
+
+
+def write_decisions(path: Path, records: Iterable[dict]) -> None:
+    with Path(path).open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def read_decisions(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class InputLog:
+    """Appends syncer inputs to a file as they happen (so a crash keeps everything before it)."""
+
+    def __init__(self, path: Path):
+        self._file = Path(path).open("wb")
+
+    def append(self, event: Input) -> None:
+        payload = event.data if event.kind == "contribution" else b""
+        data = None if event.kind == "contribution" else event.data
+        header = json.dumps({"kind": event.kind, "at": event.at, "data": data,
+                             "len": len(payload)}).encode()
+        self._file.write(_LEN.pack(len(header)) + header + payload)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_inputs(path: Path) -> Iterator[Input]:
+    blob = Path(path).read_bytes()
+    pos = 0
+    while pos < len(blob):
+        (n,) = _LEN.unpack_from(blob, pos)
+        header = json.loads(blob[pos + 4:pos + 4 + n])
+        pos += 4 + n
+        if header["kind"] not in KINDS:
+            raise ValueError(f"{path}: unknown input kind {header['kind']!r} at byte {pos}")
+        if header["kind"] == "contribution":
+            data = blob[pos:pos + header["len"]]
+            if len(data) != header["len"]:
+                raise ValueError(f"{path}: truncated contribution at byte {pos}")
+            pos += header["len"]
+        else:
+            data = header["data"]
+            if header["kind"] == "step_time" or header["kind"] == "live":
+                data = tuple(tuple(x) if isinstance(x, list) else x for x in data)
+        yield Input(header["kind"], header["at"], data)
