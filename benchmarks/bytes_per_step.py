@@ -55,8 +55,8 @@ def measure(base: TrainConfig, corpus, model, up: str, zstd: int) -> dict:
         "up_over_analytic": measured_up / (up_payload / steps),
         "dp_bytes_per_step": dp,
         "dp_over_diloco_sent": dp / measured_up,
-        # On the wire DP moves M x dp bytes per step; DiLoCo moves up + down (each byte once).
-        "dp_over_diloco_wire": M * dp / (M * (measured_up + measured_down)),
+        # Through one learner's link, both directions: DP sends and receives dp per step.
+        "dp_over_diloco_link": 2 * dp / (measured_up + measured_down),
     }
 
 
@@ -82,11 +82,11 @@ def main() -> None:
     rows = [measure(base, corpus, model, c, z) for c in args.codecs for z in args.zstd]
     path = write("bytes_per_step", {"args": vars(args), "results": rows}, args.out)
     print(f"{'up':<6}{'zstd':>5}{'up B/step':>12}{'analytic':>12}{'ratio':>8}{'down B/step':>13}"
-          f"{'DP B/step':>13}{'DP/sent':>9}{'DP/wire':>9}")
+          f"{'DP B/step':>13}{'DP/sent':>9}{'DP/link':>9}")
     for r in rows:
         print(f"{r['codec_up']:<6}{r['zstd']:>5}{r['up_bytes_per_step']:>12,.0f}{r['analytic_up_payload_per_step']:>12,.0f}"
               f"{r['up_over_analytic']:>8.3f}{r['down_bytes_per_step']:>13,.0f}{r['dp_bytes_per_step']:>13,.0f}"
-              f"{r['dp_over_diloco_sent']:>9.1f}{r['dp_over_diloco_wire']:>9.1f}")
+              f"{r['dp_over_diloco_sent']:>9.1f}{r['dp_over_diloco_link']:>9.1f}")
     print(f"wrote {path}")
 
 

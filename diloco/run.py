@@ -40,7 +40,11 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
 
 
 def dp_bytes_per_step(n_params: int, learners: int) -> float:
-    """Bytes one participant sends per step in a bf16 ring all-reduce among `learners` peers."""
+    """Bytes one participant sends per step in a bf16 ring all-reduce among `learners` peers.
+
+    It receives as many, so its link carries twice this, both directions counted; the DiLoCo
+    figures (bytes up + bytes down through each learner's link) are compared with that.
+    """
     return 2 * (learners - 1) / learners * n_params * 2
 
 
@@ -57,7 +61,8 @@ def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path) ->
 
     _, summary = sim.run(cfg, setup, run_dir, evaluate_global)
     M, steps = cfg.runtime.learners, cfg.run.steps
-    dp = M * steps * dp_bytes_per_step(count_params(model.params), M)
+    # Through the M learners' links, both directions, for the same number of steps.
+    dp = 2 * M * steps * dp_bytes_per_step(count_params(model.params), M)
     summary["dp_bytes_same_steps"] = int(dp)
     sent = summary["bytes_up"] + summary["bytes_down"]
     summary["dp_bytes_over_diloco"] = dp / sent if sent else float("inf")

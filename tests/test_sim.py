@@ -301,7 +301,7 @@ def test_run_diloco_reports_bytes_against_data_parallel(tmp_path, build, corpus,
     cfg = make_cfg(tmp_path, steps=4)
     with build.patched():
         summary = run_diloco(cfg, corpus, model, tmp_path)
-    dp = 2 * 4 * dp_bytes_per_step(count_params(model.params), 2)
+    dp = 2 * 2 * 4 * dp_bytes_per_step(count_params(model.params), 2)  # both directions, M = 2, 4 steps
     assert dp_bytes_per_step(10, 2) == 20.0  # bf16 ring all-reduce: 2 (M-1)/M x 2 bytes per value
     assert summary["dp_bytes_same_steps"] == int(dp)
     assert summary["dp_bytes_over_diloco"] == pytest.approx(dp / (summary["bytes_up"] + summary["bytes_down"]))
