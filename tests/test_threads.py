@@ -1,0 +1,209 @@
+"""The threads runtime: a real 2-learner run on the wall clock, heterogeneous speeds, full queues,
+and clean shutdown on an exception in any thread or a Ctrl-C in the main thread."""
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import replace
+
+import jax
+import pytest
+
+from diloco.algo import ledger
+from diloco.algo import syncer as sync
+from diloco.algo.replay import replay
+from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig, RuntimeConfig,
+                           SyncerConfig, TrainConfig, validate)
+from diloco.data import eval_batches, load_corpus
+from diloco.model import build
+from diloco.runtime import setup as build_setup
+from diloco.runtime import sim, threads
+from diloco.runtime.tape import read_decisions, read_inputs
+from diloco.runtime.unit import LearnerUnit
+from diloco.train.trainer import evaluate
+
+TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
+STEPS, M, P = 40, 2, 2
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def make_cfg(tmp_path, **runtime) -> TrainConfig:
+    data = DataConfig(source="synthetic", seq_len=32, batch_size=16, data_dir=str(tmp_path / "data"),
+                      synthetic_vocab=16, synthetic_tokens=40_000, synthetic_branching=2)
+    run = RunConfig(steps=STEPS, log_every=5, eval_every=20, eval_batches=2, out_dir=str(tmp_path / "run"),
+                    progress=False, plot=False)
+    return validate(TrainConfig(
+        model=TINY, data=data, inner=InnerConfig(lr=1e-2, warmup_steps=5), run=run, algo="diloco",
+        fragments=FragmentsConfig(count=P, H=4, tau=1), syncer=SyncerConfig(quorum=1),
+        runtime=RuntimeConfig(kind="threads", learners=M, devices_per_learner=1, **runtime)))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """One setup for the module: the two learners' inner steps compile once (the slow part)."""
+    cfg = make_cfg(tmp_path_factory.mktemp("threads"))
+    corpus = load_corpus(cfg.data)
+    model = build(cfg.model, corpus.vocab_size, cfg.run.seed)
+    setup = build_setup.build(cfg, corpus, model)
+    val = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, n=2)
+    compiled = setup.compiled[0]
+
+    def evaluate_global(theta_by_path):
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, _: theta_by_path[tuple(k.key for k in path)], model.params)
+        return evaluate(compiled, jax.device_put(params, compiled.state_sharding.params), val)
+
+    initial = evaluate_global({path: x for frag in setup.theta0 for path, x in frag.items()})
+    return cfg, setup, evaluate_global, initial
+
+
+def variant(world, **changes):
+    """The module's config and setup with other runtime/syncer settings (same compiled steps)."""
+    cfg, setup, _, _ = world
+    quorum = changes.pop("quorum", cfg.syncer.quorum)
+    cfg = validate(replace(cfg, runtime=replace(cfg.runtime, **changes),
+                           syncer=replace(cfg.syncer, quorum=quorum)))
+    return cfg, setup._replace(policy=build_setup.policy(cfg))
+
+
+@pytest.fixture
+def no_leftover_threads():
+    before = set(threading.enumerate())
+    yield
+    # Compared as "nothing new", since threads of earlier tests (e.g. checkpoint writers) may end meanwhile.
+    left = set(threading.enumerate()) - before
+    assert not left, f"the threads runtime left threads running: {left}"
+
+
+def test_two_learners_train_merge_and_balance(world, tmp_path, no_leftover_threads):
+    cfg, setup, evaluate_global, initial = world
+    rt, summary = threads.run(cfg, setup, tmp_path, evaluate_global)
+
+    assert [u.ls.step for u in rt.units] == [STEPS] * M
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    assert rt.tokens.processed == (M * STEPS * tokens_per_step,) * P  # every step booked, once
+    ledger.check_balance(rt.tokens)
+    assert summary["token_ledger_imbalance"] == 0
+    assert summary["merges"] == rt.syncer.merges > 0 and sum(rt.tokens.merged) > 0
+    assert summary["bytes_up"] > 0 and summary["bytes_down"] > 0
+    assert all(secs["compute"] > 0 for secs in ledger.seconds(rt.time).values())
+    # Random init sits near log(V) = log(16) = 2.77 nats; 40 steps on the order-2 Markov source
+    # take the merged global model far below it.
+    assert initial > 2.5
+    assert summary["eval_loss"] < initial - 1.0, (summary["eval_loss"], initial)
+    # Same summary keys as sim, so run_diloco can dispatch on runtime.kind.
+    sim_keys = set(sim.Sim(replace(cfg, runtime=replace(cfg.runtime, kind="sim")), setup, None, None).summary())
+    assert sim_keys <= set(summary)
+
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for m in range(M):
+        assert [r["step"] for r in records if r["kind"] == "train" and r["learner"] == m] == list(range(5, 41, 5))
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [20, 40, 40]  # periodic, last, final
+
+    # Timing made this run's decisions, and the inputs log recorded every input with its wall-clock
+    # time: replaying it from Theta_0 rebuilds the syncer bit for bit.
+    events = list(read_inputs(tmp_path / "syncer_inputs.bin"))
+    assert {"contribution", "step_time"} <= {e.kind for e in events} <= {"contribution", "step_time", "deadline"}
+    again = replay(setup.policy, sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0, 1: 0}), events)
+    assert again.tape == rt.syncer.tape
+    assert read_decisions(tmp_path / "tape.jsonl") == json.loads(json.dumps(list(rt.syncer.tape)))
+    for a, b in zip(again.fragments, rt.syncer.fragments):
+        assert a.version == b.version and all(a.theta[k].tobytes() == b.theta[k].tobytes() for k in a.theta)
+
+
+def test_slow_learner_finishes_last_and_k1_merges_without_it(world, no_leftover_threads):
+    cfg, setup = variant(world, speeds=(1.0, 3.0), quorum=1)
+    rt, summary = threads.run(cfg, setup, None, None)
+
+    assert [u.ls.step for u in rt.units] == [STEPS] * M
+    assert rt.finished_at[0] < rt.finished_at[1], rt.finished_at
+    secs = ledger.seconds(rt.time)
+    assert secs[1]["compute"] > 1.5 * secs[0]["compute"], secs  # the slowdown is real wall time
+    solo = [r for r in rt.syncer.tape if r["event"] == "merge" and r["learners"] == [0]]
+    assert len(solo) > 0  # K = 1: the fast learner's rounds close at the grace deadline without it
+    assert summary["token_ledger_imbalance"] == 0
+
+
+def test_full_queues_do_not_deadlock(world, no_leftover_threads):
+    """Queues of one item and a synchronous quorum (K = M): every put blocks often, nothing hangs."""
+    cfg, setup = variant(world, queue_size=1, quorum=M)
+    rt, summary = threads.run(cfg, setup, None, None)
+
+    assert [u.ls.step for u in rt.units] == [STEPS] * M
+    assert summary["merges"] > 0 and summary["quorum_min"] == M
+    assert summary["token_ledger_imbalance"] == 0
+
+
+@pytest.mark.parametrize("where", ["learner", "syncer"])
+def test_exception_in_a_thread_propagates_and_stops_all(world, monkeypatch, no_leftover_threads, where):
+    cfg, setup = variant(world)
+    raised_at = []
+    if where == "learner":
+        step = LearnerUnit.step
+
+        def broken_step(self, fetch_loss=False):
+            if self.learner == 1 and self.ls.step == 3:
+                raised_at.append(time.monotonic())
+                raise Boom("learner 1 broke at step 3")
+            return step(self, fetch_loss)
+
+        monkeypatch.setattr(LearnerUnit, "step", broken_step)
+    else:
+        on_contribution, calls = sync.on_contribution, []
+
+        def broken_on_contribution(*args):
+            calls.append(1)
+            if len(calls) == 3:
+                raised_at.append(time.monotonic())
+                raise Boom("syncer broke on the third contribution")
+            return on_contribution(*args)
+
+        monkeypatch.setattr(sync, "on_contribution", broken_on_contribution)
+
+    with pytest.raises(Boom, match="broke") as info:
+        threads.run(cfg, setup, None, None)
+    assert time.monotonic() - raised_at[0] < 5.0  # every thread saw the stop within a few polls
+    thread = "diloco-learner-1" if where == "learner" else "diloco-syncer"
+    assert any(thread in note for note in info.value.__notes__)
+
+
+def test_keyboard_interrupt_in_the_main_thread_stops_all(world, no_leftover_threads):
+    cfg, setup = variant(world)
+    calls = []
+
+    def interrupted_evaluate(theta):
+        calls.append(time.monotonic())
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        threads.run(cfg, setup, None, interrupted_evaluate)
+    assert len(calls) == 1 and time.monotonic() - calls[0] < 5.0
+
+
+def test_sigint_while_running_stops_all(world, no_leftover_threads):
+    """A real Ctrl-C (SIGINT to the process) lands in the main thread while the learners run."""
+    cfg, setup = variant(world, speeds=(1.0, 20.0))  # learner 1 keeps the run going for seconds
+    timers, sent = [], []
+
+    def evaluate_then_sigint(theta):
+        if not timers:  # first eval (learner 0 at step 20): send Ctrl-C shortly after
+            def ctrl_c():
+                sent.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGINT)
+
+            timers.append(threading.Timer(0.2, ctrl_c))
+            timers[-1].start()
+        return 0.0
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            threads.run(cfg, setup, None, evaluate_then_sigint)
+    finally:
+        for timer in timers:
+            timer.join()
+    assert sent and time.monotonic() - sent[0] < 5.0
