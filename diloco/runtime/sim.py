@@ -47,6 +47,8 @@ class Sim:
         self.link_up = [0.0] * self.M
         self.link_down = [0.0] * self.M
         self.stalled_since: dict[int, float] = {}
+        self.stall_armed: dict[int, int] = {}
+        self.waking: set[int] = set()  # learners with a step event on the heap  # learner -> seq of the send its stall limit watches
         self.stalls = 0
         self.now = 0.0
         self.evals: list[tuple[float, int, float]] = []
@@ -56,14 +58,22 @@ class Sim:
 
     def run(self) -> dict:
         for m in range(self.M):
-            self.push(0.0, "step", m)
+            self._wake(m, 0.0)
         while self.heap:
             self.now, _, kind, data = heapq.heappop(self.heap)
             getattr(self, f"_on_{kind}")(*data)
         return self.summary()
 
     # --- learners -----------------------------------------------------------------------------
+    def _wake(self, m: int, t: float) -> None:
+        """Schedule learner m's next step unless one is already scheduled (a fragment arrival and a
+        stall limit can fall on the same instant; the learner must still step only once)."""
+        if m not in self.waking:
+            self.waking.add(m)
+            self.push(t, "step", m)
+
     def _on_step(self, m: int) -> None:
+        self.waking.discard(m)
         unit, r = self.units[m], self.cfg.runtime
         for q in unit.apply_due():
             self.tokens = ledger.apply(self.tokens, m, unit.ls.incarnation, q.fragment)
@@ -72,6 +82,8 @@ class Sim:
             if m not in self.stalled_since:
                 self.stalled_since[m] = self.now
                 self.stalls += 1
+            if self.stall_armed.get(m) != blocked.seq:  # one limit per blocking send
+                self.stall_armed[m] = blocked.seq
                 limit = r.stall_limit_steps * r.step_time * self.speeds[m]
                 self.push(self.now + limit, "stall_limit", m, blocked.fragment, blocked.seq)
             return
@@ -100,19 +112,19 @@ class Sim:
         if m == 0 and self.evaluate is not None and report.due(unit.ls.step, self.cfg.run.eval_every,
                                                                self.cfg.run.steps):
             self._eval(end)
-        self.push(end, "step", m)
+        self._wake(m, end)
 
     def _on_stall_limit(self, m: int, fragment: int, seq: int) -> None:
         unit = self.units[m]
         blocked = unit.blocking()
         if m in self.stalled_since and blocked is not None and blocked.seq == seq:
             unit.give_up(fragment)
-            self.push(self.now, "step", m)
+            self._wake(m, self.now)
 
     def _on_fragment(self, m: int, frame: bytes) -> None:
         self.units[m].receive(frame)
         if m in self.stalled_since and self.units[m].blocking() is None:
-            self.push(self.now, "step", m)
+            self._wake(m, self.now)
 
     # --- syncer -------------------------------------------------------------------------------
     def _syncer(self, event: Input) -> None:
