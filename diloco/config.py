@@ -105,6 +105,7 @@ class FragmentsConfig:
     tau: int = 2  # overlap: the merged fragment is applied tau steps after sending
     alpha: float = 0.0  # learner mix on apply: alpha * local + (1 - alpha) * global [unsure]
     strategy: str = "balanced"  # balanced | layer_strided | layer_sequential | tensor
+    final_sync: bool = True  # at the end each learner sends every fragment with unsent progress
 
 
 @dataclass(frozen=True)

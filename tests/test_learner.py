@@ -174,3 +174,21 @@ def test_every_send_is_answered_tau_steps_later_with_an_echo_syncer(tau):
             sent[(s.fragment, version)] = s.step
             st = lsm.on_fragment(st, sched, s.fragment, version)
     assert applied and all(step == sent[(p, v)] + tau for p, v, step in applied)
+
+
+def test_flush_sends_every_fragment_with_unsent_progress_once():
+    """At the end of training the fragments not in flight and with progress leave, carrying their
+    counters; a fragment in flight does not, and a second flush sends nothing."""
+    schedule = make_schedule(2, 8, tau=2)  # offsets 0 and 4
+    st = lsm.init(0, 0, (3, 3))
+    for _ in range(3):
+        st, sent = lsm.after_step(st, schedule, 10)
+        assert sent == ()
+    _, sends = lsm.flush(st)
+    assert [(s.fragment, s.c_steps, s.c_tokens, s.base_version) for s in sends] == [(0, 3, 30, 3), (1, 3, 30, 3)]
+    st, sent = lsm.after_step(st, schedule, 10)  # step 4 sends fragment 1
+    assert [s.fragment for s in sent] == [1]
+    st, sends = lsm.flush(st)
+    assert [(s.fragment, s.c_steps, s.seq) for s in sends] == [(0, 4, 2)]
+    _, again = lsm.flush(st)
+    assert again == ()  # everything is now in flight

@@ -73,6 +73,22 @@ def after_step(st: LearnerState, schedule: Schedule, tokens: int) -> tuple[Learn
     return st, tuple(sends)
 
 
+def flush(st: LearnerState) -> tuple[LearnerState, tuple[Send, ...]]:
+    """The end of training: send every fragment with progress not yet sent or in flight.
+
+    Without it the global model would miss up to H steps of each learner's last progress
+    (DiLoCo ends with a final outer step over everything the workers did).
+    """
+    sending = {f.fragment for f in st.in_flight}
+    sends, in_flight, seq = [], list(st.in_flight), st.seq
+    for p, steps in enumerate(st.c_steps):
+        if steps > 0 and p not in sending:
+            seq += 1
+            sends.append(Send(p, seq, st.versions[p], steps, st.c_tokens[p], st.step))
+            in_flight.append(InFlight(p, seq, st.step))
+    return st._replace(seq=seq, in_flight=tuple(in_flight)), tuple(sends)
+
+
 def on_fragment(st: LearnerState, schedule: Schedule, fragment: int, version: int) -> LearnerState:
     """A merged global fragment arrived: schedule its application.
 

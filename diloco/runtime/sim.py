@@ -48,7 +48,8 @@ class Sim:
         self.link_down = [0.0] * self.M
         self.stalled_since: dict[int, float] = {}
         self.stall_armed: dict[int, int] = {}
-        self.waking: set[int] = set()  # learners with a step event on the heap  # learner -> seq of the send its stall limit watches
+        self.waking: set[int] = set()  # learners with a step event on the heap
+        self.flushed: set[int] = set()  # learners that sent their final contributions  # learner -> seq of the send its stall limit watches
         self.stalls = 0
         self.now = 0.0
         self.evals: list[tuple[float, int, float]] = []
@@ -90,6 +91,9 @@ class Sim:
         if m in self.stalled_since:
             self.time = ledger.add_time(self.time, m, "stall", self.stalled_since.pop(m), self.now)
         if unit.ls.step >= self.cfg.run.steps:
+            if self.cfg.fragments.final_sync and m not in self.flushed:
+                self.flushed.add(m)
+                self._send(m, self.now, unit.flush())
             return
         log = report.due(unit.ls.step + 1, self.cfg.run.log_every, self.cfg.run.steps)
         result = unit.step(fetch_loss=log)
@@ -99,13 +103,7 @@ class Sim:
         self.time = ledger.add_time(self.time, m, "compute", self.now, end)
         self.tokens = ledger.process(self.tokens, m, inc, result.tokens)
         self._syncer(Input("step_time", self.now, (m, duration)))
-        for send, frame in zip(result.sends, result.frames):
-            self.tokens = ledger.send(self.tokens, m, inc, send.fragment, send.seq)
-            self.bytes = ledger.add_bytes(self.bytes, end, len(frame), "up", m, send.fragment,
-                                          self.setup.spec.up_spec)
-            start = max(end, self.link_up[m])
-            self.link_up[m] = start + len(frame) / r.bandwidth
-            self.push(self.link_up[m] + r.latency, "contribution", frame)
+        self._send(m, end, result)
         if log and self.writer is not None:
             self.writer.write({"kind": "train", "learner": m, "step": unit.ls.step, "time": end,
                                "tokens": unit.ls.step * result.tokens, "loss": result.loss})
@@ -113,6 +111,17 @@ class Sim:
                                                                self.cfg.run.steps):
             self._eval(end)
         self._wake(m, end)
+
+    def _send(self, m: int, end: float, result) -> None:
+        """Book and ship a step's (or the final flush's) contributions over learner m's link."""
+        r, inc = self.cfg.runtime, self.units[m].ls.incarnation
+        for send, frame in zip(result.sends, result.frames):
+            self.tokens = ledger.send(self.tokens, m, inc, send.fragment, send.seq)
+            self.bytes = ledger.add_bytes(self.bytes, end, len(frame), "up", m, send.fragment,
+                                          self.setup.spec.up_spec)
+            start = max(end, self.link_up[m])
+            self.link_up[m] = start + len(frame) / r.bandwidth
+            self.push(self.link_up[m] + r.latency, "contribution", frame)
 
     def _on_stall_limit(self, m: int, fragment: int, seq: int) -> None:
         unit = self.units[m]

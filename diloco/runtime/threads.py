@@ -207,6 +207,9 @@ class Threads:
             if log:
                 self._write({"kind": "train", "learner": m, "step": unit.ls.step, "time": end,
                              "tokens": unit.ls.step * result.tokens, "loss": result.loss})
+        if self.cfg.fragments.final_sync:
+            result = unit.flush()
+            self._emit(m, ("flush", m, unit.ls.incarnation, self.clock(), result.sends, result.frames))
         self._emit(m, ("done", m, self.clock(), tuple(stalls)))
         while self._receive(m, POLL):  # broadcasts keep coming until the syncer closes the inbox
             pass
@@ -290,11 +293,10 @@ class Threads:
                 # As in sim: the global model as it stood when learner 0 finished the step.
                 self._put(self.eval_requests, (end, step, sync.theta(self.syncer),
                                                int(self.tokens.processed[0]), self.syncer.merges))
-            for send, frame in zip(sends, frames):
-                self.tokens = ledger.send(self.tokens, m, inc, send.fragment, send.seq)
-                self.bytes = ledger.add_bytes(self.bytes, end, len(frame), "up", m, send.fragment,
-                                              self.setup.spec.up_spec)
-                self._deliver(Input("contribution", self.clock(), bytes(frame)))
+            self._ship(m, inc, end, sends, frames)
+        elif kind == "flush":
+            _, m, inc, at, sends, frames = event
+            self._ship(m, inc, at, sends, frames)
         elif kind == "apply":
             _, m, inc, fragments = event
             for p in fragments:
@@ -306,6 +308,13 @@ class Threads:
             self.finished_at[m] = at
         else:
             raise ValueError(f"unknown event {kind!r} from a learner")
+
+    def _ship(self, m: int, inc: int, at: float, sends: tuple, frames: tuple) -> None:
+        for send, frame in zip(sends, frames):
+            self.tokens = ledger.send(self.tokens, m, inc, send.fragment, send.seq)
+            self.bytes = ledger.add_bytes(self.bytes, at, len(frame), "up", m, send.fragment,
+                                          self.setup.spec.up_spec)
+            self._deliver(Input("contribution", self.clock(), bytes(frame)))
 
     def _deliver(self, event: Input) -> None:
         if self.inputs is not None:

@@ -97,6 +97,11 @@ class LearnerUnit:
         loss = float(metrics["loss"]) if fetch_loss else None
         return StepResult(self.tokens_per_step, loss, sends, frames)
 
+    def flush(self) -> StepResult:
+        """Final contributions of every fragment with unsent progress (see learner.flush)."""
+        self.ls, sends = lsm.flush(self.ls)
+        return StepResult(0, None, sends, tuple(self._encode(send) for send in sends))
+
     def _encode(self, send: lsm.Send) -> bytes:
         """Quantize anchor - local (a pseudo-gradient against a version the syncer holds)."""
         frag = self.spec.fragments[send.fragment]
