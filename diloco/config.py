@@ -353,6 +353,8 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
            f"runtime.step_time={r.step_time}, bandwidth={r.bandwidth} must be > 0; latency={r.latency}, "
            f"jitter={r.jitter} >= 0")
     if cfg.algo == "diloco":
+        _check(e, not cfg.run.resume, "run.resume=true is not supported with algo=diloco yet "
+               "(learner and syncer checkpoints are not written); start a new run.out_dir")
         _check(e, cfg.data.batch_size % r.devices_per_learner == 0,
                f"data.batch_size={cfg.data.batch_size} is not divisible by "
                f"runtime.devices_per_learner={r.devices_per_learner}")

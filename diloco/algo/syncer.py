@@ -147,8 +147,9 @@ def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> t
         return _quarantine(st, e.reason, key, now, e.detail)
     m, inc = h["learner"], h["incarnation"]
     st = st._replace(last_seq={**st.last_seq, (m, inc): h["seq"]})
-    if inc > st.live[m]:  # a restarted learner: every older incarnation is dead from now on
-        st = st._replace(live={**st.live, m: inc})
+    if inc > st.live[m]:  # a restarted learner: every older incarnation is dead from now on;
+        # what it holds is unknown, so its next broadcast of every fragment is a full copy
+        st = st._replace(live={**st.live, m: inc}, held={**st.held, m: (-1,) * len(st.fragments)})
     local = {path: ref[path] - wire[path] for path in ref}
     contribution = Contribution(key, h["base_version"], h["c_steps"], h["c_tokens"], local, now)
     return _admit(cfg, st, p, contribution, now)

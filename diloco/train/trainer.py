@@ -74,6 +74,9 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir
         state, start = compiled.init(model.params), 0
         if run.resume:
             found = checkpoint.restore_latest(manager, compiled.abstract_state)
+            if found is None and manager.all_steps():
+                raise RuntimeError(f"run.resume=true but none of the checkpoints {manager.all_steps()} in "
+                                   f"{run_dir / 'checkpoints'} could be read; see the warnings above")
             if found is not None:
                 start, state, _ = found
         state, summary = _loop(cfg, corpus, compiled, state, start, tokens_per_step, val, manager, writer,
