@@ -106,6 +106,9 @@ class FragmentsConfig:
     alpha: float = 0.0  # learner mix on apply: alpha * local + (1 - alpha) * global [unsure]
     strategy: str = "balanced"  # balanced | layer_strided | layer_sequential | tensor
     final_sync: bool = True  # at the end each learner sends every fragment with unsent progress
+    # On apply, add the local progress made while the fragment travelled (Theta + local - local at
+    # send) instead of overwriting it; alpha is then unused. Not in the papers [unsure].
+    keep_overlap: bool = False
 
 
 @dataclass(frozen=True)

@@ -102,3 +102,27 @@ def test_every_config_file_composes_and_validates(override):
         data["data"]["seq_len"] = min(data["data"]["seq_len"], data["model"]["max_seq_len"])
     cfg = load(data)
     assert isinstance(cfg.model, ModelConfig) and isinstance(cfg.data, DataConfig)
+
+
+GROUP_TYPES = {"model": "ModelConfig", "data": "DataConfig", "inner": "InnerConfig", "mesh": "MeshConfig",
+               "fragments": "FragmentsConfig", "outer": "OuterConfig", "codec": "CodecConfig",
+               "syncer": "SyncerConfig", "runtime": "RuntimeConfig"}
+
+
+@pytest.mark.parametrize("group", sorted(GROUP_TYPES))
+def test_every_group_file_lists_every_field(group):
+    """Hydra only accepts command-line overrides of keys present in the composed YAML, so a field
+    missing from a group file could not be set with `group.field=value`."""
+    import dataclasses
+
+    import yaml
+
+    import diloco.config as config
+
+    fields = {f.name for f in dataclasses.fields(getattr(config, GROUP_TYPES[group]))}
+    for path in sorted((CONFIGS / group).glob("*.yaml")):
+        keys = set(yaml.safe_load(path.read_text()))
+        need = fields
+        if group == "data":  # a source's file may leave out the other sources' settings
+            need = {"source", "seq_len", "batch_size", "val_fraction", "data_dir"}
+        assert need <= keys <= fields, f"{path.name}: missing {sorted(need - keys)}, unknown {sorted(keys - fields)}"

@@ -38,6 +38,7 @@ class UnitSpec(NamedTuple):
     schedule: Schedule
     up_codec: Codec
     up_spec: str
+    keep_overlap: bool = False  # on apply, keep the local progress made since the send
 
 
 class LearnerUnit:
@@ -56,6 +57,7 @@ class LearnerUnit:
         self.state = self.state.replace(
             step=jax.device_put(np.int32(step), compiled.state_sharding.step))
         self.codec_states: dict[Path, object] = {}
+        self.sent_local: dict[int, dict[Path, np.ndarray]] = {}  # fragment -> local values at its send
         self.dropped_frames = 0
 
     @property
@@ -78,9 +80,15 @@ class LearnerUnit:
         for q in ready:
             version, values = self.latest[q.fragment]
             self.anchors[q.fragment] = (version, values)
+            sent = self.sent_local.pop(q.fragment, None) if self.spec.keep_overlap else None
             for path, glob in values.items():
                 old = _get(params, path)
-                new = glob if alpha == 0.0 else alpha * np.asarray(jax.device_get(old)) + (1 - alpha) * glob
+                if sent is not None:  # Theta + the tau steps of progress made while it travelled
+                    new = glob + (np.asarray(jax.device_get(old)) - sent[path])
+                elif alpha == 0.0:
+                    new = glob
+                else:
+                    new = alpha * np.asarray(jax.device_get(old)) + (1 - alpha) * glob
                 params = _set(params, path, jax.device_put(np.asarray(new, np.float32), old.sharding))
         self.state = self.state.replace(params=params)
         return ready
@@ -107,7 +115,10 @@ class LearnerUnit:
         frag = self.spec.fragments[send.fragment]
         _, anchor = self.anchors[send.fragment]
         local = jax.device_get({path: _get(self.state.params, path) for path in frag.paths})
-        diff = {path: anchor[path] - np.asarray(local[path], np.float32) for path in frag.paths}
+        local = {path: np.asarray(local[path], np.float32) for path in frag.paths}
+        if self.spec.keep_overlap:
+            self.sent_local[send.fragment] = local
+        diff = {path: anchor[path] - local[path] for path in frag.paths}
         states = {p: self.codec_states[p] for p in frag.paths if p in self.codec_states}
         tensors, payload, new_states = messages.pack_fragment(diff, self.spec.up_codec, states)
         self.codec_states.update(new_states)
