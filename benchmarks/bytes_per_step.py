@@ -75,7 +75,9 @@ def main() -> None:
         model=model_cfg, data=DataConfig(source="synthetic", seq_len=32, batch_size=2, data_dir="data",
                                          synthetic_vocab=256, synthetic_tokens=100_000),
         inner=InnerConfig(warmup_steps=4), run=RunConfig(steps=args.H * 2, progress=False),
-        algo="diloco", fragments=FragmentsConfig(count=args.fragments, H=args.H, tau=2),
+        algo="diloco",
+        # Steady state: the final flush at the end of a run would add one send per fragment.
+        fragments=FragmentsConfig(count=args.fragments, H=args.H, tau=2, final_sync=False),
         runtime=RuntimeConfig(learners=args.learners, devices_per_learner=1)))
     corpus = load_corpus(base.data)
     model = build(base.model, corpus.vocab_size, seed=0)

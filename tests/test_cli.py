@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_RUN = ["model=tiny", "data=synthetic", "data.seq_len=32", "data.batch_size=8", "run.steps=6",
+TINY_RUN = ["algo=dp", "model=tiny", "data=synthetic", "data.seq_len=32", "data.batch_size=8", "run.steps=6",
             "run.log_every=2", "run.eval_every=3", "run.eval_batches=1", "run.checkpoint_every=3",
             "inner.warmup_steps=2", "run.progress=false"]
 
