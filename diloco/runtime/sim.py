@@ -23,6 +23,7 @@ from diloco.algo import syncer as sync
 from diloco.algo.replay import Input, apply as deliver
 from diloco.config import TrainConfig
 from diloco.runtime.setup import Setup, new_unit
+from diloco.runtime.summary import run_summary
 from diloco.runtime.tape import InputLog, write_decisions
 
 
@@ -174,30 +175,8 @@ class Sim:
                                "eval_loss": loss, "merges": self.syncer.merges})
 
     def summary(self) -> dict:
-        ledger.check_balance(self.tokens)
-        merges = [r for r in self.syncer.tape if r["event"] == "merge"]
-        quorum_sizes = [len(r["learners"]) for r in merges]
-        graces = [r["grace"] for r in merges if r["grace"] is not None]
-        sums = ledger.summary(self.tokens, self.bytes, self.time, start=0.0, end=max(self.now, 1e-9),
-                              window=self.cfg.runtime.step_time)
-        return {
-            "virtual_time_s": self.now,
-            "merges": self.syncer.merges,
-            "tokens_processed": int(self.tokens.processed[0]),
-            "tokens_merged_share": sum(self.tokens.merged) / max(sum(self.tokens.processed), 1),
-            "bytes_up": int(sums["bytes_up"]),
-            "bytes_down": int(sums["bytes_down"]),
-            "peak_rate_up": sums["peak_rate_up"],
-            "goodput": sums["goodput"],
-            "uptime": sums["uptime"],
-            "quorum_mean": float(np.mean(quorum_sizes)) if quorum_sizes else 0.0,
-            "quorum_min": min(quorum_sizes, default=0),
-            "grace_mean_s": float(np.mean(graces)) if graces else 0.0,
-            "grace_max_s": max(graces, default=0.0),
-            "stalls": self.stalls,
-            "quarantined": sum(self.syncer.quarantined.values()),
-            "token_ledger_imbalance": ledger.balance(self.tokens),
-        }
+        return run_summary(self.syncer, self.tokens, self.bytes, self.time, clock="virtual",
+                           end=self.now, window=self.cfg.runtime.step_time, stalls=self.stalls)
 
 
 def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,

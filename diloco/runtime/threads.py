@@ -36,6 +36,7 @@ from diloco.algo.replay import Input, apply as deliver
 from diloco.config import TrainConfig
 from diloco.data import batch_at
 from diloco.runtime.setup import Setup, new_unit
+from diloco.runtime.summary import run_summary
 from diloco.runtime.tape import InputLog, write_decisions
 from diloco.runtime.unit import LearnerUnit
 
@@ -364,33 +365,10 @@ class Threads:
                            "eval_loss": loss, "merges": merges})
 
     def summary(self) -> dict:
-        ledger.check_balance(self.tokens)
-        merges = [r for r in self.syncer.tape if r["event"] == "merge"]
-        quorum_sizes = [len(r["learners"]) for r in merges]
-        graces = [r["grace"] for r in merges if r["grace"] is not None]
         # Peak rates over windows of one (slowest measured) step, as sim uses its modelled step time.
         window = quorum.slowest_step_time(self.syncer.step_times) or self.cfg.runtime.step_time
-        sums = ledger.summary(self.tokens, self.bytes, self.time, start=0.0, end=max(self.end, 1e-9),
-                              window=window)
-        return {
-            "virtual_time_s": self.end,  # sim's key for the runtime clock; here it is the wall clock
-            "wall_time_s": self.end,
-            "merges": self.syncer.merges,
-            "tokens_processed": int(self.tokens.processed[0]),
-            "tokens_merged_share": sum(self.tokens.merged) / max(sum(self.tokens.processed), 1),
-            "bytes_up": int(sums["bytes_up"]),
-            "bytes_down": int(sums["bytes_down"]),
-            "peak_rate_up": sums["peak_rate_up"],
-            "goodput": sums["goodput"],
-            "uptime": sums["uptime"],
-            "quorum_mean": float(np.mean(quorum_sizes)) if quorum_sizes else 0.0,
-            "quorum_min": min(quorum_sizes, default=0),
-            "grace_mean_s": float(np.mean(graces)) if graces else 0.0,
-            "grace_max_s": max(graces, default=0.0),
-            "stalls": self.stalls,
-            "quarantined": sum(self.syncer.quarantined.values()),
-            "token_ledger_imbalance": ledger.balance(self.tokens),
-        }
+        return run_summary(self.syncer, self.tokens, self.bytes, self.time, clock="wall",
+                           end=self.end, window=window, stalls=self.stalls)
 
 
 def _warm_up(unit: LearnerUnit) -> None:

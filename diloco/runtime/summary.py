@@ -1,0 +1,38 @@
+"""The summary every runtime prints at the end of a Decoupled DiLoCo run, from its ledgers and tape."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from diloco.algo import ledger
+from diloco.algo import syncer as sync
+
+
+def run_summary(st: sync.SyncerState, tokens: ledger.TokenLedger, bytes_: ledger.ByteLedger,
+                time: ledger.TimeLedger, *, clock: str, end: float, window: float, stalls: int) -> dict:
+    """Plain numbers; raises if the token ledger does not balance. `clock` names the clock the
+    run's times are on: "virtual" (sim) or "wall" (threads); clock_s is the run's length on it."""
+    ledger.check_balance(tokens)
+    merges = [r for r in st.tape if r["event"] == "merge"]
+    quorum_sizes = [len(r["learners"]) for r in merges]
+    graces = [r["grace"] for r in merges if r["grace"] is not None]
+    sums = ledger.summary(tokens, bytes_, time, start=0.0, end=max(end, 1e-9), window=window)
+    return {
+        "clock": clock,
+        "clock_s": end,
+        "merges": st.merges,
+        "tokens_processed": int(tokens.processed[0]),
+        "tokens_merged_share": sum(tokens.merged) / max(sum(tokens.processed), 1),
+        "bytes_up": int(sums["bytes_up"]),
+        "bytes_down": int(sums["bytes_down"]),
+        "peak_rate_up": sums["peak_rate_up"],
+        "goodput": sums["goodput"],
+        "uptime": sums["uptime"],
+        "quorum_mean": float(np.mean(quorum_sizes)) if quorum_sizes else 0.0,
+        "quorum_min": min(quorum_sizes, default=0),
+        "grace_mean_s": float(np.mean(graces)) if graces else 0.0,
+        "grace_max_s": max(graces, default=0.0),
+        "stalls": stalls,
+        "quarantined": sum(st.quarantined.values()),
+        "token_ledger_imbalance": ledger.balance(tokens),
+    }
