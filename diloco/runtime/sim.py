@@ -24,7 +24,7 @@ from diloco.algo.replay import Input, apply as deliver
 from diloco.config import TrainConfig
 from diloco.runtime.setup import Setup, new_unit
 from diloco.runtime.summary import run_summary
-from diloco.runtime.tape import InputLog, write_decisions
+from diloco.runtime.tape import InputLog, run_outputs, write_decisions
 
 
 class Sim:
@@ -182,9 +182,7 @@ class Sim:
 def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
         evaluate: Callable[[dict], float] | None) -> tuple[Sim, dict]:
     """Run Decoupled DiLoCo in virtual time; returns the finished Sim (for its state) and a summary."""
-    writer = report.MetricsWriter(run_dir / "metrics.jsonl") if run_dir is not None else None
-    inputs = InputLog(run_dir / "syncer_inputs.bin") if run_dir is not None else None
-    try:
+    with run_outputs(run_dir) as (writer, inputs):
         sim = Sim(cfg, setup, writer, evaluate, inputs)
         summary = sim.run()
         if evaluate is not None:
@@ -193,7 +191,3 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
         if run_dir is not None:
             write_decisions(run_dir / "tape.jsonl", sim.syncer.tape)
         return sim, summary
-    finally:
-        for closable in (writer, inputs):
-            if closable is not None:
-                closable.close()

@@ -9,10 +9,13 @@ holding kind, time and, for contributions, the payload length; no pickle.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from pathlib import Path
 from typing import Iterable, Iterator
+
+from diloco import report
 
 from diloco.algo.replay import KINDS, Input
 
@@ -65,3 +68,17 @@ def read_inputs(path: Path) -> Iterator[Input]:
             if header["kind"] == "step_time" or header["kind"] == "live":
                 data = tuple(tuple(x) if isinstance(x, list) else x for x in data)
         yield Input(header["kind"], header["at"], data)
+
+
+@contextlib.contextmanager
+def run_outputs(run_dir: Path | None) -> Iterator[tuple[report.MetricsWriter | None, InputLog | None]]:
+    """The metrics writer and syncer input log of a DiLoCo run (None, None without a run dir),
+    closed however the run ends."""
+    writer = report.MetricsWriter(run_dir / "metrics.jsonl") if run_dir is not None else None
+    inputs = InputLog(run_dir / "syncer_inputs.bin") if run_dir is not None else None
+    try:
+        yield writer, inputs
+    finally:
+        for closable in (writer, inputs):
+            if closable is not None:
+                closable.close()

@@ -37,7 +37,7 @@ from diloco.config import TrainConfig
 from diloco.data import batch_at
 from diloco.runtime.setup import Setup, new_unit
 from diloco.runtime.summary import run_summary
-from diloco.runtime.tape import InputLog, write_decisions
+from diloco.runtime.tape import InputLog, run_outputs, write_decisions
 from diloco.runtime.unit import LearnerUnit
 
 POLL = 0.05  # seconds: the longest any thread blocks before looking at the stop event again
@@ -385,9 +385,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
         evaluate: Callable[[dict], float] | None) -> tuple[Threads, dict]:
     """Run Decoupled DiLoCo on the wall clock; returns the finished runtime (for its state) and a
     summary with the same keys as sim's."""
-    writer = report.MetricsWriter(run_dir / "metrics.jsonl") if run_dir is not None else None
-    inputs = InputLog(run_dir / "syncer_inputs.bin") if run_dir is not None else None
-    try:
+    with run_outputs(run_dir) as (writer, inputs):
         rt = Threads(cfg, setup, writer, evaluate, inputs)
         summary = rt.run()  # every thread has been joined when it returns or raises
         if evaluate is not None:
@@ -397,7 +395,3 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
         if run_dir is not None:
             write_decisions(run_dir / "tape.jsonl", rt.syncer.tape)
         return rt, summary
-    finally:
-        for closable in (writer, inputs):
-            if closable is not None:
-                closable.close()
