@@ -17,6 +17,11 @@ def steps(st, schedule, n):
     return st, out
 
 
+def answer(send, learner=0, incarnation=0):
+    """The `merged` keys of a broadcast whose merge took in `send`."""
+    return frozenset({(learner, incarnation, send.seq)})
+
+
 def test_init_holds_versions_with_zero_counters():
     st = lsm.init(learner=3, incarnation=2, versions=(5, 7), step=11)
     assert (st.learner, st.incarnation, st.step, st.seq) == (3, 2, 11, 0)
@@ -54,8 +59,8 @@ def test_merge_applied_exactly_tau_steps_after_send_and_resets_only_its_counters
     sched = make_schedule(4, 4, tau=2)
     st, sends = steps(lsm.init(0, 0, (0, 0, 0, 0)), sched, 1)
     assert [(s.fragment, s.step) for s in sends] == [(1, 1)]
-    st = lsm.on_fragment(st, sched, fragment=1, version=1)  # the merge comes back at once
-    assert st.pending == (lsm.Pending(1, 1, apply_at=3),)
+    st = lsm.on_fragment(st, sched, fragment=1, version=1, merged=answer(sends[0]))  # back at once
+    assert st.pending == (lsm.Pending(1, 1, apply_at=3, answers=(1,)),)
     for expected_step in (1, 2):  # not before tau = 2 steps have passed
         assert st.step == expected_step
         st, ready = lsm.to_apply(st)
@@ -63,7 +68,7 @@ def test_merge_applied_exactly_tau_steps_after_send_and_resets_only_its_counters
         st, _ = lsm.after_step(st, sched, TOKENS)
     assert st.step == 3
     st, ready = lsm.to_apply(st)
-    assert ready == (lsm.Pending(1, 1, 3),)
+    assert ready == (lsm.Pending(1, 1, 3, (1,)),)
     assert st.c_steps == (3, 0, 3, 3) and st.c_tokens == (30, 0, 30, 30)
     assert st.versions == (0, 1, 0, 0)
     assert st.pending == ()
@@ -75,11 +80,13 @@ def test_merge_applied_exactly_tau_steps_after_send_and_resets_only_its_counters
 
 def test_late_merge_is_applied_before_the_next_step():
     sched = make_schedule(4, 4, tau=2)
-    st, _ = steps(lsm.init(0, 0, (0, 0, 0, 0)), sched, 6)  # fragment 1 left after step 1
-    st = lsm.on_fragment(st, sched, 1, 4)
-    assert st.pending == (lsm.Pending(1, 4, apply_at=6),)
+    st, sends = steps(lsm.init(0, 0, (0, 0, 0, 0)), sched, 6)  # fragment 1 left after steps 1 and 5
+    first, second = [s for s in sends if s.fragment == 1]
+    st = lsm.on_fragment(st, sched, 1, 4, merged=answer(first))
+    assert st.pending == (lsm.Pending(1, 4, apply_at=6, answers=(first.seq,)),)
     st, ready = lsm.to_apply(st)
     assert [q.fragment for q in ready] == [1] and st.versions[1] == 4
+    assert second.seq in [f.seq for f in st.in_flight]  # the later send still waits for its own merge
 
 
 def test_merge_nobody_waits_for_is_applied_before_the_next_step():
@@ -100,12 +107,31 @@ def test_blocking_after_tau_steps_until_the_merge_arrives():
     assert lsm.blocking(st, sched) is None  # 1 step since the send: still inside the overlap
     st, _ = steps(st, sched, 1)
     assert lsm.blocking(st, sched) == lsm.InFlight(1, 1, 1)  # the oldest overdue send
-    st = lsm.on_fragment(st, sched, 1, 1)
+    st = lsm.on_fragment(st, sched, 1, 1, merged=frozenset({(0, 0, 1)}))
     assert lsm.blocking(st, sched) is None  # arrived: pending, not overdue
     st, ready = lsm.to_apply(st)
     assert [q.fragment for q in ready] == [1]
     st, _ = steps(st, sched, 1)
     assert lsm.blocking(st, sched) == lsm.InFlight(2, 2, 2)
+
+
+def test_merge_without_this_learners_send_applies_at_once_and_keeps_it_waiting():
+    """Another learner's merge of a fragment this learner has in flight: applied before the next
+    step, but the send is not answered, so the learner still blocks for its own merge."""
+    sched = make_schedule(4, 4, tau=2)
+    st, sends = steps(lsm.init(0, 0, (0, 0, 0, 0)), sched, 1)  # fragment 1 sent after step 1
+    other = frozenset({(3, 0, 9), (0, 1, sends[0].seq)})  # another learner, and a dead incarnation
+    st = lsm.on_fragment(st, sched, 1, 1, merged=other)
+    assert st.pending == (lsm.Pending(1, 1, apply_at=1),)
+    st, ready = lsm.to_apply(st)
+    assert [q.version for q in ready] == [1] and st.versions[1] == 1 and st.c_steps[1] == 0
+    assert [f.seq for f in st.in_flight] == [sends[0].seq]
+    st, _ = steps(st, sched, 2)
+    assert lsm.blocking(st, sched) == lsm.InFlight(1, sends[0].seq, 1)
+    st = lsm.on_fragment(st, sched, 1, 2, merged=answer(sends[0]))  # its own merge, in the next round
+    assert lsm.blocking(st, sched) is None
+    st, ready = lsm.to_apply(st)
+    assert st.versions[1] == 2 and sends[0].seq not in [f.seq for f in st.in_flight]
 
 
 def test_tau_zero_stalls_right_after_every_send():
@@ -115,8 +141,8 @@ def test_tau_zero_stalls_right_after_every_send():
         st, sends = lsm.after_step(st, sched, TOKENS)
         assert len(sends) == 1
         assert lsm.blocking(st, sched) == lsm.InFlight(0, sends[0].seq, st.step)
-        st = lsm.on_fragment(st, sched, 0, version)
-        assert st.pending == (lsm.Pending(0, version, apply_at=st.step),)
+        st = lsm.on_fragment(st, sched, 0, version, merged=answer(sends[0]))
+        assert st.pending == (lsm.Pending(0, version, apply_at=st.step, answers=(sends[0].seq,)),)
         st, ready = lsm.to_apply(st)
         assert len(ready) == 1 and lsm.blocking(st, sched) is None
         assert st.c_steps == (0,) and st.c_tokens == (0,)
@@ -140,17 +166,17 @@ def test_give_up_releases_the_stall_and_a_later_arrival_still_applies():
 
 def test_stale_and_duplicate_versions_are_ignored():
     sched = make_schedule(2, 2, tau=1)
-    st, _ = steps(lsm.init(0, 0, (4, 4)), sched, 1)
+    st, sends = steps(lsm.init(0, 0, (4, 4)), sched, 1)
     for old in (3, 4):  # not newer than the version held
         assert lsm.on_fragment(st, sched, 1, old) == st
-    st = lsm.on_fragment(st, sched, 1, 6)
+    st = lsm.on_fragment(st, sched, 1, 6, merged=answer(sends[0]))
     for old in (5, 6):  # not newer than the version pending
         assert lsm.on_fragment(st, sched, 1, old) == st
-    st = lsm.on_fragment(st, sched, 1, 7)  # newer: replaces the pending one, same apply step
-    assert st.pending == (lsm.Pending(1, 7, apply_at=2),)
+    st = lsm.on_fragment(st, sched, 1, 7)  # newer: replaces the pending one, inherits its answer
+    assert st.pending == (lsm.Pending(1, 7, apply_at=2, answers=(1,)),)
     st, _ = steps(st, sched, 1)
     st, ready = lsm.to_apply(st)
-    assert ready == (lsm.Pending(1, 7, 2),) and st.versions == (4, 7)
+    assert ready == (lsm.Pending(1, 7, 2, (1,)),) and st.versions == (4, 7)
     assert lsm.on_fragment(st, sched, 1, 7) == st  # a duplicate of the applied version
 
 
@@ -172,7 +198,7 @@ def test_every_send_is_answered_tau_steps_later_with_an_echo_syncer(tau):
             assert s.c_steps == expected and s.c_tokens == TOKENS * expected
             version = s.base_version + 1
             sent[(s.fragment, version)] = s.step
-            st = lsm.on_fragment(st, sched, s.fragment, version)
+            st = lsm.on_fragment(st, sched, s.fragment, version, merged=answer(s))
     assert applied and all(step == sent[(p, v)] + tau for p, v, step in applied)
 
 

@@ -57,6 +57,18 @@ def test_a_restarted_learner_is_a_new_incarnation():
     assert led.lost == (17,) and L.balance(led) == 0
 
 
+def test_a_replaced_contribution_carries_its_tokens_into_the_newer_one():
+    led = L.token_ledger(2)
+    led = L.send(L.process(led, 0, 0, 10), 0, 0, fragment=1, seq=1)  # 10 tokens, superseded
+    led = L.send(L.process(led, 0, 0, 10), 0, 0, fragment=1, seq=2)  # 10 more, holds both
+    led = L.resolve(led, (0, 0, 1), "carried", into=(0, 0, 2))
+    assert led.in_flight == {(0, 0, 2): (1, 20)}
+    led = L.merge(led, [(0, 0, 2)])
+    assert led.merged == (0, 20) and L.balance(led) == 0
+    with pytest.raises(LedgerError, match="not in flight"):
+        L.resolve(L.send(L.process(led, 0, 0, 1), 0, 0, fragment=0, seq=3), (0, 0, 3), "carried", into=(0, 0, 9))
+
+
 def test_check_raises_with_the_numbers():
     led = run_tokens()
     broken = led._replace(merged=(305, 0))

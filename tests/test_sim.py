@@ -202,8 +202,8 @@ def test_merge_rule_per_fragment_kind_and_the_token_ledger(tmp_path, build, monk
         return led
     monkeypatch.setattr(ledger, "send", send)
     plain_resolve = ledger.resolve
-    monkeypatch.setattr(ledger, "resolve", lambda led, key, outcome: (outcomes.append((key, outcome)),
-                                                                      plain_resolve(led, key, outcome))[1])
+    monkeypatch.setattr(ledger, "resolve", lambda led, key, outcome, into=None: (
+        outcomes.append((key, outcome)), plain_resolve(led, key, outcome, into))[1])
     sim, summary = run_sim(cfg, setup)
     records = merge_records(sim.syncer)
     assert {r["method"] for r in records if r["fragment"] == 1} == {"average"}

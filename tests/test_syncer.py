@@ -229,10 +229,15 @@ def test_a_newer_contribution_of_the_same_learner_replaces_the_older_in_the_roun
     st, _ = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 5), THETA0[0], learner=0, seq=1), 0.0)
     new = shifted(THETA0[0], 1)
     st, actions = sync.on_contribution(pol, st, frame(new, THETA0[0], learner=0, seq=2), 0.5)
-    assert actions == (sync.Outcome((0, 0, 1), "excluded"),)
+    # same base: the newer one holds the older one's progress, so its tokens are carried into it
+    assert actions == (sync.Outcome((0, 0, 1), "carried", (0, 0, 2)),)
     other = shifted(THETA0[0], -1)
     st, actions = sync.on_contribution(pol, st, frame(other, THETA0[0], learner=1), 1.0)
     assert [a.key for a in actions if isinstance(a, sync.Outcome)] == [(0, 0, 2), (1, 0, 1)]
+    (publish,) = [a for a in actions if isinstance(a, sync.Publish)]
+    assert publish.merged == ((0, 0, 2), (1, 0, 1))
+    for f in publish.frames.values():  # every broadcast names the contributions it answers
+        assert messages.merged_keys(messages.decode(f).header) == {(0, 0, 2), (1, 0, 1)}
     for p in (W, B):
         np.testing.assert_allclose(st.fragments[0].theta[p], (new[p] + other[p]) / 2, rtol=1e-6)
 

@@ -39,6 +39,7 @@ class Pending(NamedTuple):
     fragment: int
     version: int
     apply_at: int  # applied before the local step apply_at + 1, i.e. once step >= apply_at
+    answers: tuple[int, ...] = ()  # seqs of this learner's sends the merge took in
 
 
 class LearnerState(NamedTuple):
@@ -89,29 +90,40 @@ def flush(st: LearnerState) -> tuple[LearnerState, tuple[Send, ...]]:
     return st._replace(seq=seq, in_flight=tuple(in_flight)), tuple(sends)
 
 
-def on_fragment(st: LearnerState, schedule: Schedule, fragment: int, version: int) -> LearnerState:
+def on_fragment(st: LearnerState, schedule: Schedule, fragment: int, version: int,
+                merged: frozenset[tuple[int, int, int]] = frozenset()) -> LearnerState:
     """A merged global fragment arrived: schedule its application.
 
-    If the learner has this fragment in flight, the merge answers that send and is applied tau
-    steps after it (the overlap of Streaming DiLoCo section 2.3); otherwise, e.g. a merge another
-    learner triggered, it is applied before the next step. Versions not newer than one already held
-    or pending are ignored.
+    `merged` lists the (learner, incarnation, seq) the merge took in. If it took in this learner's
+    send, the merge answers it and is applied tau steps after that send (the overlap of Streaming
+    DiLoCo section 2.3). Otherwise (a merge another learner triggered, while this learner's own
+    contribution waits for the next round) it is applied before the next step, and the send stays
+    in flight. Versions not newer than one already held or pending are ignored; a newer one replaces
+    a pending one and inherits what it answered (versions are cumulative).
     """
     newest = max([st.versions[fragment]] + [q.version for q in st.pending if q.fragment == fragment])
     if version <= newest:
         return st
-    sent = [f.sent_at for f in st.in_flight if f.fragment == fragment]
-    apply_at = max(st.step, min(sent) + schedule.tau) if sent else st.step
-    pending = tuple(q for q in st.pending if q.fragment != fragment) + (Pending(fragment, version, apply_at),)
-    return st._replace(pending=pending)
+    own = {seq for learner, inc, seq in merged if learner == st.learner and inc == st.incarnation}
+    sent = {f.seq: f.sent_at for f in st.in_flight if f.fragment == fragment}
+    answers = tuple(sorted({seq for seq in own if seq in sent}.union(
+        *[q.answers for q in st.pending if q.fragment == fragment])))
+    if answers:
+        apply_at = max(st.step, min(sent.get(seq, st.step - schedule.tau) for seq in answers) + schedule.tau)
+    else:
+        apply_at = st.step
+    pending = tuple(q for q in st.pending if q.fragment != fragment)
+    return st._replace(pending=pending + (Pending(fragment, version, apply_at, answers),))
 
 
 def to_apply(st: LearnerState) -> tuple[LearnerState, tuple[Pending, ...]]:
-    """Pop the pending fragments due before the next step; their counters reset, their sends answered."""
+    """Pop the pending fragments due before the next step; their counters reset and the sends they
+    answer (with any earlier send of the same fragment) leave flight."""
     ready = tuple(q for q in st.pending if q.apply_at <= st.step)
     if not ready:
         return st, ()
     done = {q.fragment for q in ready}
+    answered = {q.fragment: max(q.answers) for q in ready if q.answers}
     c_steps = tuple(0 if p in done else c for p, c in enumerate(st.c_steps))
     c_tokens = tuple(0 if p in done else c for p, c in enumerate(st.c_tokens))
     versions = list(st.versions)
@@ -120,7 +132,7 @@ def to_apply(st: LearnerState) -> tuple[LearnerState, tuple[Pending, ...]]:
     st = st._replace(
         c_steps=c_steps, c_tokens=c_tokens, versions=tuple(versions),
         pending=tuple(q for q in st.pending if q.apply_at > st.step),
-        in_flight=tuple(f for f in st.in_flight if f.fragment not in done),
+        in_flight=tuple(f for f in st.in_flight if f.seq > answered.get(f.fragment, -1)),
     )
     return st, ready
 
@@ -133,7 +145,8 @@ def blocking(st: LearnerState, schedule: Schedule) -> InFlight | None:
     """
     overdue = [f for f in st.in_flight
                if st.step >= f.sent_at + schedule.tau
-               and not any(q.fragment == f.fragment for q in st.pending)]
+               and not any(q.fragment == f.fragment and q.answers and max(q.answers) >= f.seq
+                           for q in st.pending)]
     return min(overdue, key=lambda f: f.sent_at) if overdue else None
 
 

@@ -142,8 +142,9 @@ def _dropped_plus(led: TokenLedger, reason: str, fragment: int, tokens: int) -> 
     return {**led.dropped, reason: _add(row, fragment, tokens)}
 
 
-def resolve(led: TokenLedger, key: MessageKey, outcome: str) -> TokenLedger:
-    """The fate of a sent contribution: "merged", "lost" (in transit), or a drop reason.
+def resolve(led: TokenLedger, key: MessageKey, outcome: str, into: MessageKey | None = None) -> TokenLedger:
+    """The fate of a sent contribution: "merged", "lost" (in transit), "carried" (a newer
+    contribution `into` of the same learner holds its progress and takes its tokens), or a drop reason.
 
     A message that is not in flight (a duplicate delivery, or a header naming a message never sent)
     carries no tokens of its own: it only counts in `unmatched`.
@@ -156,6 +157,11 @@ def resolve(led: TokenLedger, key: MessageKey, outcome: str) -> TokenLedger:
         return led._replace(in_flight=in_flight, merged=_add(led.merged, fragment, tokens))
     if outcome == "lost":
         return led._replace(in_flight=in_flight, lost=_add(led.lost, fragment, tokens))
+    if outcome == "carried":
+        if into not in in_flight or in_flight[into][0] != fragment:
+            raise LedgerError(f"{key} carried into {into}, which is not in flight for fragment {fragment}")
+        in_flight[into] = (fragment, in_flight[into][1] + tokens)
+        return led._replace(in_flight=in_flight)
     return led._replace(in_flight=in_flight, dropped=_dropped_plus(led, outcome, fragment, tokens))
 
 

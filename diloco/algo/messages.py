@@ -47,6 +47,9 @@ QUARANTINE_REASONS = FRAME_REASONS + PAYLOAD_REASONS + ADMISSION_REASONS
 _INT_FIELDS = ("learner", "incarnation", "seq", "fragment", "base_version", "version", "c_steps",
                "c_tokens", "payload_len")
 HEADER_FIELDS = ("kind", *_INT_FIELDS, "codec", "delta_against", "tensors", "checksum")
+# A broadcast (kind "fragment") may list the contributions its merge took in, as [learner,
+# incarnation, seq]: a learner applies a merge at its tau step only if it answers its own send.
+OPTIONAL_FIELDS = ("merged",)
 
 
 class MessageError(ValueError):
@@ -103,12 +106,26 @@ def _check_tensors(tensors: Any) -> None:
             raise _bad(f"tensors[{i}].nbytes must be a non-negative int, got {t['nbytes']!r}")
 
 
+def _check_merged(header: dict) -> None:
+    merged = header.get("merged", [])
+    if merged and header["kind"] != "fragment":
+        raise _bad(f"only a fragment broadcast lists merged contributions, got kind {header['kind']!r}")
+    if not isinstance(merged, list) or not all(
+            isinstance(k, list) and len(k) == 3 and all(_is_int(x) and x >= 0 for x in k) for k in merged):
+        raise _bad(f"merged must be a list of [learner, incarnation, seq] non-negative ints, got {merged!r}")
+
+
+def merged_keys(header: dict) -> frozenset[tuple[int, int, int]]:
+    """The (learner, incarnation, seq) of every contribution a broadcast's merge took in."""
+    return frozenset(tuple(k) for k in header.get("merged", []))
+
+
 def validate_header(header: Any) -> None:
     """Raise MessageError("bad_header") unless every field is present, typed and consistent."""
     if not isinstance(header, dict):
         raise _bad(f"header must be a JSON object, got {type(header).__name__}")
     missing = [f for f in HEADER_FIELDS if f not in header]
-    extra = sorted(set(header) - set(HEADER_FIELDS))
+    extra = sorted(set(header) - set(HEADER_FIELDS) - set(OPTIONAL_FIELDS))
     if missing or extra:
         raise _bad(f"missing fields {missing}, unknown fields {extra}")
     if header["kind"] not in KINDS:
@@ -130,6 +147,7 @@ def validate_header(header: Any) -> None:
     if not isinstance(header["checksum"], str):
         raise _bad(f"checksum must be str, got {header['checksum']!r}")
     _check_tensors(header["tensors"])
+    _check_merged(header)
     total = sum(t["nbytes"] for t in header["tensors"])
     if total != header["payload_len"]:
         raise _bad(f"tensors' nbytes sum to {total}, payload_len is {header['payload_len']}")

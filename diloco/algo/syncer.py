@@ -89,11 +89,15 @@ class Publish(NamedTuple):
     version: int
     frames: dict[int, bytes]  # learner -> frame
     full: tuple[int, ...]  # learners sent a full FP32 copy; the others got the quantized delta
+    merged: tuple[tuple[int, int, int], ...] = ()  # the contributions this version took in
 
 
 class Outcome(NamedTuple):
     key: tuple[int, int, int] | None  # None when the frame could not even be attributed
-    outcome: str  # "merged" or a ledger drop reason ("stale", "excluded", "quarantined:<r>")
+    # "merged", "carried" (replaced by `into`, which holds its progress) or a ledger drop
+    # reason ("stale", "excluded", "quarantined:<r>")
+    outcome: str
+    into: tuple[int, int, int] | None = None
 
 
 def init(cfg: Policy, fragments: tuple[Fragment, ...], values: tuple[Values, ...],
@@ -164,7 +168,10 @@ def _admit(cfg: Policy, st: SyncerState, p: int, c: Contribution, now: float) ->
     if decision.reason == quorum.REPEAT:  # the newer contribution of the same learner replaces the older
         old = [x for x in fs.contributions if x.key[0] == c.key[0]]
         kept = tuple(x for x in fs.contributions if x.key[0] != c.key[0]) + (c,)
-        actions += tuple(Outcome(x.key, "excluded") for x in old)
+        # Against the same base the newer one is the older plus later steps (the learner applied
+        # nothing in between), so the older one's tokens ride in it; otherwise they are lost.
+        actions += tuple(Outcome(x.key, "carried", c.key) if x.base_version == c.base_version
+                         else Outcome(x.key, "excluded") for x in old)
         fs = fs._replace(round=rnd, contributions=kept)
     elif decision.action == quorum.MERGE and c.key[0] in decision.late:
         fs = fs._replace(round=rnd)  # the late one goes into the next round, after this merge
@@ -243,7 +250,8 @@ def _merge(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
     theta, outer_state = _outer_step(cfg.outer, fs.theta, fs.outer_state, delta)
     theta = {path: np.asarray(x) for path, x in theta.items()}
     version = fs.version + 1
-    st, publish = _publish(cfg, st, fs._replace(theta=theta, outer_state=outer_state, version=version), p)
+    keys = tuple(c.key for c in inside)
+    st, publish = _publish(cfg, st, fs._replace(theta=theta, outer_state=outer_state, version=version), p, keys)
     record = {
         **_record("merge", decision, None), "version": version, "method": method,
         "learners": [c.key[0] for c in inside], "weights": weights,
@@ -260,7 +268,8 @@ def _outer_step(opt, theta, opt_state, delta):
     return optax.apply_updates(theta, updates), opt_state
 
 
-def _publish(cfg: Policy, st: SyncerState, fs: FragmentState, p: int) -> tuple[SyncerState, Publish]:
+def _publish(cfg: Policy, st: SyncerState, fs: FragmentState, p: int,
+             merged: tuple[tuple[int, int, int], ...]) -> tuple[SyncerState, Publish]:
     """New ref = old ref + decode(encode(Theta - old ref)); learners holding the previous version
     get that delta, others (joiners, learners that missed a version) a full FP32 copy."""
     prev_version, prev = fs.refs[-1]
@@ -273,9 +282,9 @@ def _publish(cfg: Policy, st: SyncerState, fs: FragmentState, p: int) -> tuple[S
         decoded = messages.unpack_fragment({"codec": cfg.down_spec, "tensors": tensors}, payload,
                                            cfg.down_codec, {k: (v.shape, np.float32) for k, v in prev.items()})
         ref = {path: prev[path] + decoded[path] for path in prev}
-        delta_frame = _frame(p, fs.version, prev_version, cfg.down_spec, tensors, payload)
+        delta_frame = _frame(p, fs.version, prev_version, cfg.down_spec, tensors, payload, merged)
     tensors, payload, _ = messages.pack_fragment(ref, full_codec)
-    full_frame = _frame(p, fs.version, None, "fp32", tensors, payload)
+    full_copy = _frame(p, fs.version, None, "fp32", tensors, payload, merged)
     frames, full = {}, []
     held = dict(st.held)
     for m in sorted(st.live):
@@ -283,31 +292,34 @@ def _publish(cfg: Policy, st: SyncerState, fs: FragmentState, p: int) -> tuple[S
         if delta_frame is not None and versions[p] == prev_version:
             frames[m] = delta_frame
         else:
-            frames[m] = full_frame
+            frames[m] = full_copy
             full.append(m)
         held[m] = versions[:p] + (fs.version,) + versions[p + 1:]
     refs = (fs.refs + ((fs.version, ref),))[-cfg.history:]
     st = _with_fragment(st, p, fs._replace(refs=refs))
-    return st._replace(held=held), Publish(p, fs.version, frames, tuple(full))
+    return st._replace(held=held), Publish(p, fs.version, frames, tuple(full), merged)
 
 
-def _frame(p: int, version: int, delta_against: int | None, spec: str, tensors, payload: bytes) -> bytes:
+def _frame(p: int, version: int, delta_against: int | None, spec: str, tensors, payload: bytes,
+           merged: tuple[tuple[int, int, int], ...] = ()) -> bytes:
     header = {"kind": "fragment", "learner": 0, "incarnation": 0, "seq": version, "fragment": p,
               "base_version": delta_against if delta_against is not None else version,
               "version": version, "c_steps": 0, "c_tokens": 0, "codec": spec,
-              "delta_against": delta_against, "tensors": tensors}
+              "delta_against": delta_against, "tensors": tensors, "merged": [list(k) for k in merged]}
     return messages.encode(header, payload)
+
+
+def full_frame(st: SyncerState, p: int, merged: tuple[tuple[int, int, int], ...] = ()) -> bytes:
+    """Fragment p's current ref as a full FP32 frame (a joiner's start, or a catch-up copy for a
+    learner whose queued deltas were collapsed; `merged` then lists what those deltas answered)."""
+    version, ref = st.fragments[p].refs[-1]
+    tensors, payload, _ = messages.pack_fragment(ref, messages.codec_from_spec("fp32"))
+    return _frame(p, version, None, "fp32", tensors, payload, merged)
 
 
 def full_frames(st: SyncerState) -> dict[int, bytes]:
     """Every fragment's current ref as a full FP32 frame: what a joining learner starts from."""
-    out = {}
-    codec = messages.codec_from_spec("fp32")
-    for p, fs in enumerate(st.fragments):
-        version, ref = fs.refs[-1]
-        tensors, payload, _ = messages.pack_fragment(ref, codec)
-        out[p] = _frame(p, version, None, "fp32", tensors, payload)
-    return out
+    return {p: full_frame(st, p) for p in range(len(st.fragments))}
 
 
 def _max_payload(st: SyncerState) -> int:

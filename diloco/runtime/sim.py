@@ -155,7 +155,7 @@ class Sim:
             if isinstance(a, sync.SetDeadline):
                 self.push(a.at, "deadline", a.fragment)
             elif isinstance(a, sync.Outcome) and a.key is not None:
-                self.tokens = ledger.resolve(self.tokens, a.key, a.outcome)
+                self.tokens = ledger.resolve(self.tokens, a.key, a.outcome, a.into)
             elif isinstance(a, sync.Publish):
                 for m, frame in sorted(a.frames.items()):
                     codec = "fp32" if m in a.full else self.setup.policy.down_spec

@@ -8,7 +8,8 @@ device_put/device_get, codec state); the syncer thread owns the SyncerState, the
 and all three ledgers; the main thread evaluates and supervises. Learners book nothing: they send
 small events (apply, step, done) through one FIFO queue `up`, which the syncer books as sim does,
 in each learner's order. Their stalls (for an overdue fragment, or for room on a full `up`) ride
-on the next step or done event. Merged fragments go down through one bounded inbox per learner.
+on the next step or done event. Merged fragments go down through one mailbox per learner, which
+never blocks the syncer: a learner that falls behind gets a full copy instead of a backlog.
 
 Shutdown: a learner done with run.steps sends `done` and keeps receiving. When all are done, the
 syncer has booked everything (FIFO), fires the pending grace deadlines as they fall due, publishes
@@ -35,6 +36,7 @@ from diloco.algo import syncer as sync
 from diloco.algo.replay import Input, apply as deliver
 from diloco.config import TrainConfig
 from diloco.data import batch_at
+from diloco.runtime.mailbox import Mailbox
 from diloco.runtime.setup import Setup, new_unit
 from diloco.runtime.summary import run_summary
 from diloco.runtime.tape import InputLog, run_outputs, write_decisions
@@ -42,7 +44,6 @@ from diloco.runtime.unit import LearnerUnit
 
 POLL = 0.05  # seconds: the longest any thread blocks before looking at the stop event again
 JOIN_TIMEOUT = 30.0  # seconds the main thread waits for stopped threads before reporting them stuck
-_CLOSED = None  # inbox sentinel: the syncer has published its last merge
 
 
 class _Stopped(Exception):
@@ -81,7 +82,7 @@ class Threads:
         self.error: BaseException | None = None
         self._error_lock = threading.Lock()
         self.up: queue.Queue = queue.Queue(maxsize=r.queue_size)
-        self.inboxes = [queue.Queue(maxsize=r.queue_size) for _ in range(self.M)]
+        self.inboxes = [Mailbox(r.queue_size) for _ in range(self.M)]
         self.eval_requests: queue.Queue = queue.Queue(maxsize=r.queue_size)
         # Learners compile before the clock starts; the last one to arrive starts it.
         self.ready = threading.Barrier(self.M, action=self._start_clock)
@@ -219,11 +220,10 @@ class Threads:
         """Take at most one frame from learner m's inbox; False once the syncer has closed it."""
         if self.stop.is_set():
             raise _Stopped
-        try:
-            frame = self.inboxes[m].get(timeout=timeout) if timeout > 0 else self.inboxes[m].get_nowait()
-        except queue.Empty:
+        frame = self.inboxes[m].get(timeout)
+        if frame is False:
             return True
-        if frame is _CLOSED:
+        if frame is None:  # closed: the syncer has published its last merge
             return False
         # Copy on receive: bytes(frame) is the frame itself when it is bytes (immutable, nothing
         # to copy) and a real copy of a bytearray/memoryview. A runtime handing over numpy arrays
@@ -243,7 +243,7 @@ class Threads:
     def _emit(self, m: int, event: tuple) -> tuple[float, float] | None:
         """Put an event on the bounded `up` queue; returns the (start, end) of the wait if it was
         full, which the learner books as a stall (it cannot go on until the syncer catches up).
-        While it waits it keeps taking broadcasts: the syncer may be blocked on its full inbox."""
+        While it waits it keeps taking broadcasts, so they do not pile up into catch-up copies."""
         try:
             self.up.put_nowait(event)
             return None
@@ -279,7 +279,7 @@ class Threads:
             self._on_event(event, done)
         self.end = self.clock()
         for inbox in self.inboxes:
-            self._put(inbox, _CLOSED)
+            inbox.close()
 
     def _on_event(self, event: tuple, done: set[int]) -> None:
         kind = event[0]
@@ -333,13 +333,18 @@ class Threads:
             if isinstance(a, sync.SetDeadline):
                 heapq.heappush(self.deadlines, (a.at, next(self._order), a.fragment))
             elif isinstance(a, sync.Outcome) and a.key is not None:
-                self.tokens = ledger.resolve(self.tokens, a.key, a.outcome)
+                self.tokens = ledger.resolve(self.tokens, a.key, a.outcome, a.into)
             elif isinstance(a, sync.Publish):
                 now = self.clock()
                 for m, frame in sorted(a.frames.items()):
                     codec = "fp32" if m in a.full else self.setup.policy.down_spec
                     self.bytes = ledger.add_bytes(self.bytes, now, len(frame), "down", m, a.fragment, codec)
-                    self._put(self.inboxes[m], frame)
+                    extra = self.inboxes[m].put(a.fragment, frame, self._catch_up)
+                    if extra:  # a learner behind: its queued deltas became one full copy
+                        self.bytes = ledger.add_bytes(self.bytes, now, extra, "down", m, a.fragment, "fp32")
+
+    def _catch_up(self, p: int, merged: tuple) -> bytes:
+        return sync.full_frame(self.syncer, p, merged)
 
     def _put(self, q: queue.Queue, item: Any) -> None:
         while True:

@@ -149,7 +149,7 @@ class LearnerUnit:
                 return None
             values = {path: base[path] + values[path] for path in values}
         self.latest[p] = (h["version"], values)
-        self.ls = lsm.on_fragment(self.ls, self.spec.schedule, p, h["version"])
+        self.ls = lsm.on_fragment(self.ls, self.spec.schedule, p, h["version"], messages.merged_keys(h))
         return p, h["version"]
 
     def params_host(self) -> dict:
