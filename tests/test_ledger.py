@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from diloco.algo import ledger as L
+from diloco.algo import timeline, traffic
 from diloco.algo.ledger import LedgerError
 
 
@@ -94,65 +95,65 @@ def test_token_events_that_cannot_happen_fail_loudly():
 
 
 def byte_events():
-    led = L.byte_ledger()
+    led = traffic.byte_ledger()
     for t, n, d, m, p, c in [(0.0, 100, "up", 0, 0, "int4"), (0.5, 300, "up", 1, 1, "int4"),
                              (1.0, 400, "down", 0, 0, "fp32"), (1.0, 400, "down", 1, 0, "fp32"),
                              (2.5, 100, "up", 0, 1, "int4")]:
-        led = L.add_bytes(led, t, n, d, m, p, c)
+        led = traffic.add_bytes(led, t, n, d, m, p, c)
     return led
 
 
 def test_byte_totals_and_rates():
     led = byte_events()
-    assert L.byte_totals(led) == {(0, "up"): 200, (0, "down"): 400, (1, "up"): 300, (1, "down"): 400}
-    assert L.byte_totals(led, ("codec",)) == {("int4",): 500, ("fp32",): 800}
-    assert L.byte_totals(led, ("fragment", "direction"))[(0, "down")] == 800
-    np.testing.assert_array_equal(L.window_rates(led, 1.0), [400, 800, 100])
-    np.testing.assert_array_equal(L.window_rates(led, 1.0, direction="up", end=4.0), [400, 0, 100, 0])
+    assert traffic.byte_totals(led) == {(0, "up"): 200, (0, "down"): 400, (1, "up"): 300, (1, "down"): 400}
+    assert traffic.byte_totals(led, ("codec",)) == {("int4",): 500, ("fp32",): 800}
+    assert traffic.byte_totals(led, ("fragment", "direction"))[(0, "down")] == 800
+    np.testing.assert_array_equal(traffic.window_rates(led, 1.0), [400, 800, 100])
+    np.testing.assert_array_equal(traffic.window_rates(led, 1.0, direction="up", end=4.0), [400, 0, 100, 0])
     # The busiest second is [0.5, 1.5): 300 + 400 + 400, which no aligned window sees.
-    assert L.peak_rate(led, 1.0) == 1100.0
-    assert L.peak_rate(led, 1.0, direction="up") == 400.0
-    assert L.peak_rate(led, 0.5, learner=0) == 800.0
-    assert L.mean_rate(led, 0.0, 4.0) == 1300 / 4
-    assert L.peak_rate(L.byte_ledger(), 1.0) == 0.0
+    assert traffic.peak_rate(led, 1.0) == 1100.0
+    assert traffic.peak_rate(led, 1.0, direction="up") == 400.0
+    assert traffic.peak_rate(led, 0.5, learner=0) == 800.0
+    assert traffic.mean_rate(led, 0.0, 4.0) == 1300 / 4
+    assert traffic.peak_rate(traffic.byte_ledger(), 1.0) == 0.0
 
 
 def test_byte_log_spans_chunks():
-    led = L.byte_ledger()
+    led = traffic.byte_ledger()
     for i in range(600):  # more than two chunks
-        led = L.add_bytes(led, i / 8, 1 + i % 2, "up", i % 3, 0, "int4")
+        led = traffic.add_bytes(led, i / 8, 1 + i % 2, "up", i % 3, 0, "int4")
     old = led
-    led = L.add_bytes(led, 80.0, 1000, "down", 0, 0, "fp32")
-    assert len(L.byte_events(old)) == 600 and len(L.byte_events(led)) == 601
-    assert L.byte_totals(led, ("direction",)) == {("up",): 900, ("down",): 1000}
-    assert L.peak_rate(led, 1.0, direction="up") == 12.0  # any 8 consecutive events: 4 x 1 + 4 x 2 bytes
+    led = traffic.add_bytes(led, 80.0, 1000, "down", 0, 0, "fp32")
+    assert len(traffic.byte_events(old)) == 600 and len(traffic.byte_events(led)) == 601
+    assert traffic.byte_totals(led, ("direction",)) == {("up",): 900, ("down",): 1000}
+    assert traffic.peak_rate(led, 1.0, direction="up") == 12.0  # any 8 consecutive events: 4 x 1 + 4 x 2 bytes
     with pytest.raises(LedgerError):
-        L.add_bytes(led, 0.0, 1, "sideways", 0, 0, "int4")
+        traffic.add_bytes(led, 0.0, 1, "sideways", 0, 0, "int4")
 
 
 def time_ledger():
-    led = L.time_ledger()
+    led = timeline.time_ledger()
     for m, state, a, b in [(0, "compute", 0, 4), (0, "compute", 4, 8), (0, "stall", 8, 9),
                            (0, "compute", 9, 10), (1, "compute", 0, 3), (1, "down", 3, 6),
                            (1, "restarting", 6, 7), (1, "compute", 7, 10)]:
-        led = L.add_time(led, m, state, a, b)
+        led = timeline.add_time(led, m, state, a, b)
     return led
 
 
 def test_goodput_and_uptime():
     led = time_ledger()
-    assert len(L.intervals(led)) == 7  # L0's two back-to-back compute intervals were coalesced
-    assert L.seconds(led) == {
+    assert len(timeline.intervals(led)) == 7  # L0's two back-to-back compute intervals were coalesced
+    assert timeline.seconds(led) == {
         0: {"compute": 9.0, "stall": 1.0, "down": 0.0, "restarting": 0.0},
         1: {"compute": 6.0, "stall": 0.0, "down": 3.0, "restarting": 1.0},
     }
-    assert L.goodput(led) == 15 / 20
-    assert L.goodput(led, 0) == 0.9 and L.goodput(led, 1) == 0.6
-    assert L.uptime(led, quorum=1) == 1.0  # L0 never went down: zero global downtime at K = 1
-    assert L.uptime(led, quorum=2) == 0.6  # both up during [0, 3) and [7, 10)
-    assert L.uptime(led, quorum=2, start=0, end=20) == 0.3
+    assert timeline.goodput(led) == 15 / 20
+    assert timeline.goodput(led, 0) == 0.9 and timeline.goodput(led, 1) == 0.6
+    assert timeline.uptime(led, quorum=1) == 1.0  # L0 never went down: zero global downtime at K = 1
+    assert timeline.uptime(led, quorum=2) == 0.6  # both up during [0, 3) and [7, 10)
+    assert timeline.uptime(led, quorum=2, start=0, end=20) == 0.3
     with pytest.raises(LedgerError, match="overlaps"):
-        L.add_time(led, 1, "compute", 9.5, 11)
+        timeline.add_time(led, 1, "compute", 9.5, 11)
 
 
 def test_summary_is_plain_numbers():

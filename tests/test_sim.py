@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from diloco.algo import ledger, messages
+from diloco.algo import ledger, messages, timeline
 from diloco.algo import syncer as sync
 from diloco.algo.outer import make_outer
 from diloco.config import (CodecConfig, DataConfig, FragmentsConfig, InnerConfig, ModelConfig, OuterConfig,
@@ -235,7 +235,7 @@ def test_same_seed_is_bit_identical_and_another_seed_changes_the_tape(tmp_path, 
 
 
 def stall_seconds(sim, m):
-    return ledger.seconds(sim.time)[m]["stall"]
+    return timeline.seconds(sim.time)[m]["stall"]
 
 
 def test_heterogeneous_speeds_K1_without_grace_never_stalls(tmp_path, build):

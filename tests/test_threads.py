@@ -11,7 +11,7 @@ from dataclasses import replace
 import jax
 import pytest
 
-from diloco.algo import ledger
+from diloco.algo import ledger, timeline
 from diloco.algo import syncer as sync
 from diloco.algo.replay import replay
 from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig, RuntimeConfig,
@@ -91,7 +91,7 @@ def test_two_learners_train_merge_and_balance(world, tmp_path, no_leftover_threa
     assert summary["token_ledger_imbalance"] == 0
     assert summary["merges"] == rt.syncer.merges > 0 and sum(rt.tokens.merged) > 0
     assert summary["bytes_up"] > 0 and summary["bytes_down"] > 0
-    assert all(secs["compute"] > 0 for secs in ledger.seconds(rt.time).values())
+    assert all(secs["compute"] > 0 for secs in timeline.seconds(rt.time).values())
     # Random init sits near log(V) = log(16) = 2.77 nats; 40 steps on the order-2 Markov source
     # take the merged global model far below it.
     assert initial > 2.5
@@ -122,7 +122,7 @@ def test_slow_learner_finishes_last_and_k1_merges_without_it(world, no_leftover_
 
     assert [u.ls.step for u in rt.units] == [STEPS] * M
     assert rt.finished_at[0] < rt.finished_at[1], rt.finished_at
-    secs = ledger.seconds(rt.time)
+    secs = timeline.seconds(rt.time)
     assert secs[1]["compute"] > 1.5 * secs[0]["compute"], secs  # the slowdown is real wall time
     solo = [r for r in rt.syncer.tape if r["event"] == "merge" and r["learners"] == [0]]
     assert len(solo) > 0  # K = 1: the fast learner's rounds close at the grace deadline without it

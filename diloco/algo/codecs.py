@@ -16,13 +16,15 @@ from __future__ import annotations
 import inspect
 import math
 from fractions import Fraction
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import ml_dtypes
 import numpy as np
 import zstandard
 
-CodecState = Any
+from diloco.algo.codec_base import (  # noqa: F401  (CodecError and NonFiniteError: the public errors)
+    Codec, CodecError, CodecState, NonFiniteError, buffer, flat_f32, numel, require_finite, stateless,
+)
 
 _TINY = np.float32(2.0**-126)  # smallest normal float32: floor for nonzero block scales
 # Block codecs walk the tensor in 256 KB slices so temporaries stay in L2; whole-tensor numpy
@@ -30,69 +32,22 @@ _TINY = np.float32(2.0**-126)  # smallest normal float32: floor for nonzero bloc
 _CHUNK = 1 << 16
 
 
-class CodecError(ValueError):
-    """A payload or input the codec refuses: wrong length, corrupt frame, non-finite values."""
-
-
-class Codec(NamedTuple):
-    """A wire format as pure functions, shaped like an optax transformation.
-
-    init(shape) -> per-tensor state (() when stateless); encode(x, state) -> (payload, state);
-    decode(payload, shape) -> float32 array; payload_bytes(shape) -> exact size, None for zstd.
-    """
-
-    name: str
-    init: Callable[[tuple[int, ...]], CodecState]
-    encode: Callable[[np.ndarray, CodecState], tuple[bytes, CodecState]]
-    decode: Callable[[bytes, tuple[int, ...]], np.ndarray]
-    payload_bytes: Callable[[tuple[int, ...]], int | None]
-
-
-def _stateless(shape: tuple[int, ...]) -> CodecState:
-    return ()  # stateless codecs; error_feedback's state wraps this
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    # Shapes come from message headers on the decode side, so a bad one is a malformed message.
-    shape = tuple(shape)
-    if not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
-        raise CodecError(f"shape must be a tuple of non-negative ints, got {shape!r}")
-    return math.prod(shape)
-
-
-def _flat_f32(x: Any) -> np.ndarray:
-    return np.asarray(x, dtype=np.float32).reshape(-1)
-
-
-def _require_finite(ok: bool, name: str) -> None:
-    # Non-finite pseudo-gradients are rejected, not encoded: the syncer quarantines the message.
-    if not ok:
-        raise CodecError(f"{name}: non-finite values (nan or inf) cannot be encoded or decoded")
-
-
-def _buffer(payload: bytes, expected: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    buf = np.frombuffer(payload, dtype=np.uint8)
-    if buf.size != expected:
-        raise CodecError(f"{name}: payload is {buf.size} bytes, shape {tuple(shape)} needs {expected}")
-    return buf
-
-
 def fp32() -> Codec:
     """Lossless float32 (the identity codec, for tests and the full-precision broadcast)."""
     name = "fp32"
 
     def encode(x, state):
-        flat = _flat_f32(x)
-        _require_finite(bool(np.isfinite(flat).all()), name)
+        flat = flat_f32(x)
+        require_finite(bool(np.isfinite(flat).all()), name)
         return flat.astype("<f4", copy=False).tobytes(), state
 
     def decode(payload, shape):
-        n = _numel(shape)
-        out = _buffer(payload, 4 * n, name, shape).view("<f4").astype(np.float32)
-        _require_finite(bool(np.isfinite(out).all()), name)
+        n = numel(shape)
+        out = buffer(payload, 4 * n, name, shape).view("<f4").astype(np.float32)
+        require_finite(bool(np.isfinite(out).all()), name)
         return out.reshape(shape)
 
-    return Codec(name, _stateless, encode, decode, lambda shape: 4 * _numel(shape))
+    return Codec(name, stateless, encode, decode, lambda shape: 4 * numel(shape))
 
 
 def bf16() -> Codec:
@@ -100,19 +55,19 @@ def bf16() -> Codec:
     name = "bf16"
 
     def encode(x, state):
-        bits = _flat_f32(x).astype(ml_dtypes.bfloat16).view(np.uint16)
+        bits = flat_f32(x).astype(ml_dtypes.bfloat16).view(np.uint16)
         # Exponent all ones is inf or nan: this also catches finite float32 values above bf16's max.
-        _require_finite(not np.any((bits & 0x7F80) == 0x7F80), name)
+        require_finite(not np.any((bits & 0x7F80) == 0x7F80), name)
         return bits.astype("<u2", copy=False).tobytes(), state
 
     def decode(payload, shape):
-        n = _numel(shape)
-        bits = _buffer(payload, 2 * n, name, shape).view("<u2")
-        _require_finite(not np.any((bits & 0x7F80) == 0x7F80), name)
+        n = numel(shape)
+        bits = buffer(payload, 2 * n, name, shape).view("<u2")
+        require_finite(not np.any((bits & 0x7F80) == 0x7F80), name)
         # bf16 is the top half of a float32, so widening is a shift.
         return (bits.astype(np.uint32) << 16).view(np.float32).reshape(shape)
 
-    return Codec(name, _stateless, encode, decode, lambda shape: 2 * _numel(shape))
+    return Codec(name, stateless, encode, decode, lambda shape: 2 * numel(shape))
 
 
 class _Format(NamedTuple):
@@ -197,12 +152,12 @@ def _block_codec(name: str, fmt: _Format, block: int) -> Codec:
     levels = np.float32(fmt.levels)
 
     def sizes(shape):
-        n = _numel(shape)
+        n = numel(shape)
         nb = -(-n // block)
         return n, nb, 4 * nb + -(-n // per)
 
     def encode(x, state):
-        flat = _flat_f32(x)
+        flat = flat_f32(x)
         n, nb, size = sizes(flat.shape)
         padded = nb * block
         if padded != n:
@@ -227,13 +182,13 @@ def _block_codec(name: str, fmt: _Format, block: int) -> Codec:
                 inv = np.float32(1.0) / np.maximum(sc, _TINY)
                 np.multiply(xc, np.repeat(inv, block), out=yc)
                 _pack(fmt.to_codes(yc), fmt.bits, packed[lo // per : (lo + xc.size) // per])
-        _require_finite(bool(np.isfinite(scales).all()), name)
+        require_finite(bool(np.isfinite(scales).all()), name)
         np.maximum(scales, _TINY, out=scales, where=scales > 0)  # the scale encode used; 0 stays 0
         return buf[:size].tobytes(), state
 
     def decode(payload, shape):
         n, nb, size = sizes(shape)
-        buf = _buffer(payload, size, name, shape)
+        buf = buffer(payload, size, name, shape)
         scales = buf[: 4 * nb].view("<f4")
         if not np.all((scales >= 0) & (scales < np.inf)):  # also false for nan
             raise CodecError(f"{name}: block scales must be finite and >= 0")
@@ -251,10 +206,10 @@ def _block_codec(name: str, fmt: _Format, block: int) -> Codec:
                 np.take(table, pc, out=oc.view(table.dtype), mode="clip")
             with np.errstate(over="ignore"):  # only a forged scale overflows; caught just below
                 oc *= np.repeat(scales[lo // block : (lo + oc.size) // block], block)
-            _require_finite(bool(np.isfinite(oc).all()), name)
+            require_finite(bool(np.isfinite(oc).all()), name)
         return out[:n].reshape(shape)
 
-    return Codec(f"{name}(block={block})", _stateless, encode, decode, lambda shape: sizes(shape)[2])
+    return Codec(f"{name}(block={block})", stateless, encode, decode, lambda shape: sizes(shape)[2])
 
 
 def int8(block: int = 64) -> Codec:
@@ -307,29 +262,29 @@ def topk(fraction: float = 0.01) -> Codec:
         return math.ceil(ratio * n)
 
     def encode(x, state):
-        flat = _flat_f32(x)
+        flat = flat_f32(x)
         n = flat.size
         k = count(n)
         mag = np.abs(flat)
-        _require_finite(n == 0 or bool(np.isfinite(mag.max())), name)  # max propagates nan
+        require_finite(n == 0 or bool(np.isfinite(mag.max())), name)  # max propagates nan
         idx = np.arange(n) if k == n else np.sort(np.argpartition(mag, n - k)[n - k :])
         return idx.astype("<u4").tobytes() + flat[idx].astype("<f4").tobytes(), state
 
     def decode(payload, shape):
-        n = _numel(shape)
+        n = numel(shape)
         k = count(n)
-        buf = _buffer(payload, 8 * k, name, shape)
+        buf = buffer(payload, 8 * k, name, shape)
         idx = buf[: 4 * k].view("<u4")
         values = buf[4 * k :].view("<f4")
         # Strictly increasing and in range: no index error, no silent duplicate overwrite.
         if k and (idx[-1] >= n or not np.all(idx[1:] > idx[:-1])):
             raise CodecError(f"{name}: indices must be strictly increasing and < {n}")
-        _require_finite(bool(np.isfinite(values).all()), name)
+        require_finite(bool(np.isfinite(values).all()), name)
         out = np.zeros(n, dtype=np.float32)
         out[idx] = values
         return out.reshape(shape)
 
-    return Codec(name, _stateless, encode, decode, lambda shape: 8 * count(_numel(shape)))
+    return Codec(name, stateless, encode, decode, lambda shape: 8 * count(numel(shape)))
 
 
 class ErrorFeedbackState(NamedTuple):

@@ -1,4 +1,5 @@
-"""Token, byte and time ledgers: goodput and bandwidth as outputs of a run (DESIGN.md "Ledgers").
+"""The token ledger, and the run summary over all three ledgers (DESIGN.md "Ledgers"): goodput and
+bandwidth are outputs of a run. Bytes are in diloco.algo.traffic, time in diloco.algo.timeline.
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428): goodput, uptime and bandwidth are
 the paper's headline measures, so they are booked from events, never estimated afterwards.
@@ -27,32 +28,13 @@ Token ledger, per fragment p (every token a learner processes is processed once 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
-import numpy as np
-
+from diloco.algo.eventlog import LedgerError  # noqa: F401  (callers catch one error type for all ledgers)
 from diloco.algo.messages import QUARANTINE_REASONS
-
-_CHUNK = 256  # tail length before it is frozen into a numpy chunk
-
-class _Log(NamedTuple):
-    """Append-only rows: frozen numpy chunks plus a tuple tail."""
-
-    chunks: tuple[np.ndarray, ...] = ()
-    tail: tuple[tuple, ...] = ()
-
-
-def _append(log: _Log, row: tuple, dtype: np.dtype) -> _Log:
-    tail = log.tail + (row,)
-    if len(tail) < _CHUNK:
-        return _Log(log.chunks, tail)
-    return _Log(log.chunks + (np.array(list(tail), dtype),), ())
-
-
-def _rows(log: _Log, dtype: np.dtype) -> np.ndarray:
-    return np.concatenate([*log.chunks, np.array(list(log.tail), dtype)])
-
+from diloco.algo.timeline import TimeLedger, goodput, seconds, uptime
+from diloco.algo.traffic import DIRECTIONS, ByteLedger, byte_events, mean_rate, peak_rate
 
 DROP_REASONS = ("stale", "excluded", "overwritten") + tuple(f"quarantined:{r}" for r in QUARANTINE_REASONS)
 
@@ -75,10 +57,6 @@ class TokenLedger(NamedTuple):
     @property
     def num_fragments(self) -> int:
         return len(self.processed)
-
-
-class LedgerError(ValueError):
-    """A ledger event that contradicts earlier events, or a ledger that does not balance."""
 
 
 def token_ledger(num_fragments: int) -> TokenLedger:
@@ -223,172 +201,6 @@ def token_totals(led: TokenLedger) -> dict[str, int]:
            "outstanding": sum(outstanding(led)), "unmatched": led.unmatched}
     out.update({f"dropped:{r}": sum(row) for r, row in sorted(led.dropped.items())})
     return out
-
-
-DIRECTIONS = ("up", "down")  # up: learner -> syncer; down: syncer -> learner
-_BYTE_ROW = np.dtype([("time", "f8"), ("nbytes", "i8"), ("direction", "i1"), ("learner", "i4"),
-                      ("fragment", "i4"), ("codec", "i4")])
-
-
-class ByteLedger(NamedTuple):
-    """Every serialized message as an event (time on the runtime's clock, virtual or wall)."""
-
-    codecs: tuple[str, ...]  # codec specs seen; events store an index into it
-    log: _Log
-
-
-def byte_ledger() -> ByteLedger:
-    return ByteLedger((), _Log())
-
-
-def add_bytes(led: ByteLedger, time: float, nbytes: int, direction: str, learner: int,
-              fragment: int, codec: str) -> ByteLedger:
-    """One message of `nbytes` (the whole frame, as counted on the wire) at `time`."""
-    if direction not in DIRECTIONS:
-        raise LedgerError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    if nbytes < 0:
-        raise LedgerError(f"nbytes must be >= 0, got {nbytes}")
-    codecs = led.codecs if codec in led.codecs else led.codecs + (codec,)
-    row = (float(time), int(nbytes), DIRECTIONS.index(direction), learner, fragment, codecs.index(codec))
-    return ByteLedger(codecs, _append(led.log, row, _BYTE_ROW))
-
-
-def byte_events(led: ByteLedger, direction: str | None = None, learner: int | None = None,
-                fragment: int | None = None) -> np.ndarray:
-    """The events as a structured array, optionally filtered, in insertion order."""
-    ev = _rows(led.log, _BYTE_ROW)
-    want = {"direction": None if direction is None else DIRECTIONS.index(direction),
-            "learner": learner, "fragment": fragment}
-    keep = np.ones(len(ev), bool)
-    for field, value in want.items():
-        keep &= True if value is None else ev[field] == value
-    return ev[keep]
-
-
-def byte_totals(led: ByteLedger, by: Sequence[str] = ("learner", "direction")) -> dict[tuple, int]:
-    """Total bytes grouped by any of "learner", "direction", "fragment", "codec"."""
-    ev = _rows(led.log, _BYTE_ROW)
-    if not len(ev):
-        return {}
-    keys, group = np.unique(np.stack([ev[f].astype(np.int64) for f in by], 1), axis=0, return_inverse=True)
-    sums = np.bincount(group.reshape(-1), weights=ev["nbytes"]).astype(np.int64)
-    names = {"direction": DIRECTIONS, "codec": led.codecs}
-    return {tuple(names[f][k] if f in names else int(k) for f, k in zip(by, key)): int(n)
-            for key, n in zip(keys, sums)}
-
-
-def window_rates(led: ByteLedger, window: float, start: float = 0.0, end: float | None = None,
-                 **filters: Any) -> np.ndarray:
-    """Bytes per second in windows [start + k w, start + (k+1) w) up to `end` (default: the
-    window holding the last event)."""
-    if window <= 0:
-        raise LedgerError(f"window must be > 0 seconds, got {window}")
-    ev = byte_events(led, **filters)
-    if end is None:
-        n = int((ev["time"].max() - start) // window) + 1 if len(ev) else 1
-    else:
-        n = max(1, int(np.ceil((end - start) / window)))
-    inside = (ev["time"] >= start) & (ev["time"] < start + n * window)
-    k = ((ev["time"][inside] - start) // window).astype(np.int64)
-    return np.bincount(k, weights=ev["nbytes"][inside], minlength=n)[:n] / window
-
-
-def mean_rate(led: ByteLedger, start: float, end: float, **filters: Any) -> float:
-    """Bytes per second over [start, end)."""
-    if end <= start:
-        raise LedgerError(f"empty interval [{start}, {end})")
-    ev = byte_events(led, **filters)
-    inside = (ev["time"] >= start) & (ev["time"] < end)
-    return float(ev["nbytes"][inside].sum()) / (end - start)
-
-
-def peak_rate(led: ByteLedger, window: float, **filters: Any) -> float:
-    """Most bytes in any interval [t, t + window), over the window: a sliding, not a binned, peak.
-
-    Some busiest interval starts at an event, so trying every event's time as a start is exact.
-    """
-    if window <= 0:
-        raise LedgerError(f"window must be > 0 seconds, got {window}")
-    ev = np.sort(byte_events(led, **filters), order="time")
-    if not len(ev):
-        return 0.0
-    cum = np.concatenate([[0], np.cumsum(ev["nbytes"])])
-    last = np.searchsorted(ev["time"], ev["time"] + window, side="left")
-    return float((cum[last] - cum[:-1]).max()) / window
-
-
-STATES = ("compute", "stall", "down", "restarting")
-UP_STATES = ("compute", "stall")  # alive: can still contribute once its fragment is back
-_TIME_ROW = np.dtype([("learner", "i4"), ("state", "i1"), ("start", "f8"), ("end", "f8")])
-
-
-class TimeLedger(NamedTuple):
-    """Per learner, non-overlapping intervals in one of STATES; back-to-back intervals of the
-    same state are coalesced, so the log grows with state changes, not with steps."""
-
-    open: dict[int, tuple[int, float, float]]  # learner -> its latest (state, start, end)
-    log: _Log  # closed intervals
-
-
-def time_ledger() -> TimeLedger:
-    return TimeLedger({}, _Log())
-
-
-def add_time(led: TimeLedger, learner: int, state: str, start: float, end: float) -> TimeLedger:
-    if state not in STATES:
-        raise LedgerError(f"state must be one of {STATES}, got {state!r}")
-    if end < start:
-        raise LedgerError(f"learner {learner}: interval ends at {end} before it starts at {start}")
-    s = STATES.index(state)
-    last = led.open.get(learner)
-    if last is not None and start < last[2]:
-        raise LedgerError(f"learner {learner}: {state} from {start} overlaps {STATES[last[0]]} until {last[2]}")
-    if last is not None and last[0] == s and start == last[2]:
-        return led._replace(open={**led.open, learner: (s, last[1], end)})
-    log = led.log if last is None else _append(led.log, (learner, *last), _TIME_ROW)
-    return TimeLedger({**led.open, learner: (s, start, end)}, log)
-
-
-def intervals(led: TimeLedger) -> np.ndarray:
-    closed = _rows(led.log, _TIME_ROW)
-    opened = np.array([(m, *v) for m, v in sorted(led.open.items())], _TIME_ROW)
-    return np.concatenate([closed, opened])
-
-
-def seconds(led: TimeLedger) -> dict[int, dict[str, float]]:
-    """Per learner, seconds in each state."""
-    iv = intervals(led)
-    learners, idx = np.unique(iv["learner"], return_inverse=True)
-    secs = np.bincount(idx * len(STATES) + iv["state"], weights=iv["end"] - iv["start"],
-                       minlength=len(learners) * len(STATES)).reshape(-1, len(STATES))
-    return {int(m): dict(zip(STATES, map(float, row))) for m, row in zip(learners, secs)}
-
-
-def goodput(led: TimeLedger, learner: int | None = None) -> float:
-    """Compute seconds over all booked seconds (all learners, or one); 0 when nothing was booked."""
-    per = seconds(led)
-    rows = list(per.values()) if learner is None else [per.get(learner, dict.fromkeys(STATES, 0.0))]
-    total = sum(sum(r.values()) for r in rows)
-    return sum(r["compute"] for r in rows) / total if total else 0.0
-
-
-def uptime(led: TimeLedger, quorum: int = 1, start: float | None = None, end: float | None = None) -> float:
-    """Fraction of [start, end] with at least `quorum` learners up (computing or stalled): the time
-    the syncer could gather a quorum and advance the global model (section 6: zero downtime while
-    one learner lives, at K = 1). Defaults to the span of all booked intervals."""
-    iv = intervals(led)
-    if not len(iv):
-        return 0.0
-    start = float(iv["start"].min()) if start is None else start
-    end = float(iv["end"].max()) if end is None else end
-    if end <= start:
-        return 0.0
-    up = iv[np.isin(iv["state"], [STATES.index(s) for s in UP_STATES])]
-    times = np.concatenate([up["start"], up["end"]])
-    steps = np.concatenate([np.ones(len(up), np.int64), -np.ones(len(up), np.int64)])
-    order = np.argsort(times, kind="stable")
-    times, count = np.clip(times[order], start, end), np.cumsum(steps[order])
-    return float(np.diff(times)[count[:-1] >= quorum].sum()) / (end - start)
 
 
 def summary(tokens: TokenLedger, bytes_: ByteLedger, time: TimeLedger, *, start: float, end: float,

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from diloco.algo.codecs import Codec, CodecError, make_codec
+from diloco.algo.codecs import Codec, CodecError, NonFiniteError, make_codec
 
 Path = tuple[str, ...]
 
@@ -303,8 +303,7 @@ def unpack_fragment(
         try:
             x = np.asarray(codec.decode(chunk, shape))
         except CodecError as e:
-            # codecs.py refuses non-finite values itself, with this wording (its _require_finite).
-            reason = "non_finite" if "non-finite" in str(e) else "codec_error"
+            reason = "non_finite" if isinstance(e, NonFiniteError) else "codec_error"
             raise MessageError(reason, f"{path}: {e}") from None
         if x.shape != shape or x.dtype != np.float32:
             raise MessageError("codec_error", f"{path}: decoded {x.dtype}{list(x.shape)}, want float32{list(shape)}")

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from diloco import report
-from diloco.algo import ledger
+from diloco.algo import ledger, timeline, traffic
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input, apply as deliver
 from diloco.config import TrainConfig
@@ -43,8 +43,8 @@ class Sim:
         self.syncer = sync.init(setup.policy, setup.fragments, setup.theta0, {m: 0 for m in range(self.M)})
         self.units = [new_unit(setup, m, 0, self.syncer) for m in range(self.M)]
         self.tokens = ledger.token_ledger(len(setup.fragments))
-        self.bytes = ledger.byte_ledger()
-        self.time = ledger.time_ledger()
+        self.bytes = traffic.byte_ledger()
+        self.time = timeline.time_ledger()
         self.link_up = [0.0] * self.M
         self.link_down = [0.0] * self.M
         self.stalled_since: dict[int, float] = {}
@@ -90,7 +90,7 @@ class Sim:
                 self.push(self.now + limit, "stall_limit", m, blocked.fragment, blocked.seq)
             return
         if m in self.stalled_since:
-            self.time = ledger.add_time(self.time, m, "stall", self.stalled_since.pop(m), self.now)
+            self.time = timeline.add_time(self.time, m, "stall", self.stalled_since.pop(m), self.now)
         if unit.ls.step >= self.cfg.run.steps:
             if self.cfg.fragments.final_sync and m not in self.flushed:
                 self.flushed.add(m)
@@ -101,7 +101,7 @@ class Sim:
         inc = unit.ls.incarnation
         duration = r.step_time * self.speeds[m] * max(0.1, 1.0 + r.jitter * self.rng.standard_normal())
         end = self.now + duration
-        self.time = ledger.add_time(self.time, m, "compute", self.now, end)
+        self.time = timeline.add_time(self.time, m, "compute", self.now, end)
         self.tokens = ledger.process(self.tokens, m, inc, result.tokens)
         self._syncer(Input("step_time", self.now, (m, duration)))
         self._send(m, end, result)
@@ -118,7 +118,7 @@ class Sim:
         r, inc = self.cfg.runtime, self.units[m].ls.incarnation
         for send, frame in zip(result.sends, result.frames):
             self.tokens = ledger.send(self.tokens, m, inc, send.fragment, send.seq)
-            self.bytes = ledger.add_bytes(self.bytes, end, len(frame), "up", m, send.fragment,
+            self.bytes = traffic.add_bytes(self.bytes, end, len(frame), "up", m, send.fragment,
                                           self.setup.spec.up_spec)
             start = max(end, self.link_up[m])
             self.link_up[m] = start + len(frame) / r.bandwidth
@@ -159,7 +159,7 @@ class Sim:
             elif isinstance(a, sync.Publish):
                 for m, frame in sorted(a.frames.items()):
                     codec = "fp32" if m in a.full else self.setup.policy.down_spec
-                    self.bytes = ledger.add_bytes(self.bytes, self.now, len(frame), "down", m, a.fragment, codec)
+                    self.bytes = traffic.add_bytes(self.bytes, self.now, len(frame), "down", m, a.fragment, codec)
                     start = max(self.now, self.link_down[m])
                     self.link_down[m] = start + len(frame) / r.bandwidth
                     self.push(self.link_down[m] + r.latency, "fragment", m, frame)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from diloco.algo import ledger
+from diloco.algo import ledger, timeline, traffic
 from diloco.algo import syncer as sync
 
 
-def run_summary(st: sync.SyncerState, tokens: ledger.TokenLedger, bytes_: ledger.ByteLedger,
-                time: ledger.TimeLedger, *, clock: str, end: float, window: float, stalls: int) -> dict:
+def run_summary(st: sync.SyncerState, tokens: ledger.TokenLedger, bytes_: traffic.ByteLedger,
+                time: timeline.TimeLedger, *, clock: str, end: float, window: float, stalls: int) -> dict:
     """Plain numbers; raises if the token ledger does not balance. `clock` names the clock the
     run's times are on: "virtual" (sim) or "wall" (threads); clock_s is the run's length on it."""
     ledger.check_balance(tokens)

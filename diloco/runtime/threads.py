@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from diloco import report
-from diloco.algo import ledger, quorum
+from diloco.algo import ledger, quorum, timeline, traffic
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input, apply as deliver
 from diloco.config import TrainConfig
@@ -70,8 +70,8 @@ class Threads:
         # Each learner thread builds its own unit (device_put of its params) from this initial state.
         self.units: list[LearnerUnit | None] = [None] * self.M
         self.tokens = ledger.token_ledger(len(setup.fragments))
-        self.bytes = ledger.byte_ledger()
-        self.time = ledger.time_ledger()
+        self.bytes = traffic.byte_ledger()
+        self.time = timeline.time_ledger()
         self.stalls = 0
         self.evals: list[tuple[float, int, float]] = []
         self.finished_at: dict[int, float] = {}  # learner -> clock time of its `done`
@@ -286,7 +286,7 @@ class Threads:
         if kind == "step":
             _, m, inc, step, start, end, tokens, sends, frames, stalls = event
             self._book_stalls(m, stalls)
-            self.time = ledger.add_time(self.time, m, "compute", start, end)
+            self.time = timeline.add_time(self.time, m, "compute", start, end)
             self.tokens = ledger.process(self.tokens, m, inc, tokens)
             self._deliver(Input("step_time", self.clock(), (m, end - start)))
             if m == 0 and self.evaluate is not None and report.due(step, self.cfg.run.eval_every,
@@ -313,7 +313,7 @@ class Threads:
     def _ship(self, m: int, inc: int, at: float, sends: tuple, frames: tuple) -> None:
         for send, frame in zip(sends, frames):
             self.tokens = ledger.send(self.tokens, m, inc, send.fragment, send.seq)
-            self.bytes = ledger.add_bytes(self.bytes, at, len(frame), "up", m, send.fragment,
+            self.bytes = traffic.add_bytes(self.bytes, at, len(frame), "up", m, send.fragment,
                                           self.setup.spec.up_spec)
             self._deliver(Input("contribution", self.clock(), bytes(frame)))
 
@@ -325,7 +325,7 @@ class Threads:
 
     def _book_stalls(self, m: int, stalls: tuple[tuple[float, float], ...]) -> None:
         for start, end in stalls:
-            self.time = ledger.add_time(self.time, m, "stall", start, end)
+            self.time = timeline.add_time(self.time, m, "stall", start, end)
             self.stalls += 1
 
     def _act(self, actions: tuple) -> None:
@@ -338,10 +338,10 @@ class Threads:
                 now = self.clock()
                 for m, frame in sorted(a.frames.items()):
                     codec = "fp32" if m in a.full else self.setup.policy.down_spec
-                    self.bytes = ledger.add_bytes(self.bytes, now, len(frame), "down", m, a.fragment, codec)
+                    self.bytes = traffic.add_bytes(self.bytes, now, len(frame), "down", m, a.fragment, codec)
                     extra = self.inboxes[m].put(a.fragment, frame, self._catch_up)
                     if extra:  # a learner behind: its queued deltas became one full copy
-                        self.bytes = ledger.add_bytes(self.bytes, now, extra, "down", m, a.fragment, "fp32")
+                        self.bytes = traffic.add_bytes(self.bytes, now, extra, "down", m, a.fragment, "fp32")
 
     def _catch_up(self, p: int, merged: tuple) -> bytes:
         return sync.full_frame(self.syncer, p, merged)
