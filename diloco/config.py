@@ -162,6 +162,34 @@ class RuntimeConfig:
     stall_limit_steps: float = 8.0  # a learner waits at most this many step times for a fragment
     seed: int = 0  # jitter and other runtime randomness
     queue_size: int = 16  # threads: capacity of each bounded queue (learners -> syncer, syncer -> each learner)
+    # Rejoin after a failure (ALGORITHM.md section 6): a restarted learner keeps its own last
+    # checkpoint's optimizer state if no fragment moved more than this many versions since, and
+    # otherwise starts fresh; either way its parameters are the syncer's current Theta.
+    max_rejoin_staleness: int = 4
+    restart_s: float = 5.0  # seconds from a learner's slices returning to its first step again
+    learner_checkpoint_every: int = 50  # inner steps between a learner's own checkpoints; 0 = never
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """Failures, stragglers and scavenged learners replayed from a tape (diloco/chaos/tapes.py).
+
+    Times are seconds: virtual seconds in the sim runtime; wall-clock runtimes scale them.
+    """
+
+    enabled: bool = False
+    slices_per_learner: int = 4
+    chips_per_slice: int = 256
+    # mean time between interruptions of one chip (1 year); a slice of c chips fails at c / mtbi_s
+    mtbi_s: float = 31_536_000.0
+    repair: str = "exponential"  # fixed | exponential | lognormal: how long a failed slice stays down
+    repair_mean_s: float = 600.0
+    repair_sigma: float = 1.0  # lognormal only: std of log(repair time)
+    # step-time factor per learner, cycled over learners: [1.0, 1.18] = every second one 1.18x slower
+    speeds: tuple[float, ...] = ()
+    jitter: float = 0.0  # relative std of each step time
+    scavenge: tuple[tuple[float, ...], ...] = ()  # [start_s, stop_s] per extra learner (ids from runtime.learners on)
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -177,6 +205,7 @@ class TrainConfig:
     codec: CodecConfig = field(default_factory=CodecConfig)
     syncer: SyncerConfig = field(default_factory=SyncerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
 
 def from_dict(cls: type, raw: Any, path: str = "") -> Any:
@@ -347,6 +376,10 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     _check(e, s.grace_budget in ("waiting", "slowest"), f"syncer.grace_budget={s.grace_budget!r} not in waiting|slowest")
     _check(e, r.kind in ("sim", "threads"), f"runtime.kind={r.kind!r} not in sim|threads")
     _check(e, r.queue_size >= 1, f"runtime.queue_size={r.queue_size} must be >= 1")
+    _check(e, r.max_rejoin_staleness >= 0, f"runtime.max_rejoin_staleness={r.max_rejoin_staleness} must be >= 0")
+    _check(e, r.restart_s >= 0, f"runtime.restart_s={r.restart_s} must be >= 0")
+    _check(e, r.learner_checkpoint_every >= 0,
+           f"runtime.learner_checkpoint_every={r.learner_checkpoint_every} must be >= 0")
     _check(e, r.learners >= 1, f"runtime.learners={r.learners} must be >= 1")
     _check(e, r.devices_per_learner >= 1, f"runtime.devices_per_learner={r.devices_per_learner} must be >= 1")
     _check(e, len(r.speeds) in (0, r.learners),
@@ -364,10 +397,28 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     return e
 
 
+def chaos_errors(c: ChaosConfig) -> list[str]:
+    e: list[str] = []
+    _check(e, c.slices_per_learner >= 1, f"chaos.slices_per_learner={c.slices_per_learner} must be >= 1")
+    _check(e, c.chips_per_slice >= 1, f"chaos.chips_per_slice={c.chips_per_slice} must be >= 1")
+    _check(e, c.mtbi_s > 0, f"chaos.mtbi_s={c.mtbi_s} must be > 0")
+    _check(e, c.repair in ("fixed", "exponential", "lognormal"),
+           f"chaos.repair={c.repair!r} not in fixed|exponential|lognormal")
+    _check(e, c.repair_mean_s > 0, f"chaos.repair_mean_s={c.repair_mean_s} must be > 0")
+    _check(e, c.repair_sigma >= 0, f"chaos.repair_sigma={c.repair_sigma} must be >= 0")
+    _check(e, all(x > 0 for x in c.speeds), f"chaos.speeds={list(c.speeds)} must all be > 0")
+    _check(e, c.jitter >= 0, f"chaos.jitter={c.jitter} must be >= 0")
+    for i, w in enumerate(c.scavenge):
+        _check(e, len(w) == 2 and 0 <= w[0] < w[1],
+               f"chaos.scavenge[{i}]={list(w)} must be [start_s, stop_s] with 0 <= start_s < stop_s")
+    _check(e, c.seed >= 0, f"chaos.seed={c.seed} must be >= 0")  # numpy seeds are non-negative
+    return e
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check cross-field constraints that do not depend on the machine; return cfg unchanged."""
     errors = (model_errors(cfg.model) + data_errors(cfg.data) + inner_errors(cfg.inner, cfg.run.steps)
-              + diloco_errors(cfg))
+              + diloco_errors(cfg) + chaos_errors(cfg.chaos))
     r = cfg.run
     _check(errors, r.steps > 0, f"run.steps={r.steps} must be > 0")
     for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "keep_checkpoints"):

@@ -86,6 +86,8 @@ def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
 
 def new_unit(setup: Setup, learner: int, incarnation: int, syncer_state: sync.SyncerState,
              step: int = 0) -> LearnerUnit:
-    """A learner starting from the syncer's current references: never from its own random init."""
+    """A learner starting from the syncer's current references: never from its own random init.
+    Learners beyond the sub-meshes built (scavenged ones, in sim) share them round-robin."""
     anchors = {p: (fs.refs[-1][0], fs.refs[-1][1]) for p, fs in enumerate(syncer_state.fragments)}
-    return LearnerUnit(setup.spec, learner, incarnation, setup.compiled[learner], anchors, step)
+    compiled = setup.compiled[learner % len(setup.compiled)]
+    return LearnerUnit(setup.spec, learner, incarnation, compiled, anchors, step)

@@ -6,6 +6,14 @@ Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); DESIGN.md "Run
 Each event is (time, order, kind, data) on a heap. A learner's step takes its modelled time
 (step_time x speed x jitter); a message takes latency + bytes / bandwidth on its learner's link,
 one message at a time per direction. The syncer merges in zero virtual time.
+
+With `chaos.enabled`, a failure tape (diloco/chaos/tapes.py) drives the learners in virtual time:
+a learner with some slices down steps with a proportionally smaller batch; one with none left (or
+removed) dies: what it had not sent is lost, the syncer drops it from the live set and later drops
+its old incarnation's messages. When its slices return it restarts for `runtime.restart_s`, rejoins
+under a new incarnation from the syncer's current Theta (diloco/runtime/rejoin.py) and fetches a
+full copy of every fragment. Scavenged learners are added and removed the same way. A failure
+takes effect at the learner's next step boundary: the step in progress finishes.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ from diloco import report
 from diloco.algo import ledger, timeline, traffic
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input, apply as deliver
+from diloco.chaos import tapes
 from diloco.config import TrainConfig
+from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, catch_up_bytes, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
 from diloco.runtime.summary import run_summary
 from diloco.runtime.tape import InputLog, run_outputs, write_decisions
@@ -31,17 +41,29 @@ class Sim:
     """Event loop state; `run` drives it to the end. One object per run, closed over nothing global."""
 
     def __init__(self, cfg: TrainConfig, setup: Setup, writer: report.MetricsWriter | None,
-                 evaluate: Callable[[dict], float] | None, inputs: InputLog | None = None):
-        self.cfg, self.setup, self.writer, self.evaluate = cfg, setup, writer, evaluate
+                 evaluate: Callable[[dict], float] | None, inputs: InputLog | None = None,
+                 tape: tapes.Tape | None = None, checkpoints: LearnerCheckpoints | None = None):
+        self.cfg, self.writer, self.evaluate = cfg, writer, evaluate
         self.inputs = inputs  # every syncer input, in delivery order: the replayable tape
+        self.tape = tape
+        self.checkpoints = checkpoints or LearnerCheckpoints(None, 0)
         r = cfg.runtime
-        self.M = r.learners
-        self.speeds = list(r.speeds) or [1.0] * self.M
+        self.M = r.learners if tape is None else tape.total_learners
+        if self.M != r.learners:  # scavenged learners read their own data shards
+            setup = setup._replace(spec=setup.spec._replace(num_learners=self.M))
+        self.setup = setup
+        speeds = list(r.speeds) or [1.0] * r.learners
+        self.speeds = list(tape.speeds) if tape is not None else speeds
+        self.jitter = tape.jitter if tape is not None else r.jitter
         self.rng = np.random.default_rng([r.seed, 7])
         self.heap: list = []
         self.order = itertools.count()
-        self.syncer = sync.init(setup.policy, setup.fragments, setup.theta0, {m: 0 for m in range(self.M)})
-        self.units = [new_unit(setup, m, 0, self.syncer) for m in range(self.M)]
+        base = range(r.learners)
+        self.syncer = sync.init(setup.policy, setup.fragments, setup.theta0, {m: 0 for m in base})
+        self.units = [new_unit(setup, m, 0, self.syncer) if m in base else None for m in range(self.M)]
+        self.alive = {m: m in base for m in range(self.M)}
+        self.died_at: dict[int, tuple[float, int]] = {}  # dead learner -> (time, step it stopped at)
+        self.rejoins: list[Rejoin] = []
         self.tokens = ledger.token_ledger(len(setup.fragments))
         self.bytes = traffic.byte_ledger()
         self.time = timeline.time_ledger()
@@ -50,7 +72,9 @@ class Sim:
         self.stalled_since: dict[int, float] = {}
         self.stall_armed: dict[int, int] = {}
         self.waking: set[int] = set()  # learners with a step event on the heap
-        self.flushed: set[int] = set()  # learners that sent their final contributions  # learner -> seq of the send its stall limit watches
+        self.restarting: set[int] = set()  # learners with a rejoin event on the heap
+        self.removed: set[int] = set()  # scavenged learners taken out of the run (not "down")
+        self.flushed: set[int] = set()  # learners that sent their final contributions
         self.stalls = 0
         self.now = 0.0
         self.evals: list[tuple[float, int, float]] = []
@@ -60,11 +84,90 @@ class Sim:
 
     def run(self) -> dict:
         for m in range(self.M):
-            self._wake(m, 0.0)
-        while self.heap:
+            if self.alive[m]:
+                self._wake(m, 0.0)
+        if self.tape is not None:
+            for e in self.tape.events:
+                self.push(e.time, "chaos", e.learner)
+        while self.heap and not (self.heap[0][2] == "chaos" and self._finished()):
             self.now, _, kind, data = heapq.heappop(self.heap)
             getattr(self, f"_on_{kind}")(*data)
+        for m, (at, _) in self.died_at.items():  # still down at the end
+            if m in self.removed:
+                continue
+            self.time = timeline.add_time(self.time, m, "down", at, max(at, self.now))
+        self.checkpoints.close()
         return self.summary()
+
+    def _finished(self) -> bool:
+        """Only tape events are left, and none of them can bring back a learner with steps to do:
+        the rest of the tape falls after training (a learner not yet added stays out)."""
+        if self.restarting or any(k != "chaos" for _, _, k, _ in self.heap):
+            return False
+        steps = self.cfg.run.steps
+        return not any(u is not None and not self.alive[m] and u.ls.step < steps
+                       and tapes.next_change(self.tape, m, self.now) < float("inf")
+                       for m, u in enumerate(self.units))
+
+    # --- failures (chaos tape) ------------------------------------------------------------------
+    def _rows(self, m: int) -> int:
+        """Batch rows for learner m's live slices (rows of dead slices are simply not computed)."""
+        b = self.setup.spec.batch_size
+        if self.tape is None:
+            return b
+        live = tapes.live_slices(self.tape, m, self.now)
+        d = self.cfg.runtime.devices_per_learner
+        return max(d, b * live // self.tape.slices_per_learner // d * d)
+
+    def _on_chaos(self, m: int) -> None:
+        unit = self.units[m]
+        if unit is not None and self.alive[m] and unit.ls.step >= self.cfg.run.steps:
+            return  # done training: a failure now costs nothing
+        live = tapes.is_alive(self.tape, m, self.now)
+        if self.alive[m] and not live and m not in self.waking:
+            self._kill(m)  # stalled or done: nothing in progress to finish first
+        elif not self.alive[m] and live and m not in self.restarting:
+            self.restarting.add(m)
+            if m in self.died_at and m not in self.removed:  # a scavenged learner was never up
+                self.time = timeline.add_time(self.time, m, "down", self.died_at[m][0], self.now)
+            self.removed.discard(m)
+            self.push(self.now + self.cfg.runtime.restart_s, "rejoin", m)
+
+    def _kill(self, m: int) -> None:
+        unit = self.units[m]
+        self.alive[m] = False
+        self.died_at[m] = (self.now, unit.ls.step)
+        if m in self.stalled_since:
+            self.time = timeline.add_time(self.time, m, "stall", self.stalled_since.pop(m), self.now)
+        self.stall_armed.pop(m, None)
+        self.tokens = ledger.die(self.tokens, m, unit.ls.incarnation)
+        if _removed(self.tape, m, self.now):  # scavenging over: gone, not down
+            self.removed.add(m)
+        self._syncer(Input("live", self.now, self._live()))
+
+    def _live(self) -> tuple[tuple[int, int], ...]:
+        return tuple((m, u.ls.incarnation) for m, u in enumerate(self.units) if u is not None and self.alive[m])
+
+    def _on_rejoin(self, m: int) -> None:
+        self.restarting.discard(m)
+        start = self.now - self.cfg.runtime.restart_s
+        self.time = timeline.add_time(self.time, m, "restarting", start, self.now)
+        if not tapes.is_alive(self.tape, m, self.now):  # failed again while restarting
+            self.died_at[m] = (self.now, self.died_at.get(m, (0.0, 0))[1])
+            return
+        old = self.units[m]
+        incarnation = 0 if old is None else old.ls.incarnation + 1
+        _, step = self.died_at.pop(m, (0.0, 0))
+        unit, how = rejoin_unit(self.setup, m, incarnation, self.syncer, self.checkpoints,
+                                self.cfg.runtime.max_rejoin_staleness, step)
+        self.units[m], self.alive[m] = unit, True
+        self.rejoins.append(how)
+        self._syncer(Input("live", self.now, self._live()))
+        for p, n in catch_up_bytes(self.syncer).items():  # it fetches every fragment in full
+            self.bytes = traffic.add_bytes(self.bytes, self.now, n, "down", m, p, "fp32")
+        if self.writer is not None:
+            self.writer.write({"kind": "rejoin", "time": self.now, **how._asdict()})
+        self._wake(m, self.now)
 
     # --- learners -----------------------------------------------------------------------------
     def _wake(self, m: int, t: float) -> None:
@@ -77,6 +180,11 @@ class Sim:
     def _on_step(self, m: int) -> None:
         self.waking.discard(m)
         unit, r = self.units[m], self.cfg.runtime
+        if not self.alive[m]:
+            return
+        if self.tape is not None and not tapes.is_alive(self.tape, m, self.now):
+            self._kill(m)
+            return
         for q in unit.apply_due():
             self.tokens = ledger.apply(self.tokens, m, unit.ls.incarnation, q.fragment)
         blocked = unit.blocking()
@@ -86,7 +194,7 @@ class Sim:
                 self.stalls += 1
             if self.stall_armed.get(m) != blocked.seq:  # one limit per blocking send
                 self.stall_armed[m] = blocked.seq
-                limit = r.stall_limit_steps * r.step_time * self.speeds[m]
+                limit = r.stall_limit_steps * r.step_time * self.speeds[m % len(self.speeds)]
                 self.push(self.now + limit, "stall_limit", m, blocked.fragment, blocked.seq)
             return
         if m in self.stalled_since:
@@ -97,9 +205,11 @@ class Sim:
                 self._send(m, self.now, unit.flush())
             return
         log = report.due(unit.ls.step + 1, self.cfg.run.log_every, self.cfg.run.steps)
-        result = unit.step(fetch_loss=log)
+        result = unit.step(fetch_loss=log, rows=self._rows(m))
+        self.checkpoints.maybe_save(unit)
         inc = unit.ls.incarnation
-        duration = r.step_time * self.speeds[m] * max(0.1, 1.0 + r.jitter * self.rng.standard_normal())
+        speed = self.speeds[m % len(self.speeds)]
+        duration = r.step_time * speed * max(0.1, 1.0 + self.jitter * self.rng.standard_normal())
         end = self.now + duration
         self.time = timeline.add_time(self.time, m, "compute", self.now, end)
         self.tokens = ledger.process(self.tokens, m, inc, result.tokens)
@@ -126,12 +236,16 @@ class Sim:
 
     def _on_stall_limit(self, m: int, fragment: int, seq: int) -> None:
         unit = self.units[m]
+        if not self.alive[m]:
+            return
         blocked = unit.blocking()
         if m in self.stalled_since and blocked is not None and blocked.seq == seq:
             unit.give_up(fragment)
             self._wake(m, self.now)
 
     def _on_fragment(self, m: int, frame: bytes) -> None:
+        if not self.alive[m]:
+            return  # its chips are down; the next incarnation starts from a full copy
         self.units[m].receive(frame)
         if m in self.stalled_since and self.units[m].blocking() is None:
             self._wake(m, self.now)
@@ -179,11 +293,31 @@ class Sim:
                            end=self.now, window=self.cfg.runtime.step_time, stalls=self.stalls)
 
 
+def _removed(tape: tapes.Tape, m: int, t: float) -> bool:
+    """Learner m's last tape event by time t took it out of the run (as opposed to failing it)."""
+    last = [e.kind for e in tape.events if e.learner == m and e.time <= t]
+    return bool(last) and last[-1] == "learner_remove"
+
+
+def chaos_tape(cfg: TrainConfig) -> tapes.Tape | None:
+    """The failure tape of a run, over a horizon long enough for every learner to finish."""
+    if not cfg.chaos.enabled:
+        return None
+    r = cfg.runtime
+    slowest = max([*r.speeds, *cfg.chaos.speeds, 1.0])
+    return tapes.generate(cfg.chaos, r.learners, horizon_s=4 * cfg.run.steps * r.step_time * slowest)
+
+
 def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
         evaluate: Callable[[dict], float] | None) -> tuple[Sim, dict]:
     """Run Decoupled DiLoCo in virtual time; returns the finished Sim (for its state) and a summary."""
     with run_outputs(run_dir) as (writer, inputs):
-        sim = Sim(cfg, setup, writer, evaluate, inputs)
+        tape = chaos_tape(cfg)
+        ckpts = LearnerCheckpoints(None if run_dir is None else run_dir / "learners",
+                                   cfg.runtime.learner_checkpoint_every, cfg.run.keep_checkpoints)
+        if tape is not None and run_dir is not None:
+            (run_dir / "chaos_tape.json").write_text(tapes.to_json(tape))
+        sim = Sim(cfg, setup, writer, evaluate, inputs, tape, ckpts)
         summary = sim.run()
         if evaluate is not None:
             sim._eval(sim.now)

@@ -93,17 +93,20 @@ class LearnerUnit:
         self.state = self.state.replace(params=params)
         return ready
 
-    def step(self, fetch_loss: bool = False) -> StepResult:
-        """One inner step on this learner's shard, then the sends the schedule asks for."""
+    def step(self, fetch_loss: bool = False, rows: int | None = None) -> StepResult:
+        """One inner step on this learner's shard, then the sends the schedule asks for. `rows`
+        shrinks the batch (a learner that lost slices); its tokens, hence its weight, drop with it."""
         s = self.spec
+        rows = s.batch_size if rows is None else rows
         batch = batch_at(s.train_tokens, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
-                         step=self.ls.step, batch_size=s.batch_size, seq_len=s.seq_len)
+                         step=self.ls.step, batch_size=rows, seq_len=s.seq_len)
         self.state, metrics = self.compiled.train_step(
             self.state, jax.device_put(batch, self.compiled.batch_sharding))
-        self.ls, sends = lsm.after_step(self.ls, s.schedule, self.tokens_per_step)
+        tokens = rows * s.seq_len
+        self.ls, sends = lsm.after_step(self.ls, s.schedule, tokens)
         frames = tuple(self._encode(send) for send in sends)
         loss = float(metrics["loss"]) if fetch_loss else None
-        return StepResult(self.tokens_per_step, loss, sends, frames)
+        return StepResult(tokens, loss, sends, frames)
 
     def flush(self) -> StepResult:
         """Final contributions of every fragment with unsent progress (see learner.flush)."""

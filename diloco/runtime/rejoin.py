@@ -1,0 +1,101 @@
+"""Learner checkpoints and the rejoin rule (DESIGN.md "Checkpoints", ALGORITHM.md section 6).
+
+A learner checkpoints its own train state (params, inner optimizer state, step) with Orbax every
+`runtime.learner_checkpoint_every` steps, with its incarnation and the fragment versions it held as
+JSON metadata. The data position is a pure function of (learner, step), so no iterator is saved.
+
+When a learner comes back it always takes the syncer's current Theta as its parameters: a crashed
+learner's own weights are at best a few merges old, and a brand-new one must never seed the global
+model. What a checkpoint is worth keeping is the inner optimizer's state (AdamW moments) and the
+step (the learning-rate schedule and the data position): they are kept when no fragment has moved
+more than `max_rejoin_staleness` versions since the checkpoint, and reset otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+from diloco import checkpoint
+from diloco.algo import syncer as sync
+from diloco.runtime.setup import Setup, new_unit
+from diloco.runtime.unit import LearnerUnit
+
+
+class Rejoin(NamedTuple):
+    """How a learner came back: for the log and the tests."""
+
+    learner: int
+    incarnation: int
+    step: int  # the step it resumes at
+    restored_from: int | None  # checkpoint step whose optimizer state it kept; None = fresh
+    staleness: int  # most versions any fragment moved since that checkpoint (-1 without one)
+
+
+class LearnerCheckpoints:
+    """One Orbax manager per learner under `root/learner-<m>`; not thread-safe (one per runtime
+    thread that owns the learner, or one for a sequential runtime)."""
+
+    def __init__(self, root: Path | None, every: int, keep: int = 2):
+        self.root, self.every, self.keep = root, every, keep
+        self._managers: dict[int, object] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.root is not None and self.every > 0
+
+    def _manager(self, m: int):
+        if m not in self._managers:
+            self._managers[m] = checkpoint.open_manager(self.root / f"learner-{m}", self.keep)
+        return self._managers[m]
+
+    def maybe_save(self, unit: LearnerUnit) -> bool:
+        """Save after every `every`-th step of the unit; True if a save started."""
+        step = unit.ls.step
+        if not self.enabled or step == 0 or step % self.every:
+            return False
+        meta = {"learner": unit.learner, "incarnation": unit.ls.incarnation, "step": step,
+                "versions": list(unit.ls.versions)}
+        checkpoint.save(self._manager(unit.learner), step, unit.state, meta)
+        return True
+
+    def latest(self, m: int, target) -> tuple[int, object, dict] | None:
+        if not self.enabled or not (self.root / f"learner-{m}").exists():
+            return None
+        manager = self._manager(m)
+        manager.wait_until_finished()
+        return checkpoint.restore_latest(manager, target)
+
+    def close(self) -> None:
+        for manager in self._managers.values():
+            manager.wait_until_finished()
+            manager.close()
+        self._managers.clear()
+
+
+def staleness(syncer_state: sync.SyncerState, versions: list[int]) -> int:
+    """Most versions any fragment has moved past the ones a checkpoint held."""
+    return max(fs.version - v for fs, v in zip(syncer_state.fragments, versions))
+
+
+def rejoin_unit(setup: Setup, m: int, incarnation: int, syncer_state: sync.SyncerState,
+                checkpoints: LearnerCheckpoints, max_staleness: int, fallback_step: int) -> tuple[LearnerUnit, Rejoin]:
+    """A restarted learner m under `incarnation`: parameters from the syncer's current Theta; the
+    inner optimizer state and step from its newest checkpoint if fresh enough, else a fresh
+    optimizer at `fallback_step` (where the dead incarnation stopped)."""
+    found = checkpoints.latest(m, setup.compiled[m % len(setup.compiled)].abstract_state)
+    if found is not None:
+        step, state, meta = found
+        stale = staleness(syncer_state, meta["versions"])
+        if stale <= max_staleness:
+            unit = new_unit(setup, m, incarnation, syncer_state, step)
+            unit.state = state.replace(params=unit.state.params, step=unit.state.step)
+            return unit, Rejoin(m, incarnation, step, step, stale)
+        return new_unit(setup, m, incarnation, syncer_state, fallback_step), Rejoin(m, incarnation, fallback_step, None, stale)
+    return new_unit(setup, m, incarnation, syncer_state, fallback_step), Rejoin(m, incarnation, fallback_step, None, -1)
+
+
+def catch_up_bytes(syncer_state: sync.SyncerState) -> dict[int, int]:
+    """Bytes of the full FP32 copy of each fragment a rejoining learner fetches."""
+    return {p: len(frame) for p, frame in sync.full_frames(syncer_state).items()}
+
