@@ -375,6 +375,9 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     _check(e, s.history >= 1, f"syncer.history={s.history} must be >= 1")
     _check(e, s.grace_budget in ("waiting", "slowest"), f"syncer.grace_budget={s.grace_budget!r} not in waiting|slowest")
     _check(e, r.kind in ("sim", "threads"), f"runtime.kind={r.kind!r} not in sim|threads")
+    _check(e, not cfg.chaos.enabled or r.kind == "sim",
+           f"chaos.enabled=true needs runtime.kind=sim (got {r.kind!r}): the wall-clock runtimes "
+           "take failures from real kills, not from a tape")
     _check(e, r.queue_size >= 1, f"runtime.queue_size={r.queue_size} must be >= 1")
     _check(e, r.max_rejoin_staleness >= 0, f"runtime.max_rejoin_staleness={r.max_rejoin_staleness} must be >= 0")
     _check(e, r.restart_s >= 0, f"runtime.restart_s={r.restart_s} must be >= 0")

@@ -1,0 +1,159 @@
+"""Orbax checkpoints of the syncer (DESIGN.md "Checkpoints"): Theta and the outer optimizer state of
+every fragment, the broadcast references learners decode against, open rounds with the
+contributions admitted into them, versions, live incarnations, sequence numbers, step-time
+estimates, quarantine counts and the decision tape.
+
+Arrays go through Orbax (async, written to a temporary directory and renamed, so a torn
+checkpoint is never listed; `restore_latest` falls back to the previous one if the newest fails to
+read); everything else is a JSON document saved in the same step. The state is cut at an input
+boundary, and the metadata records how many syncer inputs it has seen, so a restarted syncer
+continues from exactly that input: no fragment version is applied twice or skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from diloco import checkpoint
+from diloco.algo import quorum
+from diloco.algo import syncer as sync
+from diloco.algo.fragments import Fragment
+
+log = logging.getLogger(__name__)
+FORMAT = "diloco.syncer/1"
+
+
+def _values(paths, values: dict) -> dict[str, np.ndarray]:
+    return {str(i): np.asarray(values[path]) for i, path in enumerate(paths)}
+
+
+def _unvalues(paths, arrays: dict) -> dict:
+    return {path: np.asarray(arrays[str(i)], np.float32) for i, path in enumerate(paths)}
+
+
+def _round_json(r: quorum.Round | None) -> dict | None:
+    return None if r is None else r._asdict()
+
+
+def _round(d: dict | None) -> quorum.Round | None:
+    if d is None:
+        return None
+    return quorum.Round(int(d["fragment"]), d["opened_at"], tuple(int(m) for m in d["live"]),
+                        tuple((int(m), t) for m, t in d["arrivals"]), tuple((int(m), t) for m, t in d["late"]),
+                        d["quorum_at"], d["grace"], d["deadline"], d["closed_at"])
+
+
+def to_checkpoint(st: sync.SyncerState) -> tuple[dict, dict]:
+    """(arrays, meta): a pytree of numpy arrays for Orbax and a JSON-able dict for the rest."""
+    arrays, frags = {}, []
+    for p, fs in enumerate(st.fragments):
+        paths = fs.spec.paths
+        leaves = jax.tree_util.tree_leaves(fs.outer_state)
+        arrays[f"f{p}"] = {
+            "theta": _values(paths, fs.theta),
+            "outer": {str(i): np.asarray(x) for i, x in enumerate(leaves)},
+            "refs": {f"r{i}": _values(paths, v) for i, (_, v) in enumerate(fs.refs)},
+            "contributions": {f"c{i}": _values(paths, c.local) for i, c in enumerate(fs.contributions)},
+        }
+        frags.append({
+            "version": fs.version, "refs": [ver for ver, _ in fs.refs], "round": _round_json(fs.round),
+            "contributions": [{"key": list(c.key), "base_version": c.base_version, "c_steps": c.c_steps,
+                               "c_tokens": c.c_tokens, "arrived": c.arrived} for c in fs.contributions],
+        })
+    meta = {
+        "format": FORMAT, "fragments": frags,
+        "live": sorted([m, inc] for m, inc in st.live.items()),
+        "last_seq": sorted([m, inc, seq] for (m, inc), seq in st.last_seq.items()),
+        "held": sorted([m, list(v)] for m, v in st.held.items()),
+        "step_times": {"decay": st.step_times.decay, "estimates": [list(e) for e in st.step_times.estimates]},
+        "merges": st.merges, "quarantined": dict(st.quarantined), "tape": list(st.tape),
+    }
+    return arrays, meta
+
+
+def from_checkpoint(arrays: dict, meta: dict, policy: sync.Policy,
+                    fragments: tuple[Fragment, ...]) -> sync.SyncerState:
+    """The SyncerState `to_checkpoint` saw; `fragments` and `policy` come from the run's config
+    (they are code, not state), and must describe the same fragmentation."""
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"not a syncer checkpoint: format {meta.get('format')!r}, want {FORMAT!r}")
+    if len(meta["fragments"]) != len(fragments):
+        raise ValueError(f"checkpoint has {len(meta['fragments'])} fragments, the config makes {len(fragments)}")
+    frags = []
+    for p, (spec, fm) in enumerate(zip(fragments, meta["fragments"])):
+        a, paths = arrays[f"f{p}"], spec.paths
+        theta = _unvalues(paths, a["theta"])
+        outer = a.get("outer", {})
+        treedef = jax.tree_util.tree_structure(policy.outer.init(theta))
+        outer_state = jax.tree_util.tree_unflatten(
+            treedef, [np.asarray(outer[str(i)]) for i in range(treedef.num_leaves)])
+        refs = tuple((ver, _unvalues(paths, a["refs"][f"r{i}"])) for i, ver in enumerate(fm["refs"]))
+        contributions = tuple(
+            sync.Contribution(tuple(c["key"]), c["base_version"], c["c_steps"], c["c_tokens"],
+                              _unvalues(paths, a["contributions"][f"c{i}"]), c["arrived"])
+            for i, c in enumerate(fm["contributions"]))
+        frags.append(sync.FragmentState(spec, theta, outer_state, fm["version"], refs,
+                                        _round(fm["round"]), contributions))
+    st_times = quorum.StepTimes(meta["step_times"]["decay"],
+                                tuple((int(m), s) for m, s in meta["step_times"]["estimates"]))
+    return sync.SyncerState(
+        tuple(frags), {m: inc for m, inc in meta["live"]},
+        {(m, inc): seq for m, inc, seq in meta["last_seq"]},
+        {m: tuple(v) for m, v in meta["held"]}, st_times, meta["merges"],
+        dict(meta["quarantined"]), tuple(meta["tape"]))
+
+
+class SyncerCheckpoints:
+    """Save every `every` merges (and on demand); restore the newest readable one."""
+
+    def __init__(self, directory: Path, every: int, keep: int = 2):
+        self.every = every
+        self.manager = checkpoint.open_manager(directory, keep)
+        self._last_merges = 0
+
+    def maybe_save(self, st: sync.SyncerState, inputs_seen: int) -> bool:
+        if self.every <= 0 or st.merges - self._last_merges < self.every:
+            return False
+        self.save(st, inputs_seen)
+        return True
+
+    def save(self, st: sync.SyncerState, inputs_seen: int) -> None:
+        """Start an async save tagged with the number of syncer inputs delivered so far. A failed
+        save (a full disk) is logged and the run goes on: the previous checkpoint still stands."""
+        arrays, meta = to_checkpoint(st)
+        meta["inputs_seen"] = inputs_seen
+        try:
+            checkpoint.save(self.manager, inputs_seen, arrays, meta)
+            self._last_merges = st.merges
+        except Exception as err:  # noqa: BLE001 - I/O errors of any kind must not stop the syncer
+            log.error("syncer checkpoint at input %d failed (%s: %s); continuing", inputs_seen,
+                      type(err).__name__, err)
+
+    def latest(self, policy: sync.Policy, fragments: tuple[Fragment, ...]) -> tuple[sync.SyncerState, int] | None:
+        """(state, inputs_seen) of the newest readable checkpoint, or None."""
+        self.manager.wait_until_finished()
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                arrays, meta = _restore(self.manager, step)
+                return from_checkpoint(arrays, meta, policy, fragments), int(meta["inputs_seen"])
+            except Exception as err:  # noqa: BLE001 - any read failure means "try the previous one"
+                log.warning("syncer checkpoint %d unreadable (%s: %s); trying an older one",
+                            step, type(err).__name__, err)
+        return None
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def _restore(manager, step: int) -> tuple[Any, dict]:
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+    arrays = jax.tree.map(np.asarray, restored["state"])
+    return arrays, dict(restored["meta"])
