@@ -84,7 +84,7 @@ def _group_options(group: str) -> list[str]:
 
 
 def _all_compositions():
-    groups = ["model", "data", "inner", "mesh", "fragments", "outer", "codec", "syncer", "runtime"]
+    groups = ["model", "data", "inner", "mesh", "fragments", "outer", "codec", "syncer", "runtime", "chaos"]
     for group in groups:
         for option in _group_options(group):
             yield f"{group}={option}"
@@ -106,7 +106,7 @@ def test_every_config_file_composes_and_validates(override):
 
 GROUP_TYPES = {"model": "ModelConfig", "data": "DataConfig", "inner": "InnerConfig", "mesh": "MeshConfig",
                "fragments": "FragmentsConfig", "outer": "OuterConfig", "codec": "CodecConfig",
-               "syncer": "SyncerConfig", "runtime": "RuntimeConfig"}
+               "syncer": "SyncerConfig", "runtime": "RuntimeConfig", "chaos": "ChaosConfig"}
 
 
 @pytest.mark.parametrize("group", sorted(GROUP_TYPES))

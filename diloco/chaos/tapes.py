@@ -117,7 +117,8 @@ def from_json(text: str) -> Tape:
     events = []
     for i, item in enumerate(raw["events"]):
         if len(item) != 4 or item[1] not in KINDS:
-            raise ValueError(f"tape event {i}={item!r} is not [time, kind in {'|'.join(KINDS)}, learner, slice]")
+            raise ValueError(f"tape event {i}={item!r} is not "
+                             f"[time, kind in {'|'.join(KINDS)}, learner, slice]")
         events.append(Event(float(item[0]), item[1], int(item[2]), int(item[3])))
     if any(_key(a) > _key(b) for a, b in zip(events, events[1:])):
         raise ValueError("tape events are not sorted by time")
