@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,14 @@ def restore(manager: ocp.CheckpointManager, step: int, target: Any) -> tuple[Any
         meta=ocp.args.JsonRestore(),
     ))
     return restored["state"], dict(restored["meta"] or {})
+
+
+def restore_untyped(manager: ocp.CheckpointManager, step: int) -> tuple[Any, dict]:
+    """(state, meta) at `step` as saved: host numpy arrays in the saved tree, for states whose
+    structure depends on what the run did (open rounds, learners that joined)."""
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+    return jax.tree.map(np.asarray, restored["state"]), dict(restored["meta"] or {})
 
 
 def restore_latest(manager: ocp.CheckpointManager, target: Any) -> tuple[int, Any, dict] | None:

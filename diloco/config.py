@@ -168,6 +168,7 @@ class RuntimeConfig:
     max_rejoin_staleness: int = 4
     restart_s: float = 5.0  # seconds from a learner's slices returning to its first step again
     learner_checkpoint_every: int = 50  # inner steps between a learner's own checkpoints; 0 = never
+    store_url: str = ""  # procs: object store of the run's traffic (gs://..., s3://...); "" = <run dir>/store
 
 
 @dataclass(frozen=True)
@@ -374,7 +375,7 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
                f"syncer.{name}={getattr(s, name)!r} not in rda|average|rda_fragment")
     _check(e, s.history >= 1, f"syncer.history={s.history} must be >= 1")
     _check(e, s.grace_budget in ("waiting", "slowest"), f"syncer.grace_budget={s.grace_budget!r} not in waiting|slowest")
-    _check(e, r.kind in ("sim", "threads"), f"runtime.kind={r.kind!r} not in sim|threads")
+    _check(e, r.kind in ("sim", "threads", "procs"), f"runtime.kind={r.kind!r} not in sim|threads|procs")
     _check(e, not cfg.chaos.enabled or r.kind == "sim",
            f"chaos.enabled=true needs runtime.kind=sim (got {r.kind!r}): the wall-clock runtimes "
            "take failures from real kills, not from a tape")
@@ -392,8 +393,9 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
            f"runtime.step_time={r.step_time}, bandwidth={r.bandwidth} must be > 0; latency={r.latency}, "
            f"jitter={r.jitter} >= 0")
     if cfg.algo == "diloco":
-        _check(e, not cfg.run.resume, "run.resume=true is not supported with algo=diloco yet "
-               "(learner and syncer checkpoints are not written); start a new run.out_dir")
+        _check(e, not cfg.run.resume or r.kind == "sim",
+               f"run.resume=true with algo=diloco needs runtime.kind=sim (got {r.kind!r}): only the sim "
+               "runtime snapshots a whole run; start a new run.out_dir")
         _check(e, cfg.data.batch_size % r.devices_per_learner == 0,
                f"data.batch_size={cfg.data.batch_size} is not divisible by "
                f"runtime.devices_per_learner={r.devices_per_learner}")

@@ -272,16 +272,16 @@ def test_bytes_are_the_serialized_frames_and_int4_payloads_are_analytic(tmp_path
     setup = build(cfg)
     up, down = [], []
     sim = Sim(cfg, setup, None, None)
-    plain_contribution, plain_act = sim._on_contribution, sim._act
+    plain_contribution, plain_transmit = sim._on_contribution, sim.host.transport
 
     def on_contribution(frame):
         up.append(frame)
         plain_contribution(frame)
 
-    def act(actions):
-        down.extend(f for a in actions if isinstance(a, sync.Publish) for f in a.frames.values())
-        plain_act(actions)
-    sim._on_contribution, sim._act = on_contribution, act
+    def transmit(m, frame, fragment, full):
+        down.append(frame)
+        plain_transmit(m, frame, fragment, full)
+    sim._on_contribution, sim.host.transport = on_contribution, transmit
     summary = sim.run()
     assert len(up) == 2 * 4  # P = H: one send per learner per step
     assert summary["bytes_up"] == sum(map(len, up))

@@ -207,3 +207,32 @@ def test_sigint_while_running_stops_all(world, no_leftover_threads):
         for timer in timers:
             timer.join()
     assert sent and time.monotonic() - sent[0] < 5.0
+
+
+def test_a_killed_learner_rejoins_from_its_checkpoint_under_a_new_incarnation(world, tmp_path, monkeypatch,
+                                                                               no_leftover_threads):
+    """kill(1) mid-run: its unsent work is lost, it restarts as incarnation 1 with the syncer's
+    Theta and its own checkpointed optimizer state and step, and the run finishes balanced."""
+    cfg, setup = variant(world, restart_s=0.2, learner_checkpoint_every=5, max_rejoin_staleness=1000)
+    rt = threads.Threads(cfg, setup, None, None, None, tmp_path / "learners")
+    plain_step = LearnerUnit.step
+
+    def step(unit, *args, **kwargs):
+        if unit.learner == 1 and unit.ls.incarnation == 0 and unit.ls.step == 12:
+            rt.kill(1)  # takes effect after this (13th) step, at the top of the learner's loop
+        return plain_step(unit, *args, **kwargs)
+    monkeypatch.setattr(LearnerUnit, "step", step)
+    summary = rt.run()
+
+    assert [(r.learner, r.incarnation, r.restored_from, r.step) for r in rt.rejoins] == [(1, 1, 10, 10)]
+    assert [u.ls.step for u in rt.units] == [STEPS] * M and rt.units[1].ls.incarnation == 1
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    assert rt.tokens.processed == ((STEPS + 13 + STEPS - 10) * tokens_per_step,) * P
+    assert summary["token_ledger_imbalance"] == 0 and sum(rt.tokens.lost) > 0
+    assert rt.syncer.live == {0: 0, 1: 1}
+    assert timeline.seconds(rt.time)[1]["restarting"] >= 0.2
+    merges = [r for r in rt.syncer.tape if r["event"] == "merge"]
+    assert any(1 in r["learners"] for r in merges[-4:])  # the new incarnation's work is merged
+    for fs in rt.syncer.fragments:  # one version at a time: none applied twice or skipped
+        versions = [r["version"] for r in merges if r["fragment"] == fs.spec.index]
+        assert versions == list(range(1, fs.version + 1))

@@ -12,7 +12,7 @@ from diloco.algo.eventlog import LedgerError, Log, append, rows
 
 STATES = ("compute", "stall", "down", "restarting")
 UP_STATES = ("compute", "stall")  # alive: can still contribute once its fragment is back
-_TIME_ROW = np.dtype([("learner", "i4"), ("state", "i1"), ("start", "f8"), ("end", "f8")])
+TIME_ROW = np.dtype([("learner", "i4"), ("state", "i1"), ("start", "f8"), ("end", "f8")])
 
 
 class TimeLedger(NamedTuple):
@@ -38,13 +38,13 @@ def add_time(led: TimeLedger, learner: int, state: str, start: float, end: float
         raise LedgerError(f"learner {learner}: {state} from {start} overlaps {STATES[last[0]]} until {last[2]}")
     if last is not None and last[0] == s and start == last[2]:
         return led._replace(open={**led.open, learner: (s, last[1], end)})
-    log = led.log if last is None else append(led.log, (learner, *last), _TIME_ROW)
+    log = led.log if last is None else append(led.log, (learner, *last), TIME_ROW)
     return TimeLedger({**led.open, learner: (s, start, end)}, log)
 
 
 def intervals(led: TimeLedger) -> np.ndarray:
-    closed = rows(led.log, _TIME_ROW)
-    opened = np.array([(m, *v) for m, v in sorted(led.open.items())], _TIME_ROW)
+    closed = rows(led.log, TIME_ROW)
+    opened = np.array([(m, *v) for m, v in sorted(led.open.items())], TIME_ROW)
     return np.concatenate([closed, opened])
 
 

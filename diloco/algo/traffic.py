@@ -12,7 +12,7 @@ from diloco.algo.eventlog import LedgerError, Log, append, rows
 
 
 DIRECTIONS = ("up", "down")  # up: learner -> syncer; down: syncer -> learner
-_BYTE_ROW = np.dtype([("time", "f8"), ("nbytes", "i8"), ("direction", "i1"), ("learner", "i4"),
+BYTE_ROW = np.dtype([("time", "f8"), ("nbytes", "i8"), ("direction", "i1"), ("learner", "i4"),
                       ("fragment", "i4"), ("codec", "i4")])
 
 
@@ -36,13 +36,13 @@ def add_bytes(led: ByteLedger, time: float, nbytes: int, direction: str, learner
         raise LedgerError(f"nbytes must be >= 0, got {nbytes}")
     codecs = led.codecs if codec in led.codecs else led.codecs + (codec,)
     row = (float(time), int(nbytes), DIRECTIONS.index(direction), learner, fragment, codecs.index(codec))
-    return ByteLedger(codecs, append(led.log, row, _BYTE_ROW))
+    return ByteLedger(codecs, append(led.log, row, BYTE_ROW))
 
 
 def byte_events(led: ByteLedger, direction: str | None = None, learner: int | None = None,
                 fragment: int | None = None) -> np.ndarray:
     """The events as a structured array, optionally filtered, in insertion order."""
-    ev = rows(led.log, _BYTE_ROW)
+    ev = rows(led.log, BYTE_ROW)
     want = {"direction": None if direction is None else DIRECTIONS.index(direction),
             "learner": learner, "fragment": fragment}
     keep = np.ones(len(ev), bool)
@@ -53,7 +53,7 @@ def byte_events(led: ByteLedger, direction: str | None = None, learner: int | No
 
 def byte_totals(led: ByteLedger, by: Sequence[str] = ("learner", "direction")) -> dict[tuple, int]:
     """Total bytes grouped by any of "learner", "direction", "fragment", "codec"."""
-    ev = rows(led.log, _BYTE_ROW)
+    ev = rows(led.log, BYTE_ROW)
     if not len(ev):
         return {}
     keys, group = np.unique(np.stack([ev[f].astype(np.int64) for f in by], 1), axis=0, return_inverse=True)

@@ -36,9 +36,13 @@ class LearnerCheckpoints:
     """One Orbax manager per learner under `root/learner-<m>`; not thread-safe (one per runtime
     thread that owns the learner, or one for a sequential runtime)."""
 
-    def __init__(self, root: Path | None, every: int, keep: int = 2):
+    def __init__(self, root: Path | None, every: int, keep: int = 2, lock=None):
         self.root, self.every, self.keep = root, every, keep
         self._managers: dict[int, object] = {}
+        # Orbax managers saving at the same moment from several threads race on their temporary
+        # directories (seen on orbax-checkpoint 0.12.8), so threaded learners share a lock and
+        # save synchronously; a sequential runtime passes none and saves asynchronously.
+        self._lock = lock
 
     @property
     def enabled(self) -> bool:
@@ -46,7 +50,8 @@ class LearnerCheckpoints:
 
     def _manager(self, m: int):
         if m not in self._managers:
-            self._managers[m] = checkpoint.open_manager(self.root / f"learner-{m}", self.keep)
+            self._managers[m] = checkpoint.open_manager(self.root / f"learner-{m}", self.keep,
+                                                        async_save=self._lock is None)
         return self._managers[m]
 
     def maybe_save(self, unit: LearnerUnit) -> bool:
@@ -56,7 +61,11 @@ class LearnerCheckpoints:
             return False
         meta = {"learner": unit.learner, "incarnation": unit.ls.incarnation, "step": step,
                 "versions": list(unit.ls.versions)}
-        checkpoint.save(self._manager(unit.learner), step, unit.state, meta)
+        if self._lock is None:
+            checkpoint.save(self._manager(unit.learner), step, unit.state, meta)
+        else:
+            with self._lock:
+                checkpoint.save(self._manager(unit.learner), step, unit.state, meta)
         return True
 
     def latest(self, m: int, target) -> tuple[int, object, dict] | None:
@@ -93,9 +102,4 @@ def rejoin_unit(setup: Setup, m: int, incarnation: int, syncer_state: sync.Synce
             return unit, Rejoin(m, incarnation, step, step, stale)
         return new_unit(setup, m, incarnation, syncer_state, fallback_step), Rejoin(m, incarnation, fallback_step, None, stale)
     return new_unit(setup, m, incarnation, syncer_state, fallback_step), Rejoin(m, incarnation, fallback_step, None, -1)
-
-
-def catch_up_bytes(syncer_state: sync.SyncerState) -> dict[int, int]:
-    """Bytes of the full FP32 copy of each fragment a rejoining learner fetches."""
-    return {p: len(frame) for p, frame in sync.full_frames(syncer_state).items()}
 

@@ -19,32 +19,30 @@ takes effect at the learner's next step boundary: the step in progress finishes.
 from __future__ import annotations
 
 import heapq
-import itertools
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from diloco import report
-from diloco.algo import ledger, timeline, traffic
 from diloco.algo import syncer as sync
-from diloco.algo.replay import Input, apply as deliver
+from diloco.algo.replay import Input
 from diloco.chaos import tapes
 from diloco.config import TrainConfig
-from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, catch_up_bytes, rejoin_unit
+from diloco.runtime.host import HostedRuntime, SyncerHost
+from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
-from diloco.runtime.summary import run_summary
-from diloco.runtime.tape import InputLog, run_outputs, write_decisions
+from diloco.runtime.sim_ckpt import SimSnapshots, restore
+from diloco.runtime.tape import InputLog, read_inputs, run_outputs, write_decisions
 
 
-class Sim:
+class Sim(HostedRuntime):
     """Event loop state; `run` drives it to the end. One object per run, closed over nothing global."""
 
     def __init__(self, cfg: TrainConfig, setup: Setup, writer: report.MetricsWriter | None,
                  evaluate: Callable[[dict], float] | None, inputs: InputLog | None = None,
                  tape: tapes.Tape | None = None, checkpoints: LearnerCheckpoints | None = None):
         self.cfg, self.writer, self.evaluate = cfg, writer, evaluate
-        self.inputs = inputs  # every syncer input, in delivery order: the replayable tape
         self.tape = tape
         self.checkpoints = checkpoints or LearnerCheckpoints(None, 0)
         r = cfg.runtime
@@ -57,16 +55,14 @@ class Sim:
         self.jitter = tape.jitter if tape is not None else r.jitter
         self.rng = np.random.default_rng([r.seed, 7])
         self.heap: list = []
-        self.order = itertools.count()
+        self.order = 0
         base = range(r.learners)
-        self.syncer = sync.init(setup.policy, setup.fragments, setup.theta0, {m: 0 for m in base})
-        self.units = [new_unit(setup, m, 0, self.syncer) if m in base else None for m in range(self.M)]
+        self.host = SyncerHost(setup, {m: 0 for m in base}, inputs,
+                               on_deadline=lambda p, at: self.push(at, "deadline", p), transport=self._transmit)
+        self.units = [new_unit(setup, m, 0, self.host.state) if m in base else None for m in range(self.M)]
         self.alive = {m: m in base for m in range(self.M)}
         self.died_at: dict[int, tuple[float, int]] = {}  # dead learner -> (time, step it stopped at)
         self.rejoins: list[Rejoin] = []
-        self.tokens = ledger.token_ledger(len(setup.fragments))
-        self.bytes = traffic.byte_ledger()
-        self.time = timeline.time_ledger()
         self.link_up = [0.0] * self.M
         self.link_down = [0.0] * self.M
         self.stalled_since: dict[int, float] = {}
@@ -75,27 +71,39 @@ class Sim:
         self.restarting: set[int] = set()  # learners with a rejoin event on the heap
         self.removed: set[int] = set()  # scavenged learners taken out of the run (not "down")
         self.flushed: set[int] = set()  # learners that sent their final contributions
-        self.stalls = 0
         self.now = 0.0
+        self.steps_done = 0  # inner steps over all learners: when snapshots fall due
         self.evals: list[tuple[float, int, float]] = []
 
     def push(self, t: float, kind: str, *data: Any) -> None:
-        heapq.heappush(self.heap, (t, next(self.order), kind, data))
+        self.order += 1  # ties break in push order; a plain int, so snapshots can carry it
+        heapq.heappush(self.heap, (t, self.order, kind, data))
 
-    def run(self) -> dict:
+    def run(self, snapshots=None, stop: Callable[["Sim"], bool] | None = None) -> dict | None:
+        """From the start: wake every learner, queue the tape, then `loop`."""
         for m in range(self.M):
             if self.alive[m]:
                 self._wake(m, 0.0)
         if self.tape is not None:
             for e in self.tape.events:
                 self.push(e.time, "chaos", e.learner)
+        return self.loop(snapshots, stop)
+
+    def loop(self, snapshots=None, stop: Callable[["Sim"], bool] | None = None) -> dict | None:
+        """Process events to the end (a restored sim resumes here). `snapshots` saves the whole
+        run now and then; `stop(sim)` after any event ends it early, as a crash would (None)."""
         while self.heap and not (self.heap[0][2] == "chaos" and self._finished()):
             self.now, _, kind, data = heapq.heappop(self.heap)
             getattr(self, f"_on_{kind}")(*data)
+            if kind == "step" and snapshots is not None:
+                snapshots.maybe_save(self)
+            if stop is not None and stop(self):
+                self.checkpoints.close()
+                return None
         for m, (at, _) in self.died_at.items():  # still down at the end
             if m in self.removed:
                 continue
-            self.time = timeline.add_time(self.time, m, "down", at, max(at, self.now))
+            self.host.book_time(m, "down", at, max(at, self.now))
         self.checkpoints.close()
         return self.summary()
 
@@ -129,7 +137,7 @@ class Sim:
         elif not self.alive[m] and live and m not in self.restarting:
             self.restarting.add(m)
             if m in self.died_at and m not in self.removed:  # a scavenged learner was never up
-                self.time = timeline.add_time(self.time, m, "down", self.died_at[m][0], self.now)
+                self.host.book_time(m, "down", self.died_at[m][0], self.now)
             self.removed.discard(m)
             self.push(self.now + self.cfg.runtime.restart_s, "rejoin", m)
 
@@ -138,33 +146,27 @@ class Sim:
         self.alive[m] = False
         self.died_at[m] = (self.now, unit.ls.step)
         if m in self.stalled_since:
-            self.time = timeline.add_time(self.time, m, "stall", self.stalled_since.pop(m), self.now)
+            self.host.stalled(m, self.stalled_since.pop(m), self.now)
         self.stall_armed.pop(m, None)
-        self.tokens = ledger.die(self.tokens, m, unit.ls.incarnation)
         if _removed(self.tape, m, self.now):  # scavenging over: gone, not down
             self.removed.add(m)
-        self._syncer(Input("live", self.now, self._live()))
-
-    def _live(self) -> tuple[tuple[int, int], ...]:
-        return tuple((m, u.ls.incarnation) for m, u in enumerate(self.units) if u is not None and self.alive[m])
+        self.host.died(m, unit.ls.incarnation, self.now)
 
     def _on_rejoin(self, m: int) -> None:
         self.restarting.discard(m)
         start = self.now - self.cfg.runtime.restart_s
-        self.time = timeline.add_time(self.time, m, "restarting", start, self.now)
+        self.host.book_time(m, "restarting", start, self.now)
         if not tapes.is_alive(self.tape, m, self.now):  # failed again while restarting
             self.died_at[m] = (self.now, self.died_at.get(m, (0.0, 0))[1])
             return
         old = self.units[m]
         incarnation = 0 if old is None else old.ls.incarnation + 1
         _, step = self.died_at.pop(m, (0.0, 0))
-        unit, how = rejoin_unit(self.setup, m, incarnation, self.syncer, self.checkpoints,
+        unit, how = rejoin_unit(self.setup, m, incarnation, self.host.state, self.checkpoints,
                                 self.cfg.runtime.max_rejoin_staleness, step)
         self.units[m], self.alive[m] = unit, True
         self.rejoins.append(how)
-        self._syncer(Input("live", self.now, self._live()))
-        for p, n in catch_up_bytes(self.syncer).items():  # it fetches every fragment in full
-            self.bytes = traffic.add_bytes(self.bytes, self.now, n, "down", m, p, "fp32")
+        self.host.rejoined(m, incarnation, self.now)
         if self.writer is not None:
             self.writer.write({"kind": "rejoin", "time": self.now, **how._asdict()})
         self._wake(m, self.now)
@@ -186,19 +188,18 @@ class Sim:
             self._kill(m)
             return
         for q in unit.apply_due():
-            self.tokens = ledger.apply(self.tokens, m, unit.ls.incarnation, q.fragment)
+            self.host.applied(m, unit.ls.incarnation, (q.fragment,))
         blocked = unit.blocking()
         if blocked is not None:
             if m not in self.stalled_since:
                 self.stalled_since[m] = self.now
-                self.stalls += 1
             if self.stall_armed.get(m) != blocked.seq:  # one limit per blocking send
                 self.stall_armed[m] = blocked.seq
                 limit = r.stall_limit_steps * r.step_time * self.speeds[m % len(self.speeds)]
                 self.push(self.now + limit, "stall_limit", m, blocked.fragment, blocked.seq)
             return
         if m in self.stalled_since:
-            self.time = timeline.add_time(self.time, m, "stall", self.stalled_since.pop(m), self.now)
+            self.host.stalled(m, self.stalled_since.pop(m), self.now)
         if unit.ls.step >= self.cfg.run.steps:
             if self.cfg.fragments.final_sync and m not in self.flushed:
                 self.flushed.add(m)
@@ -206,14 +207,13 @@ class Sim:
             return
         log = report.due(unit.ls.step + 1, self.cfg.run.log_every, self.cfg.run.steps)
         result = unit.step(fetch_loss=log, rows=self._rows(m))
+        self.steps_done += 1
         self.checkpoints.maybe_save(unit)
         inc = unit.ls.incarnation
         speed = self.speeds[m % len(self.speeds)]
         duration = r.step_time * speed * max(0.1, 1.0 + self.jitter * self.rng.standard_normal())
         end = self.now + duration
-        self.time = timeline.add_time(self.time, m, "compute", self.now, end)
-        self.tokens = ledger.process(self.tokens, m, inc, result.tokens)
-        self._syncer(Input("step_time", self.now, (m, duration)))
+        self.host.step(m, inc, self.now, end, result.tokens, self.now)
         self._send(m, end, result)
         if log and self.writer is not None:
             self.writer.write({"kind": "train", "learner": m, "step": unit.ls.step, "time": end,
@@ -226,10 +226,8 @@ class Sim:
     def _send(self, m: int, end: float, result) -> None:
         """Book and ship a step's (or the final flush's) contributions over learner m's link."""
         r, inc = self.cfg.runtime, self.units[m].ls.incarnation
-        for send, frame in zip(result.sends, result.frames):
-            self.tokens = ledger.send(self.tokens, m, inc, send.fragment, send.seq)
-            self.bytes = traffic.add_bytes(self.bytes, end, len(frame), "up", m, send.fragment,
-                                          self.setup.spec.up_spec)
+        self.host.sent(m, inc, end, result.sends, result.frames)
+        for frame in result.frames:
             start = max(end, self.link_up[m])
             self.link_up[m] = start + len(frame) / r.bandwidth
             self.push(self.link_up[m] + r.latency, "contribution", frame)
@@ -251,32 +249,18 @@ class Sim:
             self._wake(m, self.now)
 
     # --- syncer -------------------------------------------------------------------------------
-    def _syncer(self, event: Input) -> None:
-        if self.inputs is not None:
-            self.inputs.append(event)
-        self.syncer, actions = deliver(self.setup.policy, self.syncer, event)
-        self._act(actions)
-
     def _on_contribution(self, frame: bytes) -> None:
-        self._syncer(Input("contribution", self.now, frame))
+        self.host.deliver(Input("contribution", self.now, frame))
 
     def _on_deadline(self, p: int) -> None:
-        self._syncer(Input("deadline", self.now, p))
+        self.host.deliver(Input("deadline", self.now, p))
 
-    def _act(self, actions: tuple) -> None:
+    def _transmit(self, m: int, frame: bytes, fragment: int, full: bool) -> None:
+        """A broadcast leaves over learner m's down link."""
         r = self.cfg.runtime
-        for a in actions:
-            if isinstance(a, sync.SetDeadline):
-                self.push(a.at, "deadline", a.fragment)
-            elif isinstance(a, sync.Outcome) and a.key is not None:
-                self.tokens = ledger.resolve(self.tokens, a.key, a.outcome, a.into)
-            elif isinstance(a, sync.Publish):
-                for m, frame in sorted(a.frames.items()):
-                    codec = "fp32" if m in a.full else self.setup.policy.down_spec
-                    self.bytes = traffic.add_bytes(self.bytes, self.now, len(frame), "down", m, a.fragment, codec)
-                    start = max(self.now, self.link_down[m])
-                    self.link_down[m] = start + len(frame) / r.bandwidth
-                    self.push(self.link_down[m] + r.latency, "fragment", m, frame)
+        start = max(self.now, self.link_down[m])
+        self.link_down[m] = start + len(frame) / r.bandwidth
+        self.push(self.link_down[m] + r.latency, "fragment", m, frame)
 
     # --- outputs ------------------------------------------------------------------------------
     def _eval(self, t: float) -> None:
@@ -289,8 +273,7 @@ class Sim:
                                "eval_loss": loss, "merges": self.syncer.merges})
 
     def summary(self) -> dict:
-        return run_summary(self.syncer, self.tokens, self.bytes, self.time, clock="virtual",
-                           end=self.now, window=self.cfg.runtime.step_time, stalls=self.stalls)
+        return self.host.summary(clock="virtual", end=self.now, window=self.cfg.runtime.step_time)
 
 
 def _removed(tape: tapes.Tape, m: int, t: float) -> bool:
@@ -308,20 +291,37 @@ def chaos_tape(cfg: TrainConfig) -> tapes.Tape | None:
     return tapes.generate(cfg.chaos, r.learners, horizon_s=4 * cfg.run.steps * r.step_time * slowest)
 
 
-def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
-        evaluate: Callable[[dict], float] | None) -> tuple[Sim, dict]:
-    """Run Decoupled DiLoCo in virtual time; returns the finished Sim (for its state) and a summary."""
-    with run_outputs(run_dir) as (writer, inputs):
-        tape = chaos_tape(cfg)
-        ckpts = LearnerCheckpoints(None if run_dir is None else run_dir / "learners",
-                                   cfg.runtime.learner_checkpoint_every, cfg.run.keep_checkpoints)
-        if tape is not None and run_dir is not None:
-            (run_dir / "chaos_tape.json").write_text(tapes.to_json(tape))
-        sim = Sim(cfg, setup, writer, evaluate, inputs, tape, ckpts)
-        summary = sim.run()
-        if evaluate is not None:
-            sim._eval(sim.now)
-            summary["eval_loss"] = sim.evals[-1][2]
-        if run_dir is not None:
-            write_decisions(run_dir / "tape.jsonl", sim.syncer.tape)
-        return sim, summary
+def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable[[dict], float] | None,
+        stop: Callable[[Sim], bool] | None = None) -> tuple[Sim, dict | None]:
+    """Run Decoupled DiLoCo in virtual time; returns the finished Sim (for its state) and a summary
+    (None if `stop` ended it early). With run.resume it continues from the run's latest snapshot."""
+    every = cfg.run.checkpoint_every * cfg.runtime.learners
+    snapshots = SimSnapshots(None if run_dir is None else run_dir / "sim", every, cfg.run.keep_checkpoints)
+    found = snapshots.latest() if cfg.run.resume else None
+    # The input log restarts from the snapshot: inputs after it are delivered again.
+    kept = list(read_inputs(run_dir / "syncer_inputs.bin"))[:found[1]["inputs_seen"]] if found else []
+    try:
+        with run_outputs(run_dir) as (writer, inputs):
+            for event in kept:
+                inputs.append(event)
+            tape = chaos_tape(cfg)
+            ckpts = LearnerCheckpoints(None if run_dir is None else run_dir / "learners",
+                                       cfg.runtime.learner_checkpoint_every, cfg.run.keep_checkpoints)
+            if tape is not None and run_dir is not None:
+                (run_dir / "chaos_tape.json").write_text(tapes.to_json(tape))
+            sim = Sim(cfg, setup, writer, evaluate, inputs, tape, ckpts)
+            if found is None:
+                summary = sim.run(snapshots, stop)
+            else:
+                restore(sim, *found)
+                summary = sim.loop(snapshots, stop)
+            if summary is None:
+                return sim, None
+            if evaluate is not None:
+                sim._eval(sim.now)
+                summary["eval_loss"] = sim.evals[-1][2]
+            if run_dir is not None:
+                write_decisions(run_dir / "tape.jsonl", sim.syncer.tape)
+            return sim, summary
+    finally:
+        snapshots.close()

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from diloco import checkpoint
 from diloco.algo import quorum
@@ -140,7 +138,7 @@ class SyncerCheckpoints:
         self.manager.wait_until_finished()
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                arrays, meta = _restore(self.manager, step)
+                arrays, meta = checkpoint.restore_untyped(self.manager, step)
                 return from_checkpoint(arrays, meta, policy, fragments), int(meta["inputs_seen"])
             except Exception as err:  # noqa: BLE001 - any read failure means "try the previous one"
                 log.warning("syncer checkpoint %d unreadable (%s: %s); trying an older one",
@@ -151,9 +149,3 @@ class SyncerCheckpoints:
         self.manager.wait_until_finished()
         self.manager.close()
 
-
-def _restore(manager, step: int) -> tuple[Any, dict]:
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
-    arrays = jax.tree.map(np.asarray, restored["state"])
-    return arrays, dict(restored["meta"])

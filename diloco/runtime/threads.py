@@ -31,14 +31,16 @@ import jax
 import numpy as np
 
 from diloco import report
-from diloco.algo import ledger, quorum, timeline, traffic
+from diloco.algo import quorum
 from diloco.algo import syncer as sync
-from diloco.algo.replay import Input, apply as deliver
+from diloco.algo.replay import Input
 from diloco.config import TrainConfig
 from diloco.data import batch_at
+from diloco.runtime.crew import Crew, Stopped
+from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.mailbox import Mailbox
+from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
-from diloco.runtime.summary import run_summary
 from diloco.runtime.tape import InputLog, run_outputs, write_decisions
 from diloco.runtime.unit import LearnerUnit
 
@@ -46,11 +48,11 @@ POLL = 0.05  # seconds: the longest any thread blocks before looking at the stop
 JOIN_TIMEOUT = 30.0  # seconds the main thread waits for stopped threads before reporting them stuck
 
 
-class _Stopped(Exception):
-    """Raised inside a worker thread when the run is stopping; ends the thread quietly."""
+class _Killed(Exception):
+    """Raised inside learner m's thread after `kill(m)`: the learner crashes at once."""
 
 
-class Threads:
+class Threads(HostedRuntime):
     """One run on the wall clock; `run` drives it to the end. Holds no module-level state.
 
     Each attribute has one writer: units[m] learner m; syncer, tokens, bytes, time, stalls, inputs,
@@ -58,41 +60,47 @@ class Threads:
     """
 
     def __init__(self, cfg: TrainConfig, setup: Setup, writer: report.MetricsWriter | None,
-                 evaluate: Callable[[dict], float] | None, inputs: InputLog | None = None):
+                 evaluate: Callable[[dict], float] | None, inputs: InputLog | None = None,
+                 checkpoint_dir: Path | None = None):
         self.cfg, self.setup, self.evaluate = cfg, setup, evaluate
-        self.inputs = inputs  # every syncer input, in delivery order, with its wall-clock time
         self.writer, self._write_lock = writer, threading.Lock()  # learners and main thread write
         r = cfg.runtime
         self.M = r.learners
         self.speeds = list(r.speeds) or [1.0] * self.M
-        self.syncer = sync.init(setup.policy, setup.fragments, setup.theta0, {m: 0 for m in range(self.M)})
-        self.initial = self.syncer  # every learner starts from Theta_0, never from its own init
+        self.host = SyncerHost(setup, {m: 0 for m in range(self.M)}, inputs, on_deadline=self._arm,
+                               transport=self._transmit)
+        self.initial = self.host.state  # every learner starts from Theta_0, never from its own init
         # Each learner thread builds its own unit (device_put of its params) from this initial state.
         self.units: list[LearnerUnit | None] = [None] * self.M
-        self.tokens = ledger.token_ledger(len(setup.fragments))
-        self.bytes = traffic.byte_ledger()
-        self.time = timeline.time_ledger()
-        self.stalls = 0
+        self.checkpoint_dir = checkpoint_dir  # learner checkpoints, one Orbax manager per thread
+        self.kills: set[int] = set()  # learners asked to crash (tests, fault drills)
+        self._ckpt_lock = threading.Lock()
+        self.rejoins: list[Rejoin] = []
         self.evals: list[tuple[float, int, float]] = []
         self.finished_at: dict[int, float] = {}  # learner -> clock time of its `done`
         self.end = 0.0  # clock time when the syncer published its last merge
         self.deadlines: list[tuple[float, int, int]] = []  # grace timers (at, order, fragment), a heap
         self._order = itertools.count()
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self._error_lock = threading.Lock()
         self.up: queue.Queue = queue.Queue(maxsize=r.queue_size)
         self.inboxes = [Mailbox(r.queue_size) for _ in range(self.M)]
         self.eval_requests: queue.Queue = queue.Queue(maxsize=r.queue_size)
         # Learners compile before the clock starts; the last one to arrive starts it.
         self.ready = threading.Barrier(self.M, action=self._start_clock)
         self.t0 = time.monotonic()
-        bodies = [(f"diloco-learner-{m}", self._learner, (m,)) for m in range(self.M)]
-        self.threads = [threading.Thread(target=self._guard, args=(body, *args), name=name, daemon=False)
-                        for name, body, args in bodies + [("diloco-syncer", self._syncer_loop, ())]]
+        # learners still compiling or waiting for the others at the barrier get out on a stop too
+        self.crew = Crew(on_stop=self.ready.abort, join_timeout=JOIN_TIMEOUT)
+        self.stop = self.crew.stop
+        for m in range(self.M):
+            self.crew.add(f"diloco-learner-{m}", self._learner, m)
+        self.crew.add("diloco-syncer", self._syncer_loop)
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
+
+    def kill(self, m: int) -> None:
+        """Crash learner m at its next check (thread-safe): everything it has not sent is lost; it
+        restarts after runtime.restart_s as a new incarnation, from the syncer's current Theta."""
+        self.kills.add(m)
 
     def _start_clock(self) -> None:
         self.t0 = time.monotonic()
@@ -100,20 +108,19 @@ class Threads:
     # --- supervision (main thread) ------------------------------------------------------------
     def run(self) -> dict:
         try:
-            for t in self.threads:
-                t.start()
+            self.crew.start()
             self._supervise()
         except BaseException as e:  # Ctrl-C, or an error in `evaluate`: stop everything, then re-raise
-            self._fail(e)
+            self.crew.fail(e)
         finally:
-            self._join()
-        if self.error is not None:
-            raise self.error
+            self.crew.join()
+        if self.crew.error is not None:
+            raise self.crew.error
         return self.summary()
 
     def _supervise(self) -> None:
         while not self.stop.is_set():
-            alive = any(t.is_alive() for t in self.threads)
+            alive = self.crew.alive()
             try:
                 request = self.eval_requests.get(timeout=POLL)
             except queue.Empty:
@@ -122,50 +129,55 @@ class Threads:
                 continue
             self._eval(*request)
 
-    def _guard(self, body: Callable, *args: Any) -> None:
-        try:
-            body(*args)
-        except (_Stopped, threading.BrokenBarrierError):  # only raised once the stop is set
-            pass
-        except BaseException as e:
-            self._fail(e)
-
-    def _fail(self, error: BaseException) -> None:
-        with self._error_lock:
-            if self.error is None:
-                error.add_note(f"raised in thread {threading.current_thread().name} of the threads runtime")
-                self.error = error
-        self.stop.set()
-        self.ready.abort()  # learners still compiling or waiting for the others get out too
-
-    def _join(self) -> None:
-        limit = time.monotonic() + JOIN_TIMEOUT
-        for t in self.threads:
-            while t.ident is not None and t.is_alive() and time.monotonic() < limit:
-                try:
-                    t.join(max(0.0, limit - time.monotonic()))
-                except KeyboardInterrupt as e:  # another Ctrl-C: keep waiting for the stopping threads
-                    self._fail(e)
-        stuck = [t.name for t in self.threads if t.is_alive()]
-        if stuck:
-            message = f"threads {stuck} still running {JOIN_TIMEOUT:.0f} s after the stop"
-            if self.error is None:
-                self.error = RuntimeError(message)
-            else:
-                self.error.add_note(message)
-
     # --- learners -----------------------------------------------------------------------------
     def _learner(self, m: int) -> None:
-        r, steps = self.cfg.runtime, self.cfg.run.steps
+        """Learner m's thread: its incarnations one after another, each until done or killed."""
+        r = self.cfg.runtime
+        ckpts = LearnerCheckpoints(self.checkpoint_dir, r.learner_checkpoint_every, lock=self._ckpt_lock)
         unit = self.units[m] = new_unit(self.setup, m, 0, self.initial)
         _warm_up(unit)
         self.ready.wait()
-        rng = np.random.default_rng([r.seed, 7, m])
+        try:
+            while True:
+                try:
+                    return self._incarnation(m, unit, ckpts)
+                except _Killed as killed:
+                    unit = self._restart(m, unit, ckpts, killed.args[0])
+        finally:
+            ckpts.close()
+
+    def _restart(self, m: int, dead: LearnerUnit, ckpts: LearnerCheckpoints, stalls: tuple) -> LearnerUnit:
+        """The crash and the restart, as the syncer sees them: `died`, down, restarting, `rejoin`."""
+        self.kills.discard(m)
+        died_at = self.clock()
+        self._emit(m, ("died", m, dead.ls.incarnation, died_at, stalls))
+        restart_at = died_at  # in a kill drill the devices are back at once: restarting, never down
+        self._sleep(restart_at + self.cfg.runtime.restart_s)
+        unit, how = rejoin_unit(self.setup, m, dead.ls.incarnation + 1, self.host.state, ckpts,
+                                self.cfg.runtime.max_rejoin_staleness, dead.ls.step)
+        self.units[m] = unit
+        self.rejoins.append(how)
+        self._emit(m, ("rejoin", m, how.incarnation, died_at, restart_at, self.clock()))
+        self._write({"kind": "rejoin", "time": self.clock(), **how._asdict()})
+        return unit
+
+    def _sleep(self, until: float) -> float:
+        while (left := until - self.clock()) > 0:
+            if self.stop.wait(min(POLL, left)):
+                raise Stopped
+        return self.clock()
+
+    def _incarnation(self, m: int, unit: LearnerUnit, ckpts: LearnerCheckpoints) -> None:
+        r, steps = self.cfg.runtime, self.cfg.run.steps
+        rng = np.random.default_rng([r.seed, 7, m, unit.ls.incarnation])
         times = quorum.StepTimes()  # this learner's step-time EMA, for its stall limit
         stall_start: float | None = None
         limit: tuple[int, float] | None = None  # (seq waited for, clock time to give up)
         stalls: list[tuple[float, float]] = []  # booked with the next step (or done) event
         while True:
+            if m in self.kills:
+                open_stall = () if stall_start is None else ((stall_start, self.clock()),)
+                raise _Killed(tuple(stalls) + open_stall)
             self._drain(m)
             ready = unit.apply_due()
             if ready:
@@ -194,6 +206,7 @@ class Threads:
             result = unit.step(fetch_loss=log)
             jax.block_until_ready(unit.state)  # dispatch is asynchronous: time the step, not its launch
             compute = self.clock() - start
+            ckpts.maybe_save(unit)
             # A learner with speed factor s sleeps (s - 1) x its compute time (x jitter), so a
             # heterogeneous run works on one real clock; factors below 1 cannot speed a step up.
             factor = self.speeds[m] * max(0.1, 1.0 + r.jitter * rng.standard_normal())
@@ -219,7 +232,7 @@ class Threads:
     def _receive(self, m: int, timeout: float) -> bool:
         """Take at most one frame from learner m's inbox; False once the syncer has closed it."""
         if self.stop.is_set():
-            raise _Stopped
+            raise Stopped
         frame = self.inboxes[m].get(timeout)
         if frame is False:
             return True
@@ -251,7 +264,7 @@ class Threads:
             start = self.clock()
         while True:
             if self.stop.is_set():
-                raise _Stopped
+                raise Stopped
             self._drain(m)
             try:
                 self.up.put(event, timeout=POLL)
@@ -264,11 +277,11 @@ class Threads:
         deadlines, done = self.deadlines, set()
         while True:
             if self.stop.is_set():
-                raise _Stopped
+                raise Stopped
             now = self.clock()
             while deadlines and deadlines[0][0] <= now:
                 _, _, p = heapq.heappop(deadlines)
-                self._deliver(Input("deadline", now, p))
+                self.host.deliver(Input("deadline", now, p))
             if len(done) == self.M and not deadlines and self.up.empty():
                 break  # `done` is each learner's last event, so everything has been booked
             wait = POLL if not deadlines else min(POLL, max(0.0, deadlines[0][0] - now))
@@ -282,26 +295,32 @@ class Threads:
             inbox.close()
 
     def _on_event(self, event: tuple, done: set[int]) -> None:
-        kind = event[0]
+        kind, host = event[0], self.host
         if kind == "step":
             _, m, inc, step, start, end, tokens, sends, frames, stalls = event
             self._book_stalls(m, stalls)
-            self.time = timeline.add_time(self.time, m, "compute", start, end)
-            self.tokens = ledger.process(self.tokens, m, inc, tokens)
-            self._deliver(Input("step_time", self.clock(), (m, end - start)))
+            host.step(m, inc, start, end, tokens, self.clock())
             if m == 0 and self.evaluate is not None and report.due(step, self.cfg.run.eval_every,
                                                                    self.cfg.run.steps):
                 # As in sim: the global model as it stood when learner 0 finished the step.
-                self._put(self.eval_requests, (end, step, sync.theta(self.syncer),
-                                               int(self.tokens.processed[0]), self.syncer.merges))
+                self._put(self.eval_requests, (end, step, sync.theta(host.state),
+                                               int(host.tokens.processed[0]), host.state.merges))
             self._ship(m, inc, end, sends, frames)
         elif kind == "flush":
             _, m, inc, at, sends, frames = event
             self._ship(m, inc, at, sends, frames)
         elif kind == "apply":
             _, m, inc, fragments = event
-            for p in fragments:
-                self.tokens = ledger.apply(self.tokens, m, inc, p)
+            host.applied(m, inc, fragments)
+        elif kind == "died":
+            _, m, inc, at, stalls = event
+            self._book_stalls(m, stalls)
+            host.died(m, inc, at)
+        elif kind == "rejoin":
+            _, m, inc, died_at, restart_at, at = event
+            host.book_time(m, "down", died_at, restart_at)
+            host.book_time(m, "restarting", restart_at, at)
+            host.rejoined(m, inc, at)
         elif kind == "done":
             _, m, at, stalls = event
             self._book_stalls(m, stalls)
@@ -311,45 +330,29 @@ class Threads:
             raise ValueError(f"unknown event {kind!r} from a learner")
 
     def _ship(self, m: int, inc: int, at: float, sends: tuple, frames: tuple) -> None:
-        for send, frame in zip(sends, frames):
-            self.tokens = ledger.send(self.tokens, m, inc, send.fragment, send.seq)
-            self.bytes = traffic.add_bytes(self.bytes, at, len(frame), "up", m, send.fragment,
-                                          self.setup.spec.up_spec)
-            self._deliver(Input("contribution", self.clock(), bytes(frame)))
-
-    def _deliver(self, event: Input) -> None:
-        if self.inputs is not None:
-            self.inputs.append(event)
-        self.syncer, actions = deliver(self.setup.policy, self.syncer, event)
-        self._act(actions)
+        self.host.sent(m, inc, at, sends, frames)
+        for frame in frames:
+            self.host.deliver(Input("contribution", self.clock(), bytes(frame)))
 
     def _book_stalls(self, m: int, stalls: tuple[tuple[float, float], ...]) -> None:
         for start, end in stalls:
-            self.time = timeline.add_time(self.time, m, "stall", start, end)
-            self.stalls += 1
+            self.host.stalled(m, start, end)
 
-    def _act(self, actions: tuple) -> None:
-        for a in actions:
-            if isinstance(a, sync.SetDeadline):
-                heapq.heappush(self.deadlines, (a.at, next(self._order), a.fragment))
-            elif isinstance(a, sync.Outcome) and a.key is not None:
-                self.tokens = ledger.resolve(self.tokens, a.key, a.outcome, a.into)
-            elif isinstance(a, sync.Publish):
-                now = self.clock()
-                for m, frame in sorted(a.frames.items()):
-                    codec = "fp32" if m in a.full else self.setup.policy.down_spec
-                    self.bytes = traffic.add_bytes(self.bytes, now, len(frame), "down", m, a.fragment, codec)
-                    extra = self.inboxes[m].put(a.fragment, frame, self._catch_up)
-                    if extra:  # a learner behind: its queued deltas became one full copy
-                        self.bytes = traffic.add_bytes(self.bytes, now, extra, "down", m, a.fragment, "fp32")
+    def _arm(self, p: int, at: float) -> None:
+        heapq.heappush(self.deadlines, (at, next(self._order), p))
+
+    def _transmit(self, m: int, frame: bytes, p: int, full: bool) -> None:
+        extra = self.inboxes[m].put(p, frame, self._catch_up)
+        if extra:  # a learner behind: its queued deltas became one full copy
+            self.host.extra_down(m, self.clock(), extra, p)
 
     def _catch_up(self, p: int, merged: tuple) -> bytes:
-        return sync.full_frame(self.syncer, p, merged)
+        return sync.full_frame(self.host.state, p, merged)
 
     def _put(self, q: queue.Queue, item: Any) -> None:
         while True:
             if self.stop.is_set():
-                raise _Stopped
+                raise Stopped
             try:
                 q.put(item, timeout=POLL)
                 return
@@ -372,8 +375,7 @@ class Threads:
     def summary(self) -> dict:
         # Peak rates over windows of one (slowest measured) step, as sim uses its modelled step time.
         window = quorum.slowest_step_time(self.syncer.step_times) or self.cfg.runtime.step_time
-        return run_summary(self.syncer, self.tokens, self.bytes, self.time, clock="wall",
-                           end=self.end, window=window, stalls=self.stalls)
+        return self.host.summary(clock="wall", end=self.end, window=window)
 
 
 def _warm_up(unit: LearnerUnit) -> None:
@@ -391,7 +393,8 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
     """Run Decoupled DiLoCo on the wall clock; returns the finished runtime (for its state) and a
     summary with the same keys as sim's."""
     with run_outputs(run_dir) as (writer, inputs):
-        rt = Threads(cfg, setup, writer, evaluate, inputs)
+        rt = Threads(cfg, setup, writer, evaluate, inputs,
+                     None if run_dir is None else run_dir / "learners")
         summary = rt.run()  # every thread has been joined when it returns or raises
         if evaluate is not None:
             rt._eval(rt.end, rt.units[0].ls.step, sync.theta(rt.syncer), int(rt.tokens.processed[0]),

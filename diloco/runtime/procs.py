@@ -1,0 +1,236 @@
+"""The procs runtime: one OS process per learner (spawned, not forked), a syncer process, and this
+process as their supervisor, restarting learners that die; all traffic goes through an object
+store (diloco/runtime/blobstore.py): file:// by default, gs:// or s3:// by `runtime.store_url`.
+
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 6 (a failed learner is
+absent from quorums while the global model advances; it rejoins from the syncer's state);
+DESIGN.md "Runtimes" (procs: real kill -9 fault tests; multi-host over a shared bucket).
+
+Who does what: learner m's process (diloco/runtime/procs_learner.py) trains on its own device
+sub-mesh and writes contributions and an event stream; the syncer process
+(diloco/runtime/procs_syncer.py) books the events, merges and publishes; this process starts
+them, evaluates the global model when the syncer asks, writes metrics.jsonl, and watches exits.
+A child rebuilds its Setup from the config (spawned processes share no jitted functions) and
+checks that it got this process's Theta_0.
+
+Failures: a learner process that exits with a signal (kill -9, the OOM killer) or an unexplained
+code is restarted under incarnation + 1 after `ctl/died/...` tells the syncer, which books the
+death once it has booked every event of the dead process; messages of the old incarnation are
+then dropped by the syncer's admission check. A learner that raises a Python error, or a syncer
+that fails, fails the run, as an exception in any thread fails a threads run. SIGINT or SIGTERM
+here: the learners are terminated, the syncer finishes with what it has booked and its partial
+summary is printed, then KeyboardInterrupt is raised as in threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from diloco import report
+from diloco.config import TrainConfig
+from diloco.runtime import blobstore as bs
+from diloco.runtime.procs_learner import died, fingerprint, learner_main
+from diloco.runtime.procs_syncer import rep_key, syncer_main, unpack_theta
+from diloco.runtime.setup import Setup
+
+POLL = 0.05  # seconds the supervisor waits for a process exit before reading reports again
+JOIN_TIMEOUT = 30.0  # seconds a stopping child gets before it is killed
+MAX_RESTARTS = 10  # per learner: a learner killed this often is not coming back
+_PREFIXES = ("up/", "down/", "ack/", "ctl/", "ev/", "rep/")  # every key scheme of a procs run
+
+
+class Procs:
+    """The supervisor of one run; `run` drives it to the end. Read the attributes after it:
+    summary, theta (final global model), evals, rejoins, exits ((name, incarnation, exit code)
+    of every child that ended), finished (the syncer's end record)."""
+
+    def __init__(self, cfg: TrainConfig, setup: Setup, run_dir: Path | None,
+                 evaluate: Callable[[dict], float] | None, writer: report.MetricsWriter | None, store_url: str,
+                 cache: str | None = None):
+        self.cfg, self.setup, self.run_dir, self.evaluate, self.writer = cfg, setup, run_dir, evaluate, writer
+        self.url, self.cache = store_url, cache  # cache: the children's XLA compilation cache
+        self.store = bs.BlobStore(store_url, sync=False)  # atomic either way; fsync guards only power loss
+        self.ctx = mp.get_context("spawn")  # fork would copy jax's threads and devices
+        self.M = cfg.runtime.learners
+        self.syncer: mp.process.BaseProcess | None = None
+        self.learners: dict[int, mp.process.BaseProcess] = {}
+        self.incarnation = dict.fromkeys(range(self.M), 0)
+        self.restarts = dict.fromkeys(range(self.M), 0)
+        self.done: set[int] = set()  # learners whose process exited 0
+        self.exits: list[tuple[str, int, int]] = []
+        self.reports = 0
+        self.evals: list[tuple[float, int, float]] = []
+        self.rejoins: list[dict] = []
+        self.finished: dict | None = None
+        self.summary: dict | None = None
+        self.theta: dict | None = None
+        self.t0: float | None = None
+
+    def clock(self) -> float:
+        """The syncer's clock (0 until it has started it)."""
+        if self.t0 is None:
+            self.t0 = (bs.read_control(self.store, "start") or {}).get("t0")
+        return 0.0 if self.t0 is None else time.time() - self.t0
+
+    def run(self) -> dict:
+        previous = None
+        if threading.current_thread() is threading.main_thread():  # SIGTERM stops as Ctrl-C does
+            previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            self._start()
+            self._supervise()
+        except BaseException:
+            self._stop()
+            raise
+        finally:
+            self._join()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        return self.summary
+
+    def _start(self) -> None:
+        for prefix in _PREFIXES:  # a store left by an earlier run into the same directory
+            self.store.delete_prefix(prefix)
+        bs.write_control(self.store, "run", {"theta0": fingerprint(self.setup.theta0), "learners": self.M})
+        syncer = self.ctx.Process(target=syncer_main, name="diloco-syncer", daemon=True,
+                                  args=(self.url, self.cfg, self.cache, self.run_dir, self.evaluate is not None))
+        syncer.start()
+        self.syncer = syncer  # only started processes are watched, stopped and joined
+        for m in range(self.M):
+            self._spawn(m, 0)
+
+    def _spawn(self, m: int, incarnation: int) -> None:
+        p = self.ctx.Process(target=learner_main, name=f"diloco-learner-{m}-{incarnation}", daemon=True,
+                             args=(self.url, self.cfg, self.cache, self.run_dir, m, incarnation, os.getpid()))
+        p.start()
+        self.learners[m], self.incarnation[m] = p, incarnation
+        # Who runs where, for operators and fault tests (kill -9 a learner by its pid).
+        bs.write_control(self.store, "procs", {
+            "supervisor": os.getpid(), "syncer": self.syncer.pid,
+            "learners": {str(k): {"incarnation": self.incarnation[k], "pid": q.pid} for k, q in self.learners.items()}})
+
+    def _supervise(self) -> None:
+        while True:
+            code = self.syncer.exitcode  # read first: every report it wrote before exiting is there
+            self._read_reports()
+            if code is not None:
+                if code == 0 and self.finished is not None:
+                    return
+                raise RuntimeError(f"the syncer process exited with code {code}{self._error('syncer')}")
+            for m in range(self.M):
+                self._watch(m)
+            alive = [p.sentinel for m, p in self.learners.items() if m not in self.done]
+            mp.connection.wait(alive + [self.syncer.sentinel], timeout=POLL)
+
+    def _watch(self, m: int) -> None:
+        p, inc = self.learners[m], self.incarnation[m]
+        if m in self.done or p.exitcode is None:
+            return
+        self.exits.append((f"learner-{m}", inc, p.exitcode))
+        if p.exitcode == 0:
+            self.done.add(m)
+            return
+        error = self._error(f"learner-{m:04d}-{inc:04d}")
+        if error:  # a Python error is a bug to report, not a failure to ride out
+            raise RuntimeError(f"learner {m} incarnation {inc} failed (exit code {p.exitcode}){error}")
+        if self.restarts[m] >= MAX_RESTARTS:
+            raise RuntimeError(f"learner {m} died {self.restarts[m] + 1} times (last exit code {p.exitcode}); "
+                               f"not restarting it again")
+        self.restarts[m] += 1
+        bs.write_control(self.store, died(m, inc), {"at": self.clock(), "exitcode": p.exitcode})
+        self._spawn(m, inc + 1)
+
+    def _error(self, name: str) -> str:
+        found = bs.read_control(self.store, f"error/{name}")
+        return "" if found is None else f"; its traceback:\n{found['traceback']}"
+
+    def _read_reports(self, evaluate: bool = True) -> None:
+        """The syncer's reports, in order: metrics records, eval requests, the end."""
+        while (raw := self.store.get(rep_key(self.reports, "json"))) is not None:
+            record = json.loads(raw)
+            theta = None
+            if "paths" in record:
+                theta = unpack_theta(record.pop("paths"), self.store.get(rep_key(self.reports, "npz")))
+            kind = record["kind"]
+            if kind == "end":
+                self.finished, self.summary, self.theta = record, record["summary"], theta
+            elif kind == "eval":
+                if evaluate and self.evaluate is not None:
+                    self._eval(record["time"], record["step"], theta, record["tokens"], record["merges"])
+            else:  # train, rejoin
+                if kind == "rejoin":
+                    self.rejoins.append(record)
+                self._write(record)
+            self.store.delete(rep_key(self.reports, "json"))
+            self.store.delete(rep_key(self.reports, "npz"))
+            self.reports += 1
+
+    def _eval(self, t: float, step: int, theta: dict, tokens: int, merges: int) -> None:
+        loss = self.evaluate(theta)
+        self.evals.append((t, step, loss))
+        self._write({"kind": "eval", "step": step, "time": t, "tokens": tokens, "eval_loss": loss,
+                     "merges": merges})
+
+    def _write(self, record: dict) -> None:
+        if self.writer is not None:
+            self.writer.write(record)
+
+    def _stop(self) -> None:
+        """Interrupted or failed: terminate the learners, let the syncer finish with what it has
+        booked (SIGTERM), and print its partial summary."""
+        for p in self.learners.values():
+            if p.exitcode is None:
+                p.terminate()
+        if self.syncer is None or self.syncer.exitcode is not None:
+            return
+        self.syncer.terminate()
+        self.syncer.join(JOIN_TIMEOUT)
+        self._read_reports(evaluate=False)
+        if self.summary is not None:
+            print(report.format_table(self.summary.items(), title="procs run stopped; partial summary"))
+
+    def _join(self) -> None:
+        children = [p for p in [self.syncer, *self.learners.values()] if p is not None]
+        limit = time.monotonic() + JOIN_TIMEOUT
+        for p in children:
+            p.join(max(0.0, limit - time.monotonic()))
+        for p in children:
+            if p.exitcode is None:  # stuck: escalate
+                p.terminate()
+                p.join(5.0)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+
+
+def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
+        evaluate: Callable[[dict], float] | None) -> tuple[Procs, dict]:
+    """Run Decoupled DiLoCo as supervised processes; returns the finished supervisor (for its
+    records) and a summary with the same keys as sim's and threads'."""
+    with contextlib.ExitStack() as stack:
+        if run_dir is None:  # the store and nothing else
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="diloco-procs-")))
+        else:
+            run_dir = root = Path(run_dir).absolute()  # children may resolve paths elsewhere
+        url = cfg.runtime.store_url or f"file://{root / 'store'}"
+        writer = None
+        if run_dir is not None:
+            writer = report.MetricsWriter(run_dir / "metrics.jsonl")
+            stack.callback(writer.close)
+        rt = Procs(cfg, setup, run_dir, evaluate, writer, url, str(root / "xla_cache"))
+        summary = rt.run()
+        if evaluate is not None:
+            rt._eval(rt.finished["time"], rt.finished["steps"]["0"], rt.theta, rt.finished["processed0"],
+                     rt.finished["merges"])
+            summary["eval_loss"] = rt.evals[-1][2]
+        return rt, summary

@@ -1,0 +1,299 @@
+"""The procs runtime's learner process, and what every procs process shares: how a spawned child
+rebuilds its Setup from the config, the event keys and the control names.
+
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); DESIGN.md "Runtimes" (procs).
+
+The loop is threads' learner loop (apply_due, blocking with a stall limit, step, flush at the
+end) with the queues replaced by objects in the store (diloco/runtime/blobstore.py):
+
+* up: each contribution under its own key (send_contribution), then a small JSON event
+  `ev/<learner>/<incarnation>/<n>` naming it. The syncer books each incarnation's events in n
+  order, so it books a step's tokens before the contributions that carry them, as threads does.
+  What the learner fetched rides on its next event, so down bytes are booked where they flowed.
+* down: the `down/latest` pointer, polled before each step and with back-off while blocked. Every
+  version newer than the one held is fetched in order (the delta against the held one if there
+  is one, else that version's full copy), so each merge's `merged` keys reach the learner state
+  machine as they do from a threads mailbox. A version gc already removed is skipped for the
+  newest full copy.
+* A restarted incarnation (the supervisor spawns it) compiles, then waits until the syncer has
+  booked its predecessor's death (`ctl/buried/...`), and rejoins (diloco/runtime/rejoin.py) from
+  the newest full copies in the store: the syncer's current references, never its own init.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from diloco import report
+from diloco.algo import messages, quorum
+from diloco.algo import syncer as sync
+from diloco.config import TrainConfig
+from diloco.data import load_corpus
+from diloco.model import build
+from diloco.runtime import blobstore as bs
+from diloco.runtime import setup as build_setup
+from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
+from diloco.runtime.setup import Setup, new_unit
+from diloco.runtime.threads import _warm_up as warm_up
+from diloco.runtime.unit import LearnerUnit
+
+POLL_MIN, POLL_MAX = 0.002, 0.05  # seconds: back-off bounds of every procs poll loop
+
+
+def event_key(learner: int, incarnation: int, n: int) -> str:
+    return f"ev/{learner:04d}/{incarnation:04d}/{n:012d}"
+
+
+def died(learner: int, incarnation: int) -> str:
+    """Control name the supervisor writes once the process of (learner, incarnation) has exited."""
+    return f"died/{learner:04d}/{incarnation:04d}"
+
+
+def buried(learner: int, incarnation: int) -> str:
+    """Control name the syncer writes once it has booked that death (the successor may rejoin)."""
+    return f"buried/{learner:04d}/{incarnation:04d}"
+
+
+def fingerprint(theta0: tuple[dict, ...]) -> str:
+    """A hash of Theta_0: every process rebuilds it from the config and must get the same one."""
+    h = hashlib.sha256()
+    for frag in theta0:
+        for path in sorted(frag):
+            h.update(json.dumps(path).encode() + np.ascontiguousarray(frag[path], np.float32).tobytes())
+    return h.hexdigest()[:16]
+
+
+def child_setup(cfg: TrainConfig, store: bs.BlobStore) -> Setup:
+    """In a spawned child: the Setup rebuilt from the config (jitted functions do not pickle).
+    Steps compile lazily, so building every learner's (as setup.build does) costs little."""
+    corpus = load_corpus(cfg.data)
+    model = build(cfg.model, corpus.vocab_size, cfg.run.seed)
+    setup = build_setup.build(cfg, corpus, model)
+    want = (bs.read_control(store, "run") or {}).get("theta0")
+    if want != fingerprint(setup.theta0):
+        raise RuntimeError(f"this process rebuilt Theta_0 {fingerprint(setup.theta0)} from the config, the "
+                           f"supervisor has {want}: model init must be a pure function of the config")
+    return setup
+
+
+def child_main(name: str, store_url: str, cfg: TrainConfig, cache: str | None, body: Callable, *args: Any) -> None:
+    """Entry of every spawned child: environment, signals, then `body(store, cfg, *args)`. A Python
+    error is written to `ctl/error/<name>` for the supervisor before the process exits with it."""
+    r = cfg.runtime
+    flags = os.environ.get("XLA_FLAGS", "")
+    # jax reads XLA_FLAGS when its backend starts (the first jax.devices()), not on import.
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={r.learners * r.devices_per_learner}"
+    if cache is not None and jax.config.jax_compilation_cache_dir is None:
+        # Every process compiles the same model: a restarted learner loads its executables from
+        # this cache in about a second instead of compiling them again (about 15 s on CPU).
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # Ctrl-C reaches the whole process group; the supervisor decides what stops, and how.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    store = bs.BlobStore(store_url, sync=False)
+    try:
+        body(store, cfg, *args)
+    except Exception:
+        bs.write_control(store, f"error/{name}", {"traceback": traceback.format_exc()})
+        raise
+
+
+def wait_for(poll: Callable[[], Any], parent: int) -> Any:
+    """Poll with back-off until `poll()` is truthy; exit if the supervisor is gone (orphaned)."""
+    poller = bs.Poller(POLL_MIN, POLL_MAX, stop=lambda: os.getppid() != parent)
+    found = poller.until(poll)
+    if found is None:
+        raise SystemExit(f"supervisor {parent} is gone")
+    return found
+
+
+def store_view(store: bs.BlobStore, setup: Setup) -> tuple[sync.SyncerState, dict[int, int]]:
+    """The syncer's current references as far as a learner can see them: the newest full copy of
+    every published fragment (Theta_0 for the others), as a SyncerState that new_unit and
+    rejoin_unit read (refs[-1] and version only); also the bytes fetched per fragment."""
+    view = sync.init(setup.policy, setup.fragments, setup.theta0, {})
+    frags, fetched = list(view.fragments), {}
+    for p, fs in enumerate(frags):
+        frame = None
+        while frame is None:  # gc may remove the version between the pointer read and the get
+            pub = bs.latest(store).get(p)
+            if pub is None:
+                break
+            frame = bs.fetch_fragment(store, p, pub.version, want_full=True)
+        if frame is None:
+            continue
+        msg = messages.decode(frame)
+        expected = {path: (x.shape, np.float32) for path, x in fs.theta.items()}
+        values = messages.unpack_fragment(msg.header, msg.payload, None, expected)
+        version = msg.header["version"]
+        frags[p] = fs._replace(theta=values, version=version, refs=((version, values),))
+        fetched[p] = len(frame)
+    return view._replace(fragments=tuple(frags)), fetched
+
+
+class ProcLearner:
+    """Learner (m, incarnation) in its own process; owns its unit, writes its own event stream."""
+
+    def __init__(self, store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m: int,
+                 incarnation: int, parent: int):
+        self.store, self.cfg, self.m, self.inc, self.parent = store, cfg, m, incarnation, parent
+        self.setup = child_setup(cfg, store)
+        r = cfg.runtime
+        self.speed = (list(r.speeds) or [1.0] * r.learners)[m]
+        self.checkpoints = LearnerCheckpoints(None if run_dir is None else run_dir / "learners",
+                                              r.learner_checkpoint_every, cfg.run.keep_checkpoints)
+        self.n = 0  # next event number
+        self.fetched: list[list] = []  # [time, fragment, bytes, codec], booked with the next event
+        self.t0 = 0.0
+        self.nap_until = float("inf")
+        self.poller = bs.Poller(POLL_MIN, POLL_MAX, sleep=self._nap)
+
+    def clock(self) -> float:
+        return time.time() - self.t0  # wall time: every process (and host) shares the syncer's t0
+
+    def _nap(self, dt: float) -> None:
+        if os.getppid() != self.parent:
+            raise SystemExit(f"supervisor {self.parent} is gone")
+        time.sleep(max(0.0, min(dt, self.nap_until - self.clock())))
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        event = {"kind": kind, "fetched": self.fetched, **fields}
+        self.store.put(event_key(self.m, self.inc, self.n), json.dumps(event).encode())
+        self.n += 1
+        self.fetched = []
+
+    def start(self) -> LearnerUnit | None:
+        """Compile, pass the start barrier, and (a restarted incarnation) rejoin; None if the
+        predecessor had already finished, leaving nothing to do."""
+        s, m = self.setup, self.m
+        unit = new_unit(s, m, self.inc, sync.init(s.policy, s.fragments, s.theta0, {m: 0}))
+        warm_up(unit)  # on Theta_0: compiling costs the same whatever the values
+        bs.write_control(self.store, f"ready/{m:04d}", {"incarnation": self.inc})
+        self.t0 = wait_for(lambda: bs.read_control(self.store, "start"), self.parent)["t0"]
+        if self.inc == 0:
+            return unit
+        before = wait_for(lambda: bs.read_control(self.store, buried(m, self.inc - 1)), self.parent)
+        if before["done"]:
+            return None
+        view, fetched = store_view(self.store, s)
+        now = self.clock()
+        self.fetched += [[now, p, n, "fp32"] for p, n in fetched.items()]
+        unit, how = rejoin_unit(s, m, self.inc, view, self.checkpoints, self.cfg.runtime.max_rejoin_staleness,
+                                before["step"])
+        self.emit("join", at=now, rejoin=how._asdict())
+        return unit
+
+    def run(self) -> None:
+        unit = self.start()
+        if unit is None:
+            return
+        cfg, r, m, steps = self.cfg, self.cfg.runtime, self.m, self.cfg.run.steps
+        rng = np.random.default_rng([r.seed, 7, m, self.inc])
+        times = quorum.StepTimes()  # this learner's step-time EMA, for its stall limit
+        stall_start: float | None = None
+        limit: tuple[int, float] | None = None  # (seq waited for, clock time to give up)
+        stalls: list[tuple[float, float]] = []  # booked with the next step (or done) event
+        while True:
+            self.receive(unit)
+            ready = unit.apply_due()
+            if ready:
+                self.emit("apply", fragments=[q.fragment for q in ready])
+            blocked = unit.blocking()
+            if blocked is not None:
+                now = self.clock()
+                if stall_start is None:
+                    stall_start = now
+                if limit is None or limit[0] != blocked.seq:  # each overdue send gets its own limit
+                    limit = (blocked.seq, now + r.stall_limit_steps * quorum.slowest_step_time(times, [m]))
+                if now >= limit[1]:
+                    unit.give_up(blocked.fragment)
+                else:
+                    self.wait(unit, limit[1])
+                continue
+            if stall_start is not None:
+                stalls.append((stall_start, self.clock()))
+                stall_start = limit = None
+            if unit.ls.step >= steps:
+                break
+            start = self.clock()
+            log = report.due(unit.ls.step + 1, cfg.run.log_every, steps)
+            result = unit.step(fetch_loss=log)
+            jax.block_until_ready(unit.state)  # dispatch is asynchronous: time the step, not its launch
+            compute = self.clock() - start
+            # As in threads: speed factor s sleeps (s - 1) x the compute time (x jitter).
+            factor = self.speed * max(0.1, 1.0 + r.jitter * rng.standard_normal())
+            self.idle(unit, start + factor * compute)
+            end = self.clock()
+            times = quorum.observe_step_time(times, m, end - start)
+            self.emit("step", step=unit.ls.step, start=start, end=end, tokens=result.tokens,
+                      sends=self.ship(result), stalls=stalls, loss=result.loss)
+            stalls = []
+            self.checkpoints.maybe_save(unit)
+        if cfg.fragments.final_sync:
+            result = unit.flush()
+            self.emit("flush", at=self.clock(), sends=self.ship(result))
+        self.checkpoints.close()
+        self.emit("done", at=self.clock(), stalls=stalls)
+
+    def ship(self, result) -> list[list[int]]:
+        """Write the contributions of a step (or the flush); the event that names them follows."""
+        for send, frame in zip(result.sends, result.frames):
+            bs.send_contribution(self.store, self.m, self.inc, send.seq, frame)
+        return [[send.fragment, send.seq] for send in result.sends]
+
+    def receive(self, unit: LearnerUnit) -> bool:
+        """Fetch every published version newer than the one held, in order; True if any arrived."""
+        got = False
+        for p, pub in sorted(bs.latest(self.store).items()):
+            while unit.latest[p][0] < pub.version:
+                held = unit.latest[p][0]
+                frame, codec = None, "fp32"
+                if held + 1 < pub.version or pub.has_delta:
+                    frame, codec = bs.fetch_fragment(self.store, p, held + 1, False), self.setup.policy.down_spec
+                if frame is None:
+                    frame, codec = bs.fetch_fragment(self.store, p, held + 1, True), "fp32"
+                if frame is None:  # collected by gc: jump to the newest copy (its answers may be lost)
+                    frame = bs.fetch_fragment(self.store, p, pub.version, True)
+                if frame is None:  # that one too: the pointer has moved on; the next poll follows it
+                    break
+                self.fetched.append([self.clock(), p, len(frame), codec])
+                if unit.receive(frame) is None:  # undecodable (counted in unit.dropped_frames)
+                    break
+                got = True
+        return got
+
+    def wait(self, unit: LearnerUnit, until: float) -> None:
+        """Blocked: one poll, then a back-off nap (never past `until`) if nothing came."""
+        if self.receive(unit):
+            self.poller.interval = self.poller.min_interval
+            return
+        self.nap_until = until
+        self.poller.wait(False)
+
+    def idle(self, unit: LearnerUnit, until: float) -> None:
+        """The artificial slowdown: wait until `until`, receiving broadcasts as they come."""
+        while self.clock() < until:
+            self.wait(unit, until)
+
+
+def learner_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m: int, incarnation: int,
+                 parent: int) -> None:
+    ProcLearner(store, cfg, run_dir, m, incarnation, parent).run()
+
+
+def learner_main(store_url: str, cfg: TrainConfig, cache: str | None, run_dir: Path | None, m: int,
+                 incarnation: int, parent: int) -> None:
+    """Process target of learner m's `incarnation` (spawned by diloco/runtime/procs.py)."""
+    child_main(f"learner-{m:04d}-{incarnation:04d}", store_url, cfg, cache, learner_body, run_dir, m,
+               incarnation, parent)

@@ -1,0 +1,301 @@
+"""The procs runtime's syncer process: books the learners' event streams from the object store,
+drives the syncer state machine, and publishes every merge there.
+
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); DESIGN.md "Runtimes" (procs).
+
+It does what threads' syncer thread does, in the same order: for each learner, the events of its
+live incarnation in sequence (a step's tokens, then its contributions, fetched by key and
+delivered through diloco.algo.replay; applies; done), grace deadlines as they fall due, and every
+Publish as a delta + full copy under unique keys before the `down/latest` pointer moves. A death
+(`ctl/died/...`, written by the supervisor once the process has exited, so its events are all
+there) is booked after that incarnation's last event: its unsent tokens are lost, it leaves the
+live set, and `ctl/buried/...` tells the next incarnation where its predecessor stopped. The
+next incarnation's `join` event brings it back into the live set.
+
+Reports for the supervisor (train and rejoin records, eval requests with Theta, and the end with
+the summary and the final Theta) go out as `rep/<n>.json` (+ `rep/<n>.npz`), in order.
+
+Restart seam: `ProcSyncer(..., state=...)` starts from a given SyncerState. A syncer restored
+from a checkpoint also needs its ledgers, the per-learner event cursors (events are deleted only
+once booked, in `collect`), the armed deadlines and the report counter; none of that is saved yet.
+"""
+
+from __future__ import annotations
+
+import heapq
+import io
+import itertools
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+
+from diloco import report
+from diloco.algo import ledger, quorum, timeline, traffic
+from diloco.algo import syncer as sync
+from diloco.algo.replay import Input, apply as deliver
+from diloco.config import TrainConfig
+from diloco.runtime import blobstore as bs
+from diloco.runtime.procs_learner import POLL_MAX, POLL_MIN, buried, child_main, child_setup, died, event_key
+from diloco.runtime.summary import run_summary
+from diloco.runtime.tape import InputLog, write_decisions
+
+GC_EVERY = 1.0  # seconds between acks + garbage collection of old versions and booked events
+
+
+def rep_key(n: int, ext: str) -> str:
+    return f"rep/{n:012d}.{ext}"
+
+
+def pack_theta(theta: dict) -> tuple[list, bytes]:
+    """Theta as npz bytes (arrays by position) and the JSON list of their paths; no pickle."""
+    paths = sorted(theta)
+    buf = io.BytesIO()
+    np.savez(buf, *[np.asarray(theta[p], np.float32) for p in paths])
+    return [list(p) for p in paths], buf.getvalue()
+
+
+def unpack_theta(paths: list, blob: bytes) -> dict:
+    with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+        return {tuple(p): z[f"arr_{i}"] for i, p in enumerate(paths)}
+
+
+class ProcSyncer:
+    """Owns the SyncerState, the three ledgers, the deadlines and the event cursors."""
+
+    def __init__(self, store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, want_evals: bool,
+                 state: sync.SyncerState | None = None):
+        self.store, self.cfg, self.want_evals = store, cfg, want_evals
+        self.setup = s = child_setup(cfg, store)
+        self.M = cfg.runtime.learners
+        self.syncer = state or sync.init(s.policy, s.fragments, s.theta0, {m: 0 for m in range(self.M)})
+        self.current = {m: self.syncer.live.get(m, 0) for m in range(self.M)}  # incarnation booked now
+        self.cursor = dict.fromkeys(range(self.M), 0)  # its next event number
+        self.steps = dict.fromkeys(range(self.M), 0)  # last step booked per learner
+        self.died_at: dict[int, float] = {}
+        self.done: set[int] = set()
+        self.finished_at: dict[int, float] = {}
+        self.delivered: dict[tuple[int, int], int] = {}  # (learner, incarnation) -> last seq delivered
+        self.tokens = ledger.token_ledger(len(s.fragments))
+        self.bytes = traffic.byte_ledger()
+        self.time = timeline.time_ledger()
+        self.stalls = 0
+        self.deadlines: list[tuple[float, int, int]] = []  # grace timers (at, order, fragment), a heap
+        self._order = itertools.count()
+        self.reports = 0
+        self.run_dir = run_dir
+        self.inputs = None if run_dir is None else InputLog(run_dir / "syncer_inputs.bin")
+        self.t0 = 0.0
+        self.stopping = False
+        self.parent = os.getppid()  # the supervisor: if it is gone, nobody waits for the result
+
+    def clock(self) -> float:
+        return time.time() - self.t0
+
+    def _nap(self, dt: float) -> None:
+        """Back-off sleep, cut short by the next grace deadline."""
+        if os.getppid() != self.parent:
+            raise SystemExit(f"supervisor {self.parent} is gone")
+        if self.deadlines:
+            dt = min(dt, self.deadlines[0][0] - self.clock())
+        time.sleep(max(0.0, dt))
+
+    def run(self) -> None:
+        try:
+            ready = bs.Poller(POLL_MIN, POLL_MAX, stop=lambda: self.stopping or os.getppid() != self.parent)
+            # The clock starts once every learner has compiled, as threads' barrier does.
+            ready.until(lambda: all(bs.read_control(self.store, f"ready/{m:04d}") for m in range(self.M)))
+            self.t0 = time.time()
+            if not self.stopping:
+                bs.write_control(self.store, "start", {"t0": self.t0})
+            poller, last_gc = bs.Poller(POLL_MIN, POLL_MAX, sleep=self._nap), 0.0
+            while not self.stopping:
+                now = self.clock()
+                while self.deadlines and self.deadlines[0][0] <= now:
+                    _, _, p = heapq.heappop(self.deadlines)
+                    self._deliver(Input("deadline", now, p))
+                active = [self._poll(m) for m in range(self.M)]
+                if len(self.done) == self.M and not self.deadlines:
+                    break  # `done` is each learner's last event, so everything has been booked
+                if now - last_gc >= GC_EVERY:
+                    self.collect()
+                    last_gc = now
+                poller.wait(any(active))
+            self.finish()
+        finally:
+            if self.inputs is not None:
+                self.inputs.close()
+
+    # --- the learners' event streams ----------------------------------------------------------
+    def _poll(self, m: int) -> bool:
+        inc = self.current[m]
+        got = self._drain(m, inc)
+        notice = bs.read_control(self.store, died(m, inc))
+        if notice is not None:
+            self._drain(m, inc)  # it exited before the notice: now every event of it is visible
+            self._bury(m, inc, float(notice["at"]))
+            got = True
+        return got
+
+    def _drain(self, m: int, inc: int) -> bool:
+        got = False
+        while (raw := self.store.get(event_key(m, inc, self.cursor[m]))) is not None:
+            self.cursor[m] += 1
+            self._on_event(m, inc, json.loads(raw))
+            got = True
+        return got
+
+    def _on_event(self, m: int, inc: int, e: dict) -> None:
+        for at, p, nbytes, codec in e["fetched"]:
+            self.bytes = traffic.add_bytes(self.bytes, at, nbytes, "down", m, p, codec)
+        kind = e["kind"]
+        if kind == "step":
+            self._book_stalls(m, e["stalls"])
+            self._add_time(m, "compute", e["start"], e["end"])
+            self.tokens = ledger.process(self.tokens, m, inc, e["tokens"])
+            self.steps[m] = e["step"]
+            self._deliver(Input("step_time", self.clock(), (m, e["end"] - e["start"])))
+            if e["loss"] is not None:
+                self._report({"kind": "train", "learner": m, "step": e["step"], "time": e["end"],
+                              "tokens": e["step"] * e["tokens"], "loss": e["loss"]})
+            if m == 0 and self.want_evals and report.due(e["step"], self.cfg.run.eval_every, self.cfg.run.steps):
+                # As in sim and threads: the global model as it stood when learner 0 finished the step.
+                self._report({"kind": "eval", "step": e["step"], "time": e["end"],
+                              "tokens": int(self.tokens.processed[0]), "merges": self.syncer.merges},
+                             sync.theta(self.syncer))
+            self._ship(m, inc, e["end"], e["sends"])
+        elif kind == "flush":
+            self._ship(m, inc, e["at"], e["sends"])
+        elif kind == "apply":
+            for p in e["fragments"]:
+                self.tokens = ledger.apply(self.tokens, m, inc, p)
+        elif kind == "join":
+            self._add_time(m, "restarting", self.died_at.pop(m, e["at"]), e["at"])
+            self.steps[m] = e["rejoin"]["step"]
+            self._deliver(Input("live", self.clock(), tuple(sorted({**self.syncer.live, m: inc}.items()))))
+            self._report({"kind": "rejoin", "time": e["at"], **e["rejoin"]})
+        elif kind == "done":
+            self._book_stalls(m, e["stalls"])
+            self.done.add(m)
+            self.finished_at[m] = e["at"]
+        else:
+            raise ValueError(f"unknown event {kind!r} from learner {m} incarnation {inc}")
+
+    def _bury(self, m: int, inc: int, at: float) -> None:
+        """Book the death of (m, inc): unsent tokens lost, out of the live set, successor told."""
+        self.tokens = ledger.die(self.tokens, m, inc)
+        last = self.time.open.get(m)
+        self._add_time(m, "down", at if last is None else last[2], at)  # the step it died in
+        self.died_at[m] = at
+        self.current[m], self.cursor[m] = inc + 1, 0
+        # Its contributions were all delivered (acked) or never named by an event (orphans).
+        self.store.delete_prefix(f"up/{m:04d}/{inc:04d}/")
+        self.store.delete_prefix(f"ev/{m:04d}/{inc:04d}/")
+        live = {k: v for k, v in self.syncer.live.items() if k != m}
+        self._deliver(Input("live", self.clock(), tuple(sorted(live.items()))))
+        bs.write_control(self.store, buried(m, inc), {"step": self.steps[m], "done": m in self.done})
+
+    def _ship(self, m: int, inc: int, at: float, sends: list) -> None:
+        for p, seq in sends:
+            self.tokens = ledger.send(self.tokens, m, inc, p, seq)
+            frame = self.store.get(bs.contribution_key(m, inc, seq))
+            if frame is None:  # written before its event and deleted only once acked: cannot happen
+                self.tokens = ledger.resolve(self.tokens, (m, inc, seq), "lost")
+                continue
+            self.bytes = traffic.add_bytes(self.bytes, at, len(frame), "up", m, p, self.setup.spec.up_spec)
+            self._deliver(Input("contribution", self.clock(), frame))
+            self.delivered[(m, inc)] = seq
+
+    def _book_stalls(self, m: int, stalls: list) -> None:
+        for start, end in stalls:
+            self._add_time(m, "stall", start, end)
+            self.stalls += 1
+
+    def _add_time(self, m: int, state: str, start: float, end: float) -> None:
+        # Times come from several processes' wall clocks (and, multi-host, machines): an interval
+        # starting a hair before the previous one ended is clipped rather than an error.
+        last = self.time.open.get(m)
+        start = start if last is None else max(start, last[2])
+        if end > start:
+            self.time = timeline.add_time(self.time, m, state, start, end)
+
+    # --- the syncer state machine -------------------------------------------------------------
+    def _deliver(self, event: Input) -> None:
+        if self.inputs is not None:
+            self.inputs.append(event)
+        self.syncer, actions = deliver(self.setup.policy, self.syncer, event)
+        for a in actions:
+            if isinstance(a, sync.SetDeadline):
+                heapq.heappush(self.deadlines, (a.at, next(self._order), a.fragment))
+            elif isinstance(a, sync.Outcome) and a.key is not None:
+                self.tokens = ledger.resolve(self.tokens, a.key, a.outcome, a.into)
+            elif isinstance(a, sync.Publish):
+                self._publish(a)
+
+    def _publish(self, a: sync.Publish) -> None:
+        """The delta (what learners holding the previous version were sent) and the full copy.
+        Learners report what they fetch, so down bytes are booked from their events."""
+        delta = next((f for m, f in sorted(a.frames.items()) if m not in a.full), None)
+        full = a.frames[a.full[0]] if a.full else _full_frame(self.syncer, a.fragment, a.version, a.merged)
+        bs.publish(self.store, a.fragment, a.version, delta, full, a.merged)
+
+    # --- outputs ------------------------------------------------------------------------------
+    def _report(self, record: dict, theta: dict | None = None) -> None:
+        n = self.reports
+        if theta is not None:  # the payload first, then the record that names it
+            record["paths"], blob = pack_theta(theta)
+            self.store.put(rep_key(n, "npz"), blob)
+        self.store.put(rep_key(n, "json"), json.dumps(record).encode())
+        self.reports += 1
+
+    def collect(self) -> None:
+        """Ack what was delivered, gc old versions and acked contributions, drop booked events."""
+        for (m, inc), seq in self.delivered.items():
+            bs.write_ack(self.store, m, inc, seq)
+        bs.gc(self.store, keep_versions=max(2, self.setup.policy.history))
+        for m, inc in self.current.items():
+            for key in self.store.list(f"ev/{m:04d}/{inc:04d}/"):
+                if int(key.rsplit("/", 1)[1]) < self.cursor[m]:
+                    self.store.delete(key)
+
+    def finish(self) -> None:
+        end = self.clock()
+        window = quorum.slowest_step_time(self.syncer.step_times) or self.cfg.runtime.step_time
+        summary = run_summary(self.syncer, self.tokens, self.bytes, self.time, clock="wall", end=end,
+                              window=window, stalls=self.stalls)
+        if self.run_dir is not None:
+            write_decisions(self.run_dir / "tape.jsonl", self.syncer.tape)
+        self._report({"kind": "end", "time": end, "summary": summary, "steps": self.steps,
+                      "tokens": ledger.token_totals(self.tokens), "dead": sorted(self.tokens.dead),
+                      "finished_at": self.finished_at, "merges": self.syncer.merges,
+                      "processed0": int(self.tokens.processed[0]), "complete": len(self.done) == self.M},
+                     sync.theta(self.syncer))
+
+
+def _full_frame(st: sync.SyncerState, p: int, version: int, merged: tuple) -> bytes:
+    """Fragment p's full copy at `version`, from the refs the syncer keeps (sync.full_frame gives
+    the newest; a later merge in the same delivery may already have passed `version`)."""
+    fs = st.fragments[p]
+    refs = tuple(r for r in fs.refs if r[0] <= version)
+    frags = st.fragments[:p] + (fs._replace(refs=refs),) + st.fragments[p + 1:]
+    return sync.full_frame(st._replace(fragments=frags), p, merged)
+
+
+def syncer_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, want_evals: bool,
+                state: sync.SyncerState | None) -> None:
+    rt = ProcSyncer(store, cfg, run_dir, want_evals, state)
+
+    def stop(signum, frame):  # SIGTERM from the supervisor: finish with what has been booked
+        rt.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    rt.run()
+
+
+def syncer_main(store_url: str, cfg: TrainConfig, cache: str | None, run_dir: Path | None, want_evals: bool,
+                state: sync.SyncerState | None = None) -> None:
+    """Process target of the syncer (spawned by diloco/runtime/procs.py); `state` is the restart seam."""
+    child_main("syncer", store_url, cfg, cache, syncer_body, run_dir, want_evals, state)

@@ -1,0 +1,235 @@
+"""Snapshots of a whole sim run, so a run resumed from its latest snapshot continues exactly as the
+uninterrupted run would have (DESIGN.md "Checkpoints").
+
+The sim is one process with a virtual clock, so everything is captured at an event boundary: the
+syncer (diloco/runtime/syncer_ckpt.py), each learner's train state, held anchors, codec residuals
+and state machine, the three ledgers, the event heap with the frames in flight on every link, the
+link clocks and the jitter generator. Arrays go through Orbax (atomic: a torn snapshot is never
+listed, an unreadable newest one falls back to the previous); the rest is one JSON document.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from diloco import checkpoint
+from diloco.algo import learner as lsm
+from diloco.algo.eventlog import Log, rows
+from diloco.algo.ledger import TokenLedger
+from diloco.algo.timeline import TIME_ROW, TimeLedger
+from diloco.algo.traffic import BYTE_ROW, ByteLedger
+from diloco.runtime import syncer_ckpt
+from diloco.runtime.rejoin import Rejoin
+from diloco.runtime.setup import new_unit
+from diloco.runtime.unit import LearnerUnit
+
+FORMAT = "diloco.sim/1"
+log = logging.getLogger(__name__)
+
+
+def _frame(x: bytes) -> np.ndarray:
+    return np.frombuffer(bytes(x), np.uint8).copy()
+
+
+def _keyed(pairs) -> list:
+    return [[list(k) if isinstance(k, tuple) else k, list(v) if isinstance(v, tuple) else v] for k, v in pairs]
+
+
+# --- learners --------------------------------------------------------------------------------------
+def _unit_out(unit: LearnerUnit) -> tuple[dict, dict]:
+    state = jax.tree_util.tree_leaves(jax.device_get(unit.state))
+    codec_paths = sorted(unit.codec_states)
+    arrays = {
+        "state": {str(i): np.asarray(x) for i, x in enumerate(state)},
+        "anchors": {str(p): {str(i): np.asarray(v[path]) for i, path in enumerate(sorted(v))}
+                    for p, (_, v) in unit.anchors.items()},
+        "latest": {str(p): {str(i): np.asarray(v[path]) for i, path in enumerate(sorted(v))}
+                   for p, (_, v) in unit.latest.items()},
+        "codec": {str(i): {str(j): np.asarray(x) for j, x in enumerate(jax.tree_util.tree_leaves(unit.codec_states[path]))}
+                  for i, path in enumerate(codec_paths)},
+        "sent": {str(p): {str(i): np.asarray(v[path]) for i, path in enumerate(sorted(v))}
+                 for p, v in unit.sent_local.items()},
+    }
+    ls = unit.ls
+    meta = {
+        "learner": unit.learner, "incarnation": ls.incarnation, "step": ls.step, "seq": ls.seq,
+        "c_steps": list(ls.c_steps), "c_tokens": list(ls.c_tokens), "versions": list(ls.versions),
+        "in_flight": [list(f) for f in ls.in_flight],
+        "pending": [[q.fragment, q.version, q.apply_at, list(q.answers)] for q in ls.pending],
+        "anchor_versions": {str(p): v for p, (v, _) in unit.anchors.items()},
+        "latest_versions": {str(p): v for p, (v, _) in unit.latest.items()},
+        "codec_paths": [list(p) for p in codec_paths], "sent": sorted(unit.sent_local),
+        "dropped_frames": unit.dropped_frames,
+    }
+    return arrays, meta
+
+
+def _unit_in(setup, syncer_state, arrays: dict, meta: dict) -> LearnerUnit:
+    m = meta["learner"]
+    unit = new_unit(setup, m, meta["incarnation"], syncer_state, meta["step"])
+    paths = {p: sorted(f.paths) for p, f in enumerate(setup.fragments)}
+
+    def values(tree: dict, p: int) -> dict:
+        return {path: np.asarray(tree[str(i)], np.float32) for i, path in enumerate(paths[p])}
+
+    unit.anchors = {int(p): (v, values(arrays["anchors"][p], int(p))) for p, v in meta["anchor_versions"].items()}
+    unit.latest = {int(p): (v, values(arrays["latest"][p], int(p))) for p, v in meta["latest_versions"].items()}
+    treedef = jax.tree_util.tree_structure(unit.state)
+    shardings = jax.tree_util.tree_leaves(unit.compiled.state_sharding)
+    leaves = [jax.device_put(np.asarray(arrays["state"][str(i)]), s) for i, s in enumerate(shardings)]
+    unit.state = jax.tree_util.tree_unflatten(treedef, leaves)
+    for i, path in enumerate(tuple(p) for p in meta["codec_paths"]):
+        shape = unit.latest[next(p for p, ps in paths.items() if path in ps)][1][path].shape
+        init = unit.spec.up_codec.init(shape)
+        saved = arrays.get("codec", {}).get(str(i), {})
+        leaves = [np.asarray(saved[str(j)]) for j in range(len(jax.tree_util.tree_leaves(init)))]
+        unit.codec_states[path] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(init), leaves)
+    unit.sent_local = {p: values(arrays["sent"][str(p)], p) for p in meta["sent"]}
+    unit.dropped_frames = meta["dropped_frames"]
+    unit.ls = lsm.LearnerState(
+        m, meta["incarnation"], meta["step"], meta["seq"], tuple(meta["c_steps"]), tuple(meta["c_tokens"]),
+        tuple(meta["versions"]), tuple(lsm.InFlight(*f) for f in meta["in_flight"]),
+        tuple(lsm.Pending(f, v, a, tuple(ans)) for f, v, a, ans in meta["pending"]))
+    return unit
+
+
+# --- ledgers ---------------------------------------------------------------------------------------
+def _rows_out(rows: np.ndarray) -> dict:
+    return {name: np.asarray(rows[name]) for name in rows.dtype.names} if len(rows) else {}
+
+
+def _rows_in(saved: dict, dtype: np.dtype) -> Log:
+    if not saved:
+        return Log()
+    rows = np.zeros(len(next(iter(saved.values()))), dtype)
+    for name in dtype.names:
+        rows[name] = saved[name]
+    return Log((rows,), ())
+
+
+def _ledgers_out(host) -> tuple[dict, dict]:
+    t, b, tm = host.tokens, host.bytes, host.time
+    meta = {
+        "tokens": {"processed": list(t.processed), "merged": list(t.merged), "lost": list(t.lost),
+                   "dropped": {k: list(v) for k, v in t.dropped.items()}, "pending": _keyed(t.pending.items()),
+                   "in_flight": _keyed(t.in_flight.items()), "dead": sorted(list(k) for k in t.dead),
+                   "unmatched": t.unmatched},
+        "byte_codecs": list(b.codecs),
+        "time_open": {str(m): list(v) for m, v in tm.open.items()},
+        "stalls": host.stalls, "incarnations": {str(m): i for m, i in host.incarnations.items()},
+        "alive": sorted(host.alive),
+    }
+    arrays = {"bytes": _rows_out(rows(b.log, BYTE_ROW)), "time": _rows_out(rows(tm.log, TIME_ROW))}
+    return arrays, meta
+
+
+def _ledgers_in(host, arrays: dict, meta: dict) -> None:
+    t = meta["tokens"]
+    host.tokens = TokenLedger(
+        tuple(t["processed"]), tuple(t["merged"]), {k: tuple(v) for k, v in t["dropped"].items()},
+        tuple(t["lost"]), {tuple(k): tuple(v) for k, v in t["pending"]},
+        {tuple(k): tuple(v) for k, v in t["in_flight"]}, frozenset(tuple(k) for k in t["dead"]), t["unmatched"])
+    host.bytes = ByteLedger(tuple(meta["byte_codecs"]), _rows_in(arrays.get("bytes", {}), BYTE_ROW))
+    host.time = TimeLedger({int(m): (v[0], v[1], v[2]) for m, v in meta["time_open"].items()},
+                           _rows_in(arrays.get("time", {}), TIME_ROW))
+    host.stalls = meta["stalls"]
+    host.incarnations = {int(m): i for m, i in meta["incarnations"].items()}
+    host.alive = set(meta["alive"])
+
+
+# --- the whole sim ---------------------------------------------------------------------------------
+def snapshot(sim) -> tuple[dict, dict]:
+    """(arrays, meta) of the sim at an event boundary."""
+    s_arrays, s_meta = syncer_ckpt.to_checkpoint(sim.host.state)
+    l_arrays, l_meta = _ledgers_out(sim.host)
+    heap, frames = [], {}
+    for t, order, kind, data in sim.heap:
+        data = list(data)
+        for i, x in enumerate(data):
+            if isinstance(x, (bytes, bytearray)):
+                frames[str(len(frames))] = _frame(x)
+                data[i] = {"frame": len(frames) - 1}
+        heap.append([t, order, kind, data])
+    units = {str(m): _unit_out(u) for m, u in enumerate(sim.units) if u is not None}
+    arrays = {"syncer": s_arrays, "ledgers": l_arrays, "frames": frames,
+              "units": {m: a for m, (a, _) in units.items()}}
+    meta = {
+        "format": FORMAT, "syncer": s_meta, "ledgers": l_meta, "heap": heap, "order": sim.order,
+        "units": {m: meta for m, (_, meta) in units.items()}, "now": sim.now,
+        "link_up": sim.link_up, "link_down": sim.link_down, "rng": sim.rng.bit_generator.state,
+        "stalled_since": _keyed(sim.stalled_since.items()), "stall_armed": _keyed(sim.stall_armed.items()),
+        "waking": sorted(sim.waking), "restarting": sorted(sim.restarting), "removed": sorted(sim.removed),
+        "flushed": sorted(sim.flushed), "alive": _keyed(sim.alive.items()), "died_at": _keyed(sim.died_at.items()),
+        "rejoins": [list(r) for r in sim.rejoins], "evals": [list(e) for e in sim.evals],
+        "steps_done": sim.steps_done, "inputs_seen": sim.host.inputs_seen,
+    }
+    return arrays, meta
+
+
+def restore(sim, arrays: dict, meta: dict) -> None:
+    """Load a snapshot into a freshly built Sim of the same config and setup."""
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"not a sim snapshot: format {meta.get('format')!r}, want {FORMAT!r}")
+    host = sim.host
+    host.state = syncer_ckpt.from_checkpoint(arrays["syncer"], meta["syncer"], host.policy, sim.setup.fragments)
+    _ledgers_in(host, arrays["ledgers"], meta["ledgers"])
+    host.inputs_seen = meta["inputs_seen"]
+    frames = arrays.get("frames", {})
+    sim.heap = [(t, order, kind, tuple(bytes(np.asarray(frames[str(x["frame"])], np.uint8).tobytes())
+                                       if isinstance(x, dict) else x for x in data))
+                for t, order, kind, data in meta["heap"]]
+    sim.order = meta["order"]
+    sim.units = [None] * sim.M
+    for m, um in meta["units"].items():
+        sim.units[int(m)] = _unit_in(sim.setup, host.state, arrays["units"][m], um)
+    sim.now, sim.link_up, sim.link_down = meta["now"], list(meta["link_up"]), list(meta["link_down"])
+    sim.rng.bit_generator.state = meta["rng"]
+    sim.stalled_since = {int(m): t for m, t in meta["stalled_since"]}
+    sim.stall_armed = {int(m): s for m, s in meta["stall_armed"]}
+    sim.waking, sim.restarting = set(meta["waking"]), set(meta["restarting"])
+    sim.removed, sim.flushed = set(meta["removed"]), set(meta["flushed"])
+    sim.alive = {int(m): a for m, a in meta["alive"]}
+    sim.died_at = {int(m): tuple(v) for m, v in meta["died_at"]}
+    sim.rejoins = [Rejoin(*r) for r in meta["rejoins"]]
+    sim.evals = [tuple(e) for e in meta["evals"]]
+    sim.steps_done = meta["steps_done"]
+
+
+class SimSnapshots:
+    """Orbax snapshots of a sim run every `every` inner steps (summed over learners)."""
+
+    def __init__(self, directory: Path | None, every: int, keep: int = 2):
+        self.every = every if directory is not None else 0
+        self.manager = checkpoint.open_manager(directory, keep) if self.every else None
+        self.next_at = every
+
+    def maybe_save(self, sim) -> None:
+        if self.every and sim.steps_done >= self.next_at:
+            self.next_at = (sim.steps_done // self.every + 1) * self.every
+            arrays, meta = snapshot(sim)
+            try:
+                checkpoint.save(self.manager, sim.steps_done, arrays, meta)
+            except Exception as err:  # noqa: BLE001 - a full disk must not end the run
+                log.error("sim snapshot at %d steps failed (%s: %s); continuing", sim.steps_done,
+                          type(err).__name__, err)
+
+    def latest(self) -> tuple[dict, dict] | None:
+        if self.manager is None:
+            return None
+        self.manager.wait_until_finished()
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                return checkpoint.restore_untyped(self.manager, step)
+            except Exception as err:  # noqa: BLE001 - any read failure means "try the previous one"
+                log.warning("sim snapshot %d unreadable (%s: %s); trying an older one",
+                            step, type(err).__name__, err)
+        return None
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.wait_until_finished()
+            self.manager.close()
