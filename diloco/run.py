@@ -13,7 +13,7 @@ from diloco.config import ConfigError, TrainConfig, to_dict
 from diloco.data import Corpus, eval_batches, load_corpus
 from diloco.model import Model, build, count_params
 from diloco.runtime import setup as build_setup
-from diloco.runtime import sim, threads
+from diloco.runtime import procs, sim, threads
 from diloco.train.mesh import make_mesh
 from diloco.train.trainer import evaluate, train_dp
 
@@ -59,7 +59,7 @@ def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path) ->
             lambda path, _: theta_by_path[tuple(k.key for k in path)], model.params)
         return evaluate(compiled, jax.device_put(params, compiled.state_sharding.params), val)
 
-    runtime = {"sim": sim.run, "threads": threads.run}[cfg.runtime.kind]
+    runtime = {"sim": sim.run, "threads": threads.run, "procs": procs.run}[cfg.runtime.kind]
     _, summary = runtime(cfg, setup, run_dir, evaluate_global)
     M, steps = cfg.runtime.learners, cfg.run.steps
     # Through the M learners' links, both directions, for the same number of steps.

@@ -113,3 +113,42 @@ def test_a_generated_chaos_run_is_deterministic(tmp_path, build):
     for x, y in zip(sync.theta(a.syncer).values(), sync.theta(b.syncer).values()):
         np.testing.assert_array_equal(x, y)
     assert a.syncer.tape == b.syncer.tape
+
+
+@pytest.mark.slow
+def test_t9_a_killed_learner_rejoins_without_a_global_stall_and_the_loss_holds(tmp_path, build, corpus, model):
+    """EXPERIMENTS.md T9 at small scale: learner 1 of 2 dies for 20 of 120 steps and restarts from
+    its checkpoint. Global downtime stays zero, its contributions after the rejoin are at most H
+    versions stale, and the final loss is within seed noise of the failure-free runs (3 seeds)."""
+    import jax
+
+    from diloco.data import eval_batches
+    from diloco.train.trainer import evaluate
+
+    def final_loss(cfg, setup, t):
+        sim, _ = run(cfg, setup, t, LearnerCheckpoints(tmp_path / f"ck{cfg.run.seed}{len(t.events)}", every=10))
+        theta = sync.theta(sim.syncer)
+        params = jax.tree_util.tree_map_with_path(lambda p, _: theta[tuple(k.key for k in p)], model.params)
+        compiled = setup.compiled[0]
+        val = eval_batches(corpus.val, batch_size=8, seq_len=cfg.data.seq_len, n=4)
+        return sim, evaluate(compiled, jax.device_put(params, compiled.state_sharding.params), val)
+
+    H = 4
+    kill = tape((40.0, "slice_down", 1, 0), (40.0, "slice_down", 1, 1),
+                (60.0, "slice_up", 1, 0), (60.0, "slice_up", 1, 1))
+    calm, hurt = [], []
+    for seed in range(3):
+        cfg = cfg_for(tmp_path, max_rejoin_staleness=100)
+        cfg = replace(cfg, run=replace(cfg.run, steps=120, seed=seed))
+        setup = build(cfg)
+        calm.append(final_loss(cfg, setup, tape())[1])
+        sim, loss = final_loss(cfg, setup, kill)
+        hurt.append(loss)
+        assert training_uptime(sim) == 1.0
+        (how,) = sim.rejoins
+        assert how.restored_from is not None
+        after = [s for r in sim.syncer.tape if r["event"] == "merge" and r["at"] > 62.0
+                 for m, s in zip(r["learners"], r["staleness"]) if m == 1]
+        assert after and max(after) <= H
+    spread = max(calm) - min(calm)
+    assert abs(np.mean(hurt) - np.mean(calm)) <= max(spread, 0.02 * np.mean(calm)), (calm, hurt)

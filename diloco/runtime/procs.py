@@ -27,12 +27,12 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing as mp
-import multiprocessing.connection
 import os
 import signal
 import tempfile
 import threading
 import time
+from multiprocessing.connection import wait as wait_for_exit
 from pathlib import Path
 from typing import Callable
 
@@ -130,7 +130,7 @@ class Procs:
             for m in range(self.M):
                 self._watch(m)
             alive = [p.sentinel for m, p in self.learners.items() if m not in self.done]
-            mp.connection.wait(alive + [self.syncer.sentinel], timeout=POLL)
+            wait_for_exit(alive + [self.syncer.sentinel], timeout=POLL)
 
     def _watch(self, m: int) -> None:
         p, inc = self.learners[m], self.incarnation[m]
@@ -211,6 +211,9 @@ class Procs:
             if p.exitcode is None:
                 p.kill()
                 p.join()
+        for m, p in self.learners.items():  # the last incarnations, ended after the supervision
+            if m not in self.done:
+                self.exits.append((f"learner-{m}", self.incarnation[m], p.exitcode))
 
 
 def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,

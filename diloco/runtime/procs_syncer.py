@@ -105,12 +105,7 @@ class ProcSyncer:
 
     def run(self) -> None:
         try:
-            ready = bs.Poller(POLL_MIN, POLL_MAX, stop=lambda: self.stopping or os.getppid() != self.parent)
-            # The clock starts once every learner has compiled, as threads' barrier does.
-            ready.until(lambda: all(bs.read_control(self.store, f"ready/{m:04d}") for m in range(self.M)))
-            self.t0 = time.time()
-            if not self.stopping:
-                bs.write_control(self.store, "start", {"t0": self.t0})
+            self._start_clock()
             poller, last_gc = bs.Poller(POLL_MIN, POLL_MAX, sleep=self._nap), 0.0
             while not self.stopping:
                 now = self.clock()
@@ -128,6 +123,19 @@ class ProcSyncer:
         finally:
             if self.inputs is not None:
                 self.inputs.close()
+
+    def _start_clock(self) -> None:
+        """Once every learner has compiled, as threads' barrier does; a restarted syncer keeps the
+        clock its learners already run on."""
+        started = bs.read_control(self.store, "start")
+        if started is not None:
+            self.t0 = started["t0"]
+            return
+        ready = bs.Poller(POLL_MIN, POLL_MAX, stop=lambda: self.stopping or os.getppid() != self.parent)
+        ready.until(lambda: all(bs.read_control(self.store, f"ready/{m:04d}") for m in range(self.M)))
+        self.t0 = time.time()
+        if not self.stopping:
+            bs.write_control(self.store, "start", {"t0": self.t0})
 
     # --- the learners' event streams ----------------------------------------------------------
     def _poll(self, m: int) -> bool:
@@ -263,6 +271,7 @@ class ProcSyncer:
 
     def finish(self) -> None:
         end = self.clock()
+        self.collect()  # leave the store holding only the newest versions, acks and control
         window = quorum.slowest_step_time(self.syncer.step_times) or self.cfg.runtime.step_time
         summary = run_summary(self.syncer, self.tokens, self.bytes, self.time, clock="wall", end=end,
                               window=window, stalls=self.stalls)

@@ -1,0 +1,192 @@
+"""The procs runtime: spawned learner and syncer processes talking through a file:// object store;
+a failure-free run trains and balances its ledger, and a learner killed with kill -9 mid-run is
+restarted under a new incarnation, rejoins, and the run finishes with every merge applied once."""
+
+import json
+import os
+import signal
+import threading
+import time
+from collections import defaultdict
+from dataclasses import replace
+
+import jax
+import pytest
+
+from diloco.algo import syncer as sync
+from diloco.algo.replay import replay
+from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig, RuntimeConfig,
+                           SyncerConfig, TrainConfig, validate)
+from diloco.data import eval_batches, load_corpus
+from diloco.model import build
+from diloco.runtime import blobstore as bs
+from diloco.runtime import procs
+from diloco.runtime import setup as build_setup
+from diloco.runtime.tape import read_decisions, read_inputs
+from diloco.train.trainer import evaluate
+
+TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
+STEPS, M, P = 20, 2, 2
+
+
+def make_cfg(tmp_path, **runtime) -> TrainConfig:
+    """tests/test_threads.py's tiny model, with the procs runtime."""
+    data = DataConfig(source="synthetic", seq_len=32, batch_size=16, data_dir=str(tmp_path / "data"),
+                      synthetic_vocab=16, synthetic_tokens=40_000, synthetic_branching=2)
+    run = RunConfig(steps=STEPS, log_every=5, eval_every=10, eval_batches=2, out_dir=str(tmp_path / "run"),
+                    progress=False, plot=False)
+    return validate(TrainConfig(
+        model=TINY, data=data, inner=InnerConfig(lr=1e-2, warmup_steps=5), run=run, algo="diloco",
+        fragments=FragmentsConfig(count=P, H=4, tau=1), syncer=SyncerConfig(quorum=1),
+        runtime=RuntimeConfig(kind="procs", learners=M, devices_per_learner=1, **runtime)))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, pytestconfig):
+    """One config and setup for the module, and one XLA compilation cache for every child process
+    of its runs, kept in pytest's cache directory: later runs load what the first one compiled."""
+    root = tmp_path_factory.mktemp("procs")
+    cache = getattr(pytestconfig, "cache", None)  # None under -p no:cacheprovider
+    xla_cache = root / "xla_cache" if cache is None else cache.mkdir("diloco-procs-xla")
+    cfg = make_cfg(root)
+    corpus = load_corpus(cfg.data)
+    model = build(cfg.model, corpus.vocab_size, cfg.run.seed)
+    setup = build_setup.build(cfg, corpus, model)
+    val = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, n=2)
+    compiled = setup.compiled[0]
+
+    def evaluate_global(theta_by_path):
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, _: theta_by_path[tuple(k.key for k in path)], model.params)
+        return evaluate(compiled, jax.device_put(params, compiled.state_sharding.params), val)
+
+    initial = evaluate_global({path: x for frag in setup.theta0 for path, x in frag.items()})
+    with pytest.MonkeyPatch.context() as mp:  # read by the spawned children's jax only
+        mp.setenv("JAX_COMPILATION_CACHE_DIR", str(xla_cache))
+        mp.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        yield cfg, setup, evaluate_global, initial
+
+
+def variant(world, tmp_path, **runtime):
+    """The module's config with other runtime settings (same model, steps and compiled code)."""
+    cfg, setup, _, _ = world
+    cfg = validate(replace(cfg, runtime=replace(cfg.runtime, **runtime),
+                           run=replace(cfg.run, out_dir=str(tmp_path / "run"))))
+    (tmp_path / "run").mkdir()
+    return cfg, setup, tmp_path / "run"
+
+
+def merge_versions(run_dir) -> dict[int, list[int]]:
+    versions = defaultdict(list)
+    for r in read_decisions(run_dir / "tape.jsonl"):
+        if r["event"] == "merge":
+            versions[r["fragment"]].append(r["version"])
+    return versions
+
+
+def test_two_learner_processes_train_merge_and_balance(world, tmp_path):
+    _, _, evaluate_global, initial = world
+    cfg, setup, run_dir = variant(world, tmp_path)
+    rt, summary = procs.run(cfg, setup, run_dir, evaluate_global)
+
+    assert sorted(rt.exits) == [("learner-0", 0, 0), ("learner-1", 0, 0)]  # nobody restarted
+    assert rt.syncer.exitcode == 0 and rt.finished["complete"]
+    assert rt.finished["steps"] == {"0": STEPS, "1": STEPS}
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    assert rt.finished["tokens"]["processed"] == P * M * STEPS * tokens_per_step  # every step booked once
+    assert summary["token_ledger_imbalance"] == 0
+    assert summary["merges"] > 0 and rt.finished["tokens"]["merged"] > 0
+    assert summary["bytes_up"] > 0 and summary["bytes_down"] > 0 and summary["clock"] == "wall"
+    assert initial > 2.5 and summary["eval_loss"] < initial - 0.5, (summary["eval_loss"], initial)
+    for p, vs in merge_versions(run_dir).items():
+        assert vs == list(range(1, len(vs) + 1)), (p, vs)
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for m in range(M):
+        assert [r["step"] for r in records if r["kind"] == "train" and r["learner"] == m] == [5, 10, 15, 20]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [10, 20, 20]  # periodic, last, final
+
+    # The syncer's inputs log replays to its decisions: the same code as sim and threads.
+    events = list(read_inputs(run_dir / "syncer_inputs.bin"))
+    again = replay(setup.policy, sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0, 1: 0}), events)
+    assert json.loads(json.dumps(list(again.tape))) == read_decisions(run_dir / "tape.jsonl")
+    assert all((again.fragments[p].theta[k] == rt.theta[k]).all() for p in range(P) for k in again.fragments[p].theta)
+    store = bs.BlobStore(f"file://{run_dir}/store")
+    assert store.list("rep/") == [] and store.list("ev/") == []  # every report read, every event booked
+
+
+def test_kill_9_learner_restarts_rejoins_and_balances(world, tmp_path):
+    """kill -9 of learner 1's process mid-run: the supervisor restarts it as incarnation 1, which
+    rejoins from the store's Theta; the syncer books the death, drops nothing twice, finishes."""
+    cfg, setup, run_dir = variant(world, tmp_path, speeds=(1.0, 3.0), learner_checkpoint_every=4)
+    killed, stop = [], threading.Event()
+
+    def killer():
+        """Kill learner 1 once it has checkpointed step 4 (Orbax renames a finished step into place)."""
+        store, saved = bs.BlobStore(f"file://{run_dir}/store"), run_dir / "learners" / "learner-1"
+        while not stop.is_set() and not killed:
+            steps = [int(d.name) for d in saved.iterdir() if d.name.isdigit()] if saved.is_dir() else []
+            if steps:
+                learner = bs.read_control(store, "procs")["learners"]["1"]
+                os.kill(learner["pid"], signal.SIGKILL)
+                killed.append((learner["incarnation"], max(steps)))
+            stop.wait(0.01)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    try:
+        rt, summary = procs.run(cfg, setup, run_dir, None)
+    finally:
+        stop.set()
+        thread.join()
+
+    assert killed and killed[0][0] == 0, killed
+    assert ("learner-1", 0, -signal.SIGKILL) in rt.exits and ("learner-1", 1, 0) in rt.exits
+    assert [(r["learner"], r["incarnation"]) for r in rt.rejoins] == [(1, 1)]
+    assert rt.rejoins[0]["step"] >= 4  # from its checkpoint (fresh enough) or where it died
+    assert rt.finished["complete"] and rt.finished["steps"] == {"0": STEPS, "1": STEPS}
+    assert [1, 0] in rt.finished["dead"]
+    assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
+    for p, vs in merge_versions(run_dir).items():  # no version applied twice or skipped
+        assert vs == list(range(1, len(vs) + 1)), (p, vs)
+    assert summary["uptime"] > 0
+
+
+def test_sigterm_stops_every_process_and_prints_a_partial_summary(world, tmp_path, capsys):
+    """SIGTERM to the supervisor (as from a process manager) mid-run: the learners are terminated,
+    the syncer finishes with what it booked, its summary is printed, KeyboardInterrupt is raised."""
+    cfg, setup, run_dir = variant(world, tmp_path, speeds=(1.0, 20.0))  # learner 1 keeps it going
+    store, sent, stop = None, [], threading.Event()
+
+    def terminate_once_started():
+        nonlocal store
+        store = bs.BlobStore(f"file://{run_dir}/store")
+        while not stop.is_set():
+            try:
+                started = bs.read_control(store, "start")
+            except ValueError:  # not yet (the supervisor clears the store first)
+                started = None
+            if started is not None:
+                stop.wait(0.5)
+                sent.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            stop.wait(0.01)
+
+    handler = signal.getsignal(signal.SIGTERM)
+    thread = threading.Thread(target=terminate_once_started)
+    thread.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            procs.run(cfg, setup, run_dir, None)
+    finally:
+        stop.set()
+        thread.join()
+    assert sent and time.monotonic() - sent[0] < 30.0
+    assert signal.getsignal(signal.SIGTERM) == handler  # the supervisor's handler is gone
+    pids = bs.read_control(store, "procs")
+    for pid in [pids["syncer"], *(x["pid"] for x in pids["learners"].values())]:
+        with pytest.raises(ProcessLookupError):  # reaped: no process, not even a zombie
+            os.kill(pid, 0)
+    out = capsys.readouterr().out
+    assert "partial summary" in out and "token_ledger_imbalance" in out
