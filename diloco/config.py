@@ -88,6 +88,8 @@ class RunConfig:
     log_every: int = 10
     eval_every: int = 50
     eval_batches: int = 8
+    # trainer: steps between checkpoints; sim: inner steps per learner between snapshots; procs:
+    # merges between syncer checkpoints (0 = none, and then a killed syncer fails the run)
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     out_dir: str = "runs/default"

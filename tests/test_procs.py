@@ -1,6 +1,7 @@
 """The procs runtime: spawned learner and syncer processes talking through a file:// object store;
-a failure-free run trains and balances its ledger, and a learner killed with kill -9 mid-run is
-restarted under a new incarnation, rejoins, and the run finishes with every merge applied once."""
+a failure-free run trains and balances its ledger, a learner killed with kill -9 mid-run is
+restarted under a new incarnation, rejoins, and the run finishes with every merge applied once,
+and a syncer killed with kill -9 is restarted from its checkpoint and skips and repeats no version."""
 
 import json
 import os
@@ -14,7 +15,7 @@ import jax
 import pytest
 
 from diloco.algo import syncer as sync
-from diloco.algo.replay import replay
+from diloco.algo.replay import apply as deliver, replay
 from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig, RuntimeConfig,
                            SyncerConfig, TrainConfig, validate)
 from diloco.data import eval_batches, load_corpus
@@ -22,6 +23,7 @@ from diloco.model import build
 from diloco.runtime import blobstore as bs
 from diloco.runtime import procs
 from diloco.runtime import setup as build_setup
+from diloco.runtime.procs_learner import store_view
 from diloco.runtime.tape import read_decisions, read_inputs
 from diloco.train.trainer import evaluate
 
@@ -150,6 +152,68 @@ def test_kill_9_learner_restarts_rejoins_and_balances(world, tmp_path):
     for p, vs in merge_versions(run_dir).items():  # no version applied twice or skipped
         assert vs == list(range(1, len(vs) + 1)), (p, vs)
     assert summary["uptime"] > 0
+
+
+def test_kill_9_syncer_restarts_from_its_checkpoint_and_skips_or_repeats_no_version(world, tmp_path):
+    """kill -9 of the syncer once it has checkpointed and published a version after that: the
+    supervisor restarts it, it restores the checkpoint and remakes the versions after it from its
+    journal; learners keep training. Every step is booked once, every version made once, and the
+    versions learners saw before the kill are the ones the run's record holds."""
+    _, _, evaluate_global, initial = world
+    cfg, setup, run_dir = variant(world, tmp_path, speeds=(1.0, 2.0))
+    cfg = validate(replace(cfg, run=replace(cfg.run, checkpoint_every=4)))  # merges between checkpoints
+    killed, seen, stop = [], {}, threading.Event()
+
+    def killer():
+        store, saved, published = bs.BlobStore(f"file://{run_dir}/store"), run_dir / "syncer", None
+        while not stop.is_set() and not killed:
+            if saved.is_dir() and any(d.name.isdigit() for d in saved.iterdir()):  # renamed in when done
+                total = sum(pub.version for pub in bs.latest(store).values())
+                if published is None:
+                    published = total
+                elif total > published:
+                    os.kill(bs.read_control(store, "procs")["syncer"], signal.SIGKILL)
+                    killed.append(total)
+                    view, _ = store_view(store, setup)  # what learners could fetch at the kill
+                    seen.update({p: fs.refs[-1] for p, fs in enumerate(view.fragments) if fs.version})
+            stop.wait(0.005)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    try:
+        rt, summary = procs.run(cfg, setup, run_dir, evaluate_global)
+    finally:
+        stop.set()
+        thread.join()
+
+    assert killed and ("syncer", 0, -signal.SIGKILL) in rt.exits, (killed, rt.exits)
+    assert rt.finished["complete"] and rt.finished["steps"] == {"0": STEPS, "1": STEPS}
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    assert rt.finished["tokens"]["processed"] == P * M * STEPS * tokens_per_step  # no step booked twice
+    assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
+    for p, vs in merge_versions(run_dir).items():  # no version made twice or skipped
+        assert vs == list(range(1, len(vs) + 1)), (p, vs)
+    assert initial > 2.5 and summary["eval_loss"] < initial - 0.5, (summary["eval_loss"], initial)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for m in range(M):  # reports the first syncer made are not made again
+        assert [r["step"] for r in records if r["kind"] == "train" and r["learner"] == m] == [5, 10, 15, 20]
+
+    # The input log, truncated to the checkpoint and continued, replays to the run's decisions and
+    # Theta, and through the versions learners saw before the kill, value for value.
+    st = sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0, 1: 0})
+    matched = set()
+    for event in read_inputs(run_dir / "syncer_inputs.bin"):
+        st, _ = deliver(setup.policy, st, event)
+        for p, (version, values) in seen.items():
+            ref = dict(st.fragments[p].refs).get(version)
+            if ref is not None and p not in matched:
+                assert all((ref[k] == values[k]).all() for k in values), (p, version)
+                matched.add(p)
+    assert seen and matched == set(seen), (seen.keys(), matched)
+    assert json.loads(json.dumps(list(st.tape))) == read_decisions(run_dir / "tape.jsonl")
+    assert all((st.fragments[p].theta[k] == rt.theta[k]).all() for p in range(P) for k in st.fragments[p].theta)
+    store = bs.BlobStore(f"file://{run_dir}/store")
+    assert store.list("rep/") == [] and store.list("ev/") == [] and store.list("up/") == []
 
 
 def test_sigterm_stops_every_process_and_prints_a_partial_summary(world, tmp_path, capsys):

@@ -16,8 +16,13 @@ checks that it got this process's Theta_0.
 Failures: a learner process that exits with a signal (kill -9, the OOM killer) or an unexplained
 code is restarted under incarnation + 1 after `ctl/died/...` tells the syncer, which books the
 death once it has booked every event of the dead process; messages of the old incarnation are
-then dropped by the syncer's admission check. A learner that raises a Python error, or a syncer
-that fails, fails the run, as an exception in any thread fails a threads run. SIGINT or SIGTERM
+then dropped by the syncer's admission check. A syncer process that dies the same way is restarted
+as the next syncer incarnation, which restores the latest syncer checkpoint and re-executes its
+predecessor's journal after it (diloco/runtime/procs_recovery.py), so no version is applied twice or
+skipped; the learners train on meanwhile, stalling only at their tau bound. That needs a run
+directory and run.checkpoint_every > 0 (merges between syncer checkpoints); without them a dead
+syncer fails the run. A learner or syncer that raises a Python error fails the run, as an exception
+in any thread fails a threads run. SIGINT or SIGTERM
 here: the learners are terminated, the syncer finishes with what it has booked and its partial
 summary is printed, then KeyboardInterrupt is raised as in threads.
 """
@@ -40,12 +45,13 @@ from diloco import report
 from diloco.config import TrainConfig
 from diloco.runtime import blobstore as bs
 from diloco.runtime.procs_learner import died, fingerprint, learner_main
+from diloco.runtime.procs_recovery import restartable
 from diloco.runtime.procs_syncer import rep_key, syncer_main, unpack_theta
 from diloco.runtime.setup import Setup
 
 POLL = 0.05  # seconds the supervisor waits for a process exit before reading reports again
 JOIN_TIMEOUT = 30.0  # seconds a stopping child gets before it is killed
-MAX_RESTARTS = 10  # per learner: a learner killed this often is not coming back
+MAX_RESTARTS = 10  # per learner, and for the syncer: one killed this often is not coming back
 _PREFIXES = ("up/", "down/", "ack/", "ctl/", "ev/", "rep/")  # every key scheme of a procs run
 
 
@@ -66,6 +72,7 @@ class Procs:
         self.learners: dict[int, mp.process.BaseProcess] = {}
         self.incarnation = dict.fromkeys(range(self.M), 0)
         self.restarts = dict.fromkeys(range(self.M), 0)
+        self.syncer_incarnation = 0
         self.done: set[int] = set()  # learners whose process exited 0
         self.exits: list[tuple[str, int, int]] = []
         self.reports = 0
@@ -102,21 +109,30 @@ class Procs:
         for prefix in _PREFIXES:  # a store left by an earlier run into the same directory
             self.store.delete_prefix(prefix)
         bs.write_control(self.store, "run", {"theta0": fingerprint(self.setup.theta0), "learners": self.M})
-        syncer = self.ctx.Process(target=syncer_main, name="diloco-syncer", daemon=True,
-                                  args=(self.url, self.cfg, self.cache, self.run_dir, self.evaluate is not None))
-        syncer.start()
-        self.syncer = syncer  # only started processes are watched, stopped and joined
+        self._spawn_syncer(0)
         for m in range(self.M):
             self._spawn(m, 0)
+
+    def _spawn_syncer(self, incarnation: int) -> None:
+        """A restarted one skips the reports read so far (every one its predecessor finished)."""
+        p = self.ctx.Process(target=syncer_main, name=f"diloco-syncer-{incarnation}", daemon=True,
+                             args=(self.url, self.cfg, self.cache, self.run_dir, self.evaluate is not None,
+                                   incarnation, self.reports))
+        p.start()
+        self.syncer, self.syncer_incarnation = p, incarnation  # only started processes are watched
+        self._write_procs()
 
     def _spawn(self, m: int, incarnation: int) -> None:
         p = self.ctx.Process(target=learner_main, name=f"diloco-learner-{m}-{incarnation}", daemon=True,
                              args=(self.url, self.cfg, self.cache, self.run_dir, m, incarnation, os.getpid()))
         p.start()
         self.learners[m], self.incarnation[m] = p, incarnation
-        # Who runs where, for operators and fault tests (kill -9 a learner by its pid).
+        self._write_procs()
+
+    def _write_procs(self) -> None:
+        """Who runs where, for operators and fault tests (kill -9 a process by its pid)."""
         bs.write_control(self.store, "procs", {
-            "supervisor": os.getpid(), "syncer": self.syncer.pid,
+            "supervisor": os.getpid(), "syncer": self.syncer.pid, "syncer_incarnation": self.syncer_incarnation,
             "learners": {str(k): {"incarnation": self.incarnation[k], "pid": q.pid} for k, q in self.learners.items()}})
 
     def _supervise(self) -> None:
@@ -124,13 +140,25 @@ class Procs:
             code = self.syncer.exitcode  # read first: every report it wrote before exiting is there
             self._read_reports()
             if code is not None:
-                if code == 0 and self.finished is not None:
-                    return
-                raise RuntimeError(f"the syncer process exited with code {code}{self._error('syncer')}")
+                if self.finished is not None and (code == 0 or not self._error("syncer")):
+                    return  # killed after its end report, if at all: the result is in
+                self._restart_syncer(code)
             for m in range(self.M):
                 self._watch(m)
             alive = [p.sentinel for m, p in self.learners.items() if m not in self.done]
             wait_for_exit(alive + [self.syncer.sentinel], timeout=POLL)
+
+    def _restart_syncer(self, code: int) -> None:
+        inc = self.syncer_incarnation
+        self.exits.append(("syncer", inc, code))
+        error = self._error("syncer")
+        if code == 0 or error or not restartable(self.cfg, self.run_dir):
+            why = "" if error or code == 0 else (" and cannot be restarted: that needs a run directory and "
+                                                 f"run.checkpoint_every > 0, got {self.cfg.run.checkpoint_every}")
+            raise RuntimeError(f"the syncer process exited with code {code}{why}{error}")
+        if inc >= MAX_RESTARTS:
+            raise RuntimeError(f"the syncer died {inc + 1} times (last exit code {code}); not restarting it again")
+        self._spawn_syncer(inc + 1)
 
     def _watch(self, m: int) -> None:
         p, inc = self.learners[m], self.incarnation[m]

@@ -15,16 +15,21 @@ next incarnation's `join` event brings it back into the live set.
 Reports for the supervisor (train and rejoin records, eval requests with Theta, and the end with
 the summary and the final Theta) go out as `rep/<n>.json` (+ `rep/<n>.npz`), in order.
 
-Restart seam: `ProcSyncer(..., state=...)` starts from a given SyncerState. A syncer restored
-from a checkpoint also needs its ledgers, the per-learner event cursors (events are deleted only
-once booked, in `collect`), the armed deadlines and the report counter; none of that is saved yet.
+Restarts (diloco/runtime/procs_recovery.py): every step of the loop (book one event, fire one
+deadline, book one death) is a journal entry, written before it runs and stamped with the clock
+time every input it delivers carries; every `run.checkpoint_every` merges the whole state is
+checkpointed. A syncer restarted by the supervisor restores the newest checkpoint and executes the
+journal after it again, which remakes the same versions: a version the store already has is not
+published again, a report the supervisor already read is not written again. The store forgets
+booked events, acked contributions and dead incarnations only once a completed checkpoint covers
+them, so whatever the replay needs is still there; learners never wait for the syncer except at
+their tau bound, and see the versions they would have seen.
 """
 
 from __future__ import annotations
 
 import heapq
 import io
-import itertools
 import json
 import os
 import signal
@@ -40,8 +45,9 @@ from diloco.algo.replay import Input, apply as deliver
 from diloco.config import TrainConfig
 from diloco.runtime import blobstore as bs
 from diloco.runtime.procs_learner import POLL_MAX, POLL_MIN, buried, child_main, child_setup, died, event_key
+from diloco.runtime.procs_recovery import Recovery
 from diloco.runtime.summary import run_summary
-from diloco.runtime.tape import InputLog, write_decisions
+from diloco.runtime.tape import write_decisions
 
 GC_EVERY = 1.0  # seconds between acks + garbage collection of old versions and booked events
 
@@ -64,31 +70,39 @@ def unpack_theta(paths: list, blob: bytes) -> dict:
 
 
 class ProcSyncer:
-    """Owns the SyncerState, the three ledgers, the deadlines and the event cursors."""
+    """Owns the SyncerState, the three ledgers, the deadlines and the event cursors. `restart`: a
+    predecessor died; restore its checkpoint and journal. `reports_read`: how many of the reports
+    the supervisor has read (they are not written again)."""
 
     def __init__(self, store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, want_evals: bool,
-                 state: sync.SyncerState | None = None):
+                 restart: bool = False, reports_read: int = 0):
         self.store, self.cfg, self.want_evals = store, cfg, want_evals
+        self.restart, self.reports_read = restart, reports_read
         self.setup = s = child_setup(cfg, store)
         self.M = cfg.runtime.learners
-        self.syncer = state or sync.init(s.policy, s.fragments, s.theta0, {m: 0 for m in range(self.M)})
-        self.current = {m: self.syncer.live.get(m, 0) for m in range(self.M)}  # incarnation booked now
+        self.syncer = sync.init(s.policy, s.fragments, s.theta0, {m: 0 for m in range(self.M)})
+        self.current = dict.fromkeys(range(self.M), 0)  # incarnation booked now
         self.cursor = dict.fromkeys(range(self.M), 0)  # its next event number
         self.steps = dict.fromkeys(range(self.M), 0)  # last step booked per learner
         self.died_at: dict[int, float] = {}
         self.done: set[int] = set()
         self.finished_at: dict[int, float] = {}
         self.delivered: dict[tuple[int, int], int] = {}  # (learner, incarnation) -> last seq delivered
+        self.graves: set[tuple[int, int]] = set()  # dead incarnations whose objects are still stored
         self.tokens = ledger.token_ledger(len(s.fragments))
         self.bytes = traffic.byte_ledger()
         self.time = timeline.time_ledger()
         self.stalls = 0
         self.deadlines: list[tuple[float, int, int]] = []  # grace timers (at, order, fragment), a heap
-        self._order = itertools.count()
+        self.order = 0  # tie-break of deadlines set at the same time
         self.reports = 0
         self.run_dir = run_dir
-        self.inputs = None if run_dir is None else InputLog(run_dir / "syncer_inputs.bin")
+        self.inputs = None  # the InputLog, opened by the recovery
+        self.inputs_seen = 0
+        self.recovery = Recovery(cfg, run_dir)
+        self.replaying = False  # executing the journal of a predecessor
         self.t0 = 0.0
+        self.now = 0.0  # the clock time of the journal entry being executed
         self.stopping = False
         self.parent = os.getppid()  # the supervisor: if it is gone, nobody waits for the result
 
@@ -105,13 +119,14 @@ class ProcSyncer:
 
     def run(self) -> None:
         try:
+            entries = self.recovery.open(self, self.restart)
             self._start_clock()
+            self._replay(entries)
             poller, last_gc = bs.Poller(POLL_MIN, POLL_MAX, sleep=self._nap), 0.0
             while not self.stopping:
                 now = self.clock()
                 while self.deadlines and self.deadlines[0][0] <= now:
-                    _, _, p = heapq.heappop(self.deadlines)
-                    self._deliver(Input("deadline", now, p))
+                    self._do({"do": "deadline", "fragment": self.deadlines[0][2]})
                 active = [self._poll(m) for m in range(self.M)]
                 if len(self.done) == self.M and not self.deadlines:
                     break  # `done` is each learner's last event, so everything has been booked
@@ -121,8 +136,7 @@ class ProcSyncer:
                 poller.wait(any(active))
             self.finish()
         finally:
-            if self.inputs is not None:
-                self.inputs.close()
+            self.recovery.close(self)
 
     def _start_clock(self) -> None:
         """Once every learner has compiled, as threads' barrier does; a restarted syncer keeps the
@@ -137,6 +151,46 @@ class ProcSyncer:
         if not self.stopping:
             bs.write_control(self.store, "start", {"t0": self.t0})
 
+    # --- the loop's entries (diloco/runtime/procs_recovery.py) ---------------------------------
+    def _do(self, entry: dict, raw: bytes | None = None) -> None:
+        """Journal one entry at the current clock time, then execute it."""
+        entry["t"] = self.clock()
+        self.recovery.log(entry)
+        self._exec(entry, raw)
+        self.recovery.maybe_save(self)
+
+    def _exec(self, entry: dict, raw: bytes | None) -> None:
+        self.now, kind = entry["t"], entry["do"]
+        if kind == "event":
+            m, inc, n = entry["m"], entry["inc"], entry["n"]
+            if (inc, n) != (self.current[m], self.cursor[m]):
+                raise RuntimeError(f"journal entry {entry} does not follow learner {m}'s incarnation "
+                                   f"{self.current[m]} event {self.cursor[m]}")
+            self.cursor[m] += 1
+            self._on_event(m, inc, json.loads(raw))
+        elif kind == "deadline":
+            _, _, p = heapq.heappop(self.deadlines)
+            if p != entry["fragment"]:
+                raise RuntimeError(f"journal entry {entry}: the earliest deadline is fragment {p}'s")
+            self._deliver(Input("deadline", self.now, p))
+        elif kind == "bury":
+            self._bury(entry["m"], entry["inc"], entry["at"])
+        else:
+            raise ValueError(f"unknown journal entry {entry}")
+
+    def _replay(self, entries: list[dict]) -> None:
+        """A restarted syncer executes its predecessor's entries after the checkpoint again."""
+        self.replaying = True
+        for entry in entries:
+            raw = None
+            if entry["do"] == "event":
+                raw = self.store.get(event_key(entry["m"], entry["inc"], entry["n"]))
+                if raw is None:
+                    raise RuntimeError(f"journal entry {entry}: the event is gone from the store, so the "
+                                       f"checkpoint restored is older than the one the store was collected to")
+            self._exec(entry, raw)
+        self.replaying = False
+
     # --- the learners' event streams ----------------------------------------------------------
     def _poll(self, m: int) -> bool:
         inc = self.current[m]
@@ -144,15 +198,14 @@ class ProcSyncer:
         notice = bs.read_control(self.store, died(m, inc))
         if notice is not None:
             self._drain(m, inc)  # it exited before the notice: now every event of it is visible
-            self._bury(m, inc, float(notice["at"]))
+            self._do({"do": "bury", "m": m, "inc": inc, "at": float(notice["at"])})
             got = True
         return got
 
     def _drain(self, m: int, inc: int) -> bool:
         got = False
         while (raw := self.store.get(event_key(m, inc, self.cursor[m]))) is not None:
-            self.cursor[m] += 1
-            self._on_event(m, inc, json.loads(raw))
+            self._do({"do": "event", "m": m, "inc": inc, "n": self.cursor[m]}, raw)
             got = True
         return got
 
@@ -165,7 +218,7 @@ class ProcSyncer:
             self._add_time(m, "compute", e["start"], e["end"])
             self.tokens = ledger.process(self.tokens, m, inc, e["tokens"])
             self.steps[m] = e["step"]
-            self._deliver(Input("step_time", self.clock(), (m, e["end"] - e["start"])))
+            self._deliver(Input("step_time", self.now, (m, e["end"] - e["start"])))
             if e["loss"] is not None:
                 self._report({"kind": "train", "learner": m, "step": e["step"], "time": e["end"],
                               "tokens": e["step"] * e["tokens"], "loss": e["loss"]})
@@ -183,7 +236,7 @@ class ProcSyncer:
         elif kind == "join":
             self._add_time(m, "restarting", self.died_at.pop(m, e["at"]), e["at"])
             self.steps[m] = e["rejoin"]["step"]
-            self._deliver(Input("live", self.clock(), tuple(sorted({**self.syncer.live, m: inc}.items()))))
+            self._deliver(Input("live", self.now, tuple(sorted({**self.syncer.live, m: inc}.items()))))
             self._report({"kind": "rejoin", "time": e["at"], **e["rejoin"]})
         elif kind == "done":
             self._book_stalls(m, e["stalls"])
@@ -199,22 +252,20 @@ class ProcSyncer:
         self._add_time(m, "down", at if last is None else last[2], at)  # the step it died in
         self.died_at[m] = at
         self.current[m], self.cursor[m] = inc + 1, 0
-        # Its contributions were all delivered (acked) or never named by an event (orphans).
-        self.store.delete_prefix(f"up/{m:04d}/{inc:04d}/")
-        self.store.delete_prefix(f"ev/{m:04d}/{inc:04d}/")
+        self.graves.add((m, inc))  # its objects go once a checkpoint covers this (collect)
         live = {k: v for k, v in self.syncer.live.items() if k != m}
-        self._deliver(Input("live", self.clock(), tuple(sorted(live.items()))))
+        self._deliver(Input("live", self.now, tuple(sorted(live.items()))))
         bs.write_control(self.store, buried(m, inc), {"step": self.steps[m], "done": m in self.done})
 
     def _ship(self, m: int, inc: int, at: float, sends: list) -> None:
         for p, seq in sends:
             self.tokens = ledger.send(self.tokens, m, inc, p, seq)
             frame = self.store.get(bs.contribution_key(m, inc, seq))
-            if frame is None:  # written before its event and deleted only once acked: cannot happen
+            if frame is None:  # written before its event, deleted only once acked: cannot happen
                 self.tokens = ledger.resolve(self.tokens, (m, inc, seq), "lost")
                 continue
             self.bytes = traffic.add_bytes(self.bytes, at, len(frame), "up", m, p, self.setup.spec.up_spec)
-            self._deliver(Input("contribution", self.clock(), frame))
+            self._deliver(Input("contribution", self.now, frame))
             self.delivered[(m, inc)] = seq
 
     def _book_stalls(self, m: int, stalls: list) -> None:
@@ -234,10 +285,12 @@ class ProcSyncer:
     def _deliver(self, event: Input) -> None:
         if self.inputs is not None:
             self.inputs.append(event)
+        self.inputs_seen += 1
         self.syncer, actions = deliver(self.setup.policy, self.syncer, event)
         for a in actions:
             if isinstance(a, sync.SetDeadline):
-                heapq.heappush(self.deadlines, (a.at, next(self._order), a.fragment))
+                heapq.heappush(self.deadlines, (a.at, self.order, a.fragment))
+                self.order += 1
             elif isinstance(a, sync.Outcome) and a.key is not None:
                 self.tokens = ledger.resolve(self.tokens, a.key, a.outcome, a.into)
             elif isinstance(a, sync.Publish):
@@ -245,7 +298,12 @@ class ProcSyncer:
 
     def _publish(self, a: sync.Publish) -> None:
         """The delta (what learners holding the previous version were sent) and the full copy.
-        Learners report what they fetch, so down bytes are booked from their events."""
+        Learners report what they fetch, so down bytes are booked from their events. Replaying,
+        a version the store already has is the one being remade: it stays as it is."""
+        if self.replaying:
+            pub = bs.latest(self.store).get(a.fragment)
+            if pub is not None and a.version <= pub.version:
+                return
         delta = next((f for m, f in sorted(a.frames.items()) if m not in a.full), None)
         full = a.frames[a.full[0]] if a.full else _full_frame(self.syncer, a.fragment, a.version, a.merged)
         bs.publish(self.store, a.fragment, a.version, delta, full, a.merged)
@@ -253,25 +311,33 @@ class ProcSyncer:
     # --- outputs ------------------------------------------------------------------------------
     def _report(self, record: dict, theta: dict | None = None) -> None:
         n = self.reports
+        self.reports += 1
+        if n < self.reports_read:  # a predecessor wrote it and the supervisor has it
+            return
         if theta is not None:  # the payload first, then the record that names it
             record["paths"], blob = pack_theta(theta)
             self.store.put(rep_key(n, "npz"), blob)
         self.store.put(rep_key(n, "json"), json.dumps(record).encode())
-        self.reports += 1
 
-    def collect(self) -> None:
-        """Ack what was delivered, gc old versions and acked contributions, drop booked events."""
-        for (m, inc), seq in self.delivered.items():
+    def collect(self, final: bool = False) -> None:
+        """Ack what was delivered, gc old versions and acked contributions, drop booked events and
+        dead incarnations' objects: as far as the newest completed checkpoint covers them (all that
+        is booked if there are no checkpoints, or `final`ly, once the end report is out)."""
+        c = self.recovery.covered(self, final)
+        for (m, inc), seq in c.delivered.items():
             bs.write_ack(self.store, m, inc, seq)
         bs.gc(self.store, keep_versions=max(2, self.setup.policy.history))
-        for m, inc in self.current.items():
+        for m, inc in c.graves:  # its contributions were all delivered or never named by an event
+            self.store.delete_prefix(f"up/{m:04d}/{inc:04d}/")
+            self.store.delete_prefix(f"ev/{m:04d}/{inc:04d}/")
+        self.graves -= c.graves
+        for m, inc in c.current.items():
             for key in self.store.list(f"ev/{m:04d}/{inc:04d}/"):
-                if int(key.rsplit("/", 1)[1]) < self.cursor[m]:
+                if int(key.rsplit("/", 1)[1]) < c.cursor[m]:
                     self.store.delete(key)
 
     def finish(self) -> None:
         end = self.clock()
-        self.collect()  # leave the store holding only the newest versions, acks and control
         window = quorum.slowest_step_time(self.syncer.step_times) or self.cfg.runtime.step_time
         summary = run_summary(self.syncer, self.tokens, self.bytes, self.time, clock="wall", end=end,
                               window=window, stalls=self.stalls)
@@ -282,6 +348,9 @@ class ProcSyncer:
                       "finished_at": self.finished_at, "merges": self.syncer.merges,
                       "processed0": int(self.tokens.processed[0]), "complete": len(self.done) == self.M},
                      sync.theta(self.syncer))
+        # The result is with the supervisor: nothing is replayed any more, so the store keeps only
+        # the newest versions, acks and control.
+        self.collect(final=True)
 
 
 def _full_frame(st: sync.SyncerState, p: int, version: int, merged: tuple) -> bytes:
@@ -294,8 +363,8 @@ def _full_frame(st: sync.SyncerState, p: int, version: int, merged: tuple) -> by
 
 
 def syncer_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, want_evals: bool,
-                state: sync.SyncerState | None) -> None:
-    rt = ProcSyncer(store, cfg, run_dir, want_evals, state)
+                restart: bool, reports_read: int) -> None:
+    rt = ProcSyncer(store, cfg, run_dir, want_evals, restart, reports_read)
 
     def stop(signum, frame):  # SIGTERM from the supervisor: finish with what has been booked
         rt.stopping = True
@@ -305,6 +374,7 @@ def syncer_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, wan
 
 
 def syncer_main(store_url: str, cfg: TrainConfig, cache: str | None, run_dir: Path | None, want_evals: bool,
-                state: sync.SyncerState | None = None) -> None:
-    """Process target of the syncer (spawned by diloco/runtime/procs.py); `state` is the restart seam."""
-    child_main("syncer", store_url, cfg, cache, syncer_body, run_dir, want_evals, state)
+                incarnation: int = 0, reports_read: int = 0) -> None:
+    """Process target of the syncer (spawned by diloco/runtime/procs.py); incarnation > 0 restores
+    the latest checkpoint and journal of the ones before."""
+    child_main("syncer", store_url, cfg, cache, syncer_body, run_dir, want_evals, incarnation > 0, reports_read)

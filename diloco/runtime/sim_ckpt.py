@@ -18,11 +18,8 @@ import numpy as np
 
 from diloco import checkpoint
 from diloco.algo import learner as lsm
-from diloco.algo.eventlog import Log, rows
-from diloco.algo.ledger import TokenLedger
-from diloco.algo.timeline import TIME_ROW, TimeLedger
-from diloco.algo.traffic import BYTE_ROW, ByteLedger
-from diloco.runtime import syncer_ckpt
+from diloco.runtime import ledger_ckpt, syncer_ckpt
+from diloco.runtime.ledger_ckpt import keyed as _keyed
 from diloco.runtime.rejoin import Rejoin
 from diloco.runtime.setup import new_unit
 from diloco.runtime.unit import LearnerUnit
@@ -33,10 +30,6 @@ log = logging.getLogger(__name__)
 
 def _frame(x: bytes) -> np.ndarray:
     return np.frombuffer(bytes(x), np.uint8).copy()
-
-
-def _keyed(pairs) -> list:
-    return [[list(k) if isinstance(k, tuple) else k, list(v) if isinstance(v, tuple) else v] for k, v in pairs]
 
 
 # --- learners --------------------------------------------------------------------------------------
@@ -98,44 +91,15 @@ def _unit_in(setup, syncer_state, arrays: dict, meta: dict) -> LearnerUnit:
 
 
 # --- ledgers ---------------------------------------------------------------------------------------
-def _rows_out(rows: np.ndarray) -> dict:
-    return {name: np.asarray(rows[name]) for name in rows.dtype.names} if len(rows) else {}
-
-
-def _rows_in(saved: dict, dtype: np.dtype) -> Log:
-    if not saved:
-        return Log()
-    rows = np.zeros(len(next(iter(saved.values()))), dtype)
-    for name in dtype.names:
-        rows[name] = saved[name]
-    return Log((rows,), ())
-
-
 def _ledgers_out(host) -> tuple[dict, dict]:
-    t, b, tm = host.tokens, host.bytes, host.time
-    meta = {
-        "tokens": {"processed": list(t.processed), "merged": list(t.merged), "lost": list(t.lost),
-                   "dropped": {k: list(v) for k, v in t.dropped.items()}, "pending": _keyed(t.pending.items()),
-                   "in_flight": _keyed(t.in_flight.items()), "dead": sorted(list(k) for k in t.dead),
-                   "unmatched": t.unmatched},
-        "byte_codecs": list(b.codecs),
-        "time_open": {str(m): list(v) for m, v in tm.open.items()},
-        "stalls": host.stalls, "incarnations": {str(m): i for m, i in host.incarnations.items()},
-        "alive": sorted(host.alive),
-    }
-    arrays = {"bytes": _rows_out(rows(b.log, BYTE_ROW)), "time": _rows_out(rows(tm.log, TIME_ROW))}
+    arrays, meta = ledger_ckpt.ledgers_out(host.tokens, host.bytes, host.time)
+    meta.update(stalls=host.stalls, incarnations={str(m): i for m, i in host.incarnations.items()},
+                alive=sorted(host.alive))
     return arrays, meta
 
 
 def _ledgers_in(host, arrays: dict, meta: dict) -> None:
-    t = meta["tokens"]
-    host.tokens = TokenLedger(
-        tuple(t["processed"]), tuple(t["merged"]), {k: tuple(v) for k, v in t["dropped"].items()},
-        tuple(t["lost"]), {tuple(k): tuple(v) for k, v in t["pending"]},
-        {tuple(k): tuple(v) for k, v in t["in_flight"]}, frozenset(tuple(k) for k in t["dead"]), t["unmatched"])
-    host.bytes = ByteLedger(tuple(meta["byte_codecs"]), _rows_in(arrays.get("bytes", {}), BYTE_ROW))
-    host.time = TimeLedger({int(m): (v[0], v[1], v[2]) for m, v in meta["time_open"].items()},
-                           _rows_in(arrays.get("time", {}), TIME_ROW))
+    host.tokens, host.bytes, host.time = ledger_ckpt.ledgers_in(arrays, meta)
     host.stalls = meta["stalls"]
     host.incarnations = {int(m): i for m, i in meta["incarnations"].items()}
     host.alive = set(meta["alive"])

@@ -121,25 +121,40 @@ class SyncerCheckpoints:
         self.save(st, inputs_seen)
         return True
 
-    def save(self, st: sync.SyncerState, inputs_seen: int) -> None:
-        """Start an async save tagged with the number of syncer inputs delivered so far. A failed
-        save (a full disk) is logged and the run goes on: the previous checkpoint still stands."""
+    def save(self, st: sync.SyncerState, inputs_seen: int, step: int | None = None,
+             extra: tuple[dict, dict] | None = None) -> bool:
+        """Start an async save tagged with the number of syncer inputs delivered so far (also the
+        Orbax step unless `step` is given); `extra` (arrays, meta) is the runtime's own bookkeeping,
+        saved in the same step under "extra". True if the save started. A failed save (a full
+        disk) is logged and the run goes on: the previous checkpoint still stands."""
         arrays, meta = to_checkpoint(st)
         meta["inputs_seen"] = inputs_seen
+        if extra is not None:
+            arrays["extra"], meta["extra"] = extra
+        step = inputs_seen if step is None else step
         try:
-            checkpoint.save(self.manager, inputs_seen, arrays, meta)
+            checkpoint.save(self.manager, step, arrays, meta)
             self._last_merges = st.merges
+            return True
         except Exception as err:  # noqa: BLE001 - I/O errors of any kind must not stop the syncer
-            log.error("syncer checkpoint at input %d failed (%s: %s); continuing", inputs_seen,
+            log.error("syncer checkpoint at step %d failed (%s: %s); continuing", step,
                       type(err).__name__, err)
+            return False
 
     def latest(self, policy: sync.Policy, fragments: tuple[Fragment, ...]) -> tuple[sync.SyncerState, int] | None:
         """(state, inputs_seen) of the newest readable checkpoint, or None."""
+        found = self.latest_raw(policy, fragments)
+        return None if found is None else (found[0], int(found[2]["inputs_seen"]))
+
+    def latest_raw(self, policy: sync.Policy,
+                   fragments: tuple[Fragment, ...]) -> tuple[sync.SyncerState, dict, dict] | None:
+        """(state, arrays, meta) of the newest readable checkpoint (arrays and meta as saved,
+        with "extra" if the save had it), or None."""
         self.manager.wait_until_finished()
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 arrays, meta = checkpoint.restore_untyped(self.manager, step)
-                return from_checkpoint(arrays, meta, policy, fragments), int(meta["inputs_seen"])
+                return from_checkpoint(arrays, meta, policy, fragments), arrays, meta
             except Exception as err:  # noqa: BLE001 - any read failure means "try the previous one"
                 log.warning("syncer checkpoint %d unreadable (%s: %s); trying an older one",
                             step, type(err).__name__, err)

@@ -33,10 +33,27 @@ def read_decisions(path: Path) -> list[dict]:
 
 
 class InputLog:
-    """Appends syncer inputs to a file as they happen (so a crash keeps everything before it)."""
+    """Appends syncer inputs to a file as they happen (so a crash keeps everything before it).
 
-    def __init__(self, path: Path):
-        self._file = Path(path).open("wb")
+    A new log starts empty; `keep=n` reopens an existing one and truncates it to its first n bytes
+    (the offset a syncer checkpoint recorded): a restored syncer delivers the later inputs again."""
+
+    def __init__(self, path: Path, keep: int | None = None):
+        if keep is None:
+            self._file = Path(path).open("wb")
+            return
+        self._file = Path(path).open("r+b" if Path(path).exists() else "w+b")
+        size = self._file.seek(0, 2)
+        if size < keep:
+            self._file.close()
+            raise ValueError(f"{path}: {size} bytes, but the checkpoint recorded {keep} (was it flushed?)")
+        self._file.truncate(keep)
+        self._file.seek(keep)
+
+    def offset(self) -> int:
+        """Bytes written so far, flushed to the OS (a killed process loses none of them)."""
+        self._file.flush()
+        return self._file.tell()
 
     def append(self, event: Input) -> None:
         payload = event.data if event.kind == "contribution" else b""

@@ -1,0 +1,197 @@
+"""How the procs syncer survives kill -9: a write-ahead journal of what its loop does, an Orbax
+checkpoint of its whole state every `run.checkpoint_every` merges, and the rule for when the
+object store may forget what a restarted syncer would need again.
+
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 6 (the syncer restarts
+from its latest checkpoint while learners keep training); DESIGN.md "Checkpoints".
+
+The syncer's loop is a sequence of journal entries: book event n of (learner, incarnation), fire
+the earliest grace deadline, or book a death. Each entry carries the syncer clock `t` it ran at,
+and every syncer input it delivers is stamped with that `t`, so executing the same entries on the
+same state makes the same merges, versions, broadcasts and reports, bit for bit. An entry is in the
+journal file (flushed to the OS, which keeps it through kill -9) before it has any effect.
+
+A checkpoint (`<run_dir>/syncer/`, atomic: Orbax renames a finished step into place) holds the
+SyncerState, the three ledgers, this module's bookkeeping (event cursors, armed deadlines, report
+counter, dead incarnations not yet collected, what was delivered) and the journal and input-log
+offsets. A restarted syncer restores the newest one (or starts from Theta_0 without one),
+truncates both logs to those offsets and re-executes the journal after them: it arrives at the
+state its predecessor died in, having re-published nothing (a version the store already has is
+skipped: it is that same version) and re-reported nothing the supervisor read. Then it goes on.
+
+That needs every event and contribution the replay reads still in the store, so the syncer deletes
+booked events, acks contributions (gc deletes acked ones) and removes dead incarnations' objects
+only as far as the newest *completed* checkpoint covers them (`Covered`). Contributions are thus
+re-sent in the object-store sense: a learner's contribution object stays until a checkpoint that
+took it in is on disk, and a restarted syncer reads it again.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import NamedTuple
+
+from diloco.config import TrainConfig
+from diloco.runtime import ledger_ckpt
+from diloco.runtime.syncer_ckpt import SyncerCheckpoints
+from diloco.runtime.tape import InputLog
+
+JOURNAL, INPUTS, CHECKPOINTS = "syncer_journal.jsonl", "syncer_inputs.bin", "syncer"
+
+
+class Journal:
+    """Appends one JSON line per loop entry, flushed before the entry runs."""
+
+    def __init__(self, path: Path, keep: int | None = None):
+        self.path = Path(path)
+        self._file = self.path.open("wb" if keep is None else "r+b")
+        if keep is not None:
+            self._file.truncate(keep)
+            self._file.seek(keep)
+
+    def append(self, entry: dict) -> None:
+        self._file.write(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
+        self._file.flush()  # to the OS: survives kill -9 (not power loss; nor does the store, sync=False)
+
+    def offset(self) -> int:
+        return self._file.tell()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_journal(path: Path, offset: int) -> tuple[list[dict], int]:
+    """The entries from byte `offset` on, and the byte just past the last whole one. A last line
+    without its newline was cut by the kill before it was flushed whole, so it never ran."""
+    blob = Path(path).read_bytes()[offset:] if Path(path).exists() else b""
+    whole = blob[:blob.rfind(b"\n") + 1]
+    return [json.loads(line) for line in whole.splitlines()], offset + len(whole)
+
+
+class Covered(NamedTuple):
+    """What a checkpoint took in: the store may drop events before `cursor` of the `current`
+    incarnations, contributions up to `delivered`, and every object of the `graves`."""
+
+    current: dict[int, int]
+    cursor: dict[int, int]
+    delivered: dict[tuple[int, int], int]
+    graves: frozenset[tuple[int, int]]
+
+
+def covered_now(rt) -> Covered:
+    return Covered(dict(rt.current), dict(rt.cursor), dict(rt.delivered), frozenset(rt.graves))
+
+
+def _pairs(d: dict) -> list:
+    return sorted([int(k), v] for k, v in d.items())
+
+
+def bookkeeping_out(rt) -> tuple[dict, dict]:
+    """(arrays, meta) of a ProcSyncer's ledgers and loop state at an entry boundary."""
+    arrays, ledgers = ledger_ckpt.ledgers_out(rt.tokens, rt.bytes, rt.time)
+    meta = {
+        "ledgers": ledgers, "stalls": rt.stalls, "current": _pairs(rt.current), "cursor": _pairs(rt.cursor),
+        "steps": _pairs(rt.steps), "died_at": _pairs(rt.died_at), "done": sorted(rt.done),
+        "finished_at": _pairs(rt.finished_at), "delivered": sorted([m, i, s] for (m, i), s in rt.delivered.items()),
+        "graves": sorted(list(g) for g in rt.graves), "deadlines": [list(d) for d in rt.deadlines],
+        "order": rt.order, "reports": rt.reports, "inputs_seen": rt.inputs_seen,
+    }
+    return {"ledgers": arrays}, meta
+
+
+def bookkeeping_in(rt, arrays: dict, meta: dict) -> None:
+    rt.tokens, rt.bytes, rt.time = ledger_ckpt.ledgers_in(arrays.get("ledgers", {}), meta["ledgers"])
+    rt.stalls = meta["stalls"]
+    rt.current, rt.cursor, rt.steps = (dict(meta[k]) for k in ("current", "cursor", "steps"))
+    rt.died_at, rt.finished_at = dict(meta["died_at"]), dict(meta["finished_at"])
+    rt.done = set(meta["done"])
+    rt.delivered = {(m, i): s for m, i, s in meta["delivered"]}
+    rt.graves = {tuple(g) for g in meta["graves"]}
+    rt.deadlines = [tuple(d) for d in meta["deadlines"]]  # saved in heap order: still a heap
+    rt.order, rt.reports, rt.inputs_seen = meta["order"], meta["reports"], meta["inputs_seen"]
+
+
+class Recovery:
+    """Checkpoints, journal and input log of one syncer process. Off without a run directory or
+    with run.checkpoint_every = 0: then nothing is journaled, the store forgets what is booked at
+    once, and a syncer death fails the run."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path | None):
+        self.run_dir, self.every = run_dir, cfg.run.checkpoint_every
+        self.enabled = restartable(cfg, run_dir)
+        self.keep = cfg.run.keep_checkpoints
+        self.ckpts: SyncerCheckpoints | None = None
+        self.journal: Journal | None = None
+        self.saved_merges = 0
+        self.pending: tuple[int, Covered] | None = None  # a save in flight and what it covers
+        self.done: Covered | None = None  # what the newest completed checkpoint covers
+
+    def open(self, rt, restart: bool) -> list[dict]:
+        """Set up the logs of `rt` (a fresh ProcSyncer); after a restart, restore it from the newest
+        checkpoint and return the journal entries to execute again."""
+        if self.run_dir is None:
+            return []
+        if not self.enabled:
+            rt.inputs = InputLog(self.run_dir / INPUTS)
+            return []
+        directory = self.run_dir / CHECKPOINTS
+        if not restart:  # a run into a used directory must never restore the earlier run's syncer
+            shutil.rmtree(directory, ignore_errors=True)
+        self.ckpts = SyncerCheckpoints(directory, self.every, self.keep)
+        if not restart:
+            rt.inputs, self.journal = InputLog(self.run_dir / INPUTS), Journal(self.run_dir / JOURNAL)
+            return []
+        found = self.ckpts.latest_raw(rt.setup.policy, rt.setup.fragments)
+        offsets = {"journal": 0, "inputs": 0}  # no checkpoint yet: Theta_0 and the whole journal
+        if found is not None:
+            rt.syncer, arrays, meta = found
+            bookkeeping_in(rt, arrays.get("extra", {}), meta["extra"])
+            offsets = meta["extra"]["offsets"]
+            self.saved_merges = rt.syncer.merges
+            self.done = covered_now(rt)
+        entries, end = read_journal(self.run_dir / JOURNAL, offsets["journal"])
+        rt.inputs = InputLog(self.run_dir / INPUTS, keep=offsets["inputs"])
+        self.journal = Journal(self.run_dir / JOURNAL, keep=end)
+        return entries
+
+    def log(self, entry: dict) -> None:
+        if self.journal is not None:
+            self.journal.append(entry)
+
+    def maybe_save(self, rt) -> None:
+        """At an entry boundary, every `every` merges: an async checkpoint of everything."""
+        if self.ckpts is None or rt.syncer.merges - self.saved_merges < self.every:
+            return
+        self._promote()  # Orbax finishes the previous save before it starts this one
+        arrays, meta = bookkeeping_out(rt)
+        meta["offsets"] = {"journal": self.journal.offset(), "inputs": rt.inputs.offset()}
+        step = meta["offsets"]["journal"]  # grows with every entry, so never a step used before
+        if self.ckpts.save(rt.syncer, rt.inputs_seen, step=step, extra=(arrays, meta)):
+            self.pending = (step, covered_now(rt))
+        self.saved_merges = rt.syncer.merges
+
+    def covered(self, rt, final: bool = False) -> Covered:
+        """What the store may forget: all that is booked when recovery is off or the run's result
+        is out (`final`), else what the newest completed checkpoint covers (nothing before one)."""
+        if not self.enabled or final:
+            return covered_now(rt)
+        self._promote()
+        return self.done or Covered({}, {}, {}, frozenset())
+
+    def _promote(self) -> None:
+        if self.pending is not None and (self.run_dir / CHECKPOINTS / str(self.pending[0])).is_dir():
+            self.done, self.pending = self.pending[1], None
+
+    def close(self, rt) -> None:
+        for f in (rt.inputs, self.journal):
+            if f is not None:
+                f.close()
+        if self.ckpts is not None:
+            self.ckpts.close()
+
+
+def restartable(cfg: TrainConfig, run_dir: Path | None) -> bool:
+    """Whether a syncer of this run can be restarted: it journals and checkpoints itself."""
+    return run_dir is not None and cfg.run.checkpoint_every > 0
