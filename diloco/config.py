@@ -147,6 +147,10 @@ class SyncerConfig:
     max_staleness: int = -1  # versions; -1 = no cut-off
     history: int = 16  # versions of broadcast references kept for decoding contributions
     grace_budget: str = "waiting"  # Eq. 3 step time: waiting (fastest learner in the round) | slowest [unsure]
+    # Quarantine a contribution whose pseudo-gradient norm exceeds norm_bound x the median of the
+    # fragment's last norm_window admitted ones (once 4 are known); 0 = no bound.
+    norm_bound: float = 10.0
+    norm_window: int = 32
 
 
 @dataclass(frozen=True)
@@ -381,6 +385,8 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     _check(e, not cfg.chaos.enabled or r.kind == "sim",
            f"chaos.enabled=true needs runtime.kind=sim (got {r.kind!r}): the wall-clock runtimes "
            "take failures from real kills, not from a tape")
+    _check(e, s.norm_bound == 0 or s.norm_bound > 1, f"syncer.norm_bound={s.norm_bound} must be 0 (off) or > 1")
+    _check(e, s.norm_window >= 4, f"syncer.norm_window={s.norm_window} must be >= 4")
     _check(e, r.queue_size >= 1, f"runtime.queue_size={r.queue_size} must be >= 1")
     _check(e, r.max_rejoin_staleness >= 0, f"runtime.max_rejoin_staleness={r.max_rejoin_staleness} must be >= 0")
     _check(e, r.restart_s >= 0, f"runtime.restart_s={r.restart_s} must be >= 0")

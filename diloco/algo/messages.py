@@ -39,7 +39,7 @@ FRAME_REASONS = ("bad_magic", "bad_header", "truncated", "trailing_bytes", "too_
 PAYLOAD_REASONS = ("wrong_codec", "wrong_shape", "wrong_dtype", "codec_error", "non_finite")
 ADMISSION_REASONS = (
     "wrong_kind", "unknown_learner", "unknown_fragment", "dead_incarnation", "duplicate",
-    "future_version", "stale",
+    "future_version", "stale", "exploding_norm",
 )
 QUARANTINE_REASONS = FRAME_REASONS + PAYLOAD_REASONS + ADMISSION_REASONS
 

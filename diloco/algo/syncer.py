@@ -47,6 +47,11 @@ class Policy(NamedTuple):
     # (its merged fragment is due back tau of ITS steps after sending, so K = 1 stalls nobody);
     # "slowest" = the slowest live learner, the literal reading of the paper's xi_step.
     grace_budget: str = "waiting"
+    # A poisoned or diverged learner shows as a pseudo-gradient far larger than its peers': one
+    # whose norm exceeds norm_bound x the median of the fragment's last norm_window admitted norms
+    # is quarantined (0 = no bound). The median, not the mean, so one outlier cannot raise the bar.
+    norm_bound: float = 0.0
+    norm_window: int = 32
 
 
 class Contribution(NamedTuple):
@@ -66,6 +71,7 @@ class FragmentState(NamedTuple):
     refs: tuple[tuple[int, Values], ...]  # (version, values learners hold), oldest first
     round: quorum.Round | None = None  # open round; None until a contribution arrives
     contributions: tuple[Contribution, ...] = ()  # admitted into the open round
+    norms: tuple[float, ...] = ()  # pseudo-gradient norms of the last admitted contributions
 
 
 class SyncerState(NamedTuple):
@@ -149,6 +155,11 @@ def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> t
         wire = messages.unpack_fragment(h, msg.payload, None, expected)
     except messages.MessageError as e:
         return _quarantine(st, e.reason, key, now, e.detail)
+    norm = merging.global_norm(wire)
+    if cfg.norm_bound > 0 and len(fs.norms) >= 4 and norm > cfg.norm_bound * float(np.median(fs.norms)):
+        return _quarantine(st, "exploding_norm", key, now,
+                           f"norm {norm:.4g} > {cfg.norm_bound} x median {float(np.median(fs.norms)):.4g}")
+    st = _with_fragment(st, p, fs._replace(norms=(fs.norms + (norm,))[-cfg.norm_window:]))
     m, inc = h["learner"], h["incarnation"]
     st = st._replace(last_seq={**st.last_seq, (m, inc): h["seq"]})
     if inc > st.live[m]:  # a restarted learner: every older incarnation is dead from now on;

@@ -61,6 +61,7 @@ def to_checkpoint(st: sync.SyncerState) -> tuple[dict, dict]:
         }
         frags.append({
             "version": fs.version, "refs": [ver for ver, _ in fs.refs], "round": _round_json(fs.round),
+            "norms": list(fs.norms),
             "contributions": [{"key": list(c.key), "base_version": c.base_version, "c_steps": c.c_steps,
                                "c_tokens": c.c_tokens, "arrived": c.arrived} for c in fs.contributions],
         })
@@ -97,7 +98,7 @@ def from_checkpoint(arrays: dict, meta: dict, policy: sync.Policy,
                               _unvalues(paths, a["contributions"][f"c{i}"]), c["arrived"])
             for i, c in enumerate(fm["contributions"]))
         frags.append(sync.FragmentState(spec, theta, outer_state, fm["version"], refs,
-                                        _round(fm["round"]), contributions))
+                                        _round(fm["round"]), contributions, tuple(fm.get("norms", ()))))
     st_times = quorum.StepTimes(meta["step_times"]["decay"],
                                 tuple((int(m), s) for m, s in meta["step_times"]["estimates"]))
     return sync.SyncerState(
