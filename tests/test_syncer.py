@@ -426,16 +426,20 @@ def test_a_pseudo_gradient_far_above_the_running_median_is_quarantined():
     diverged or poisoned learner) is counted and never merged; normal ones keep flowing."""
     pol = policy(K=1, norm_bound=10.0, norm_window=8)
     st = start(pol)
-    for seq in range(1, 6):  # five normal contributions set the median (norm of a shift by 1)
+    for seq in range(1, 9):  # eight normal contributions set the median (norm of a shift by 1)
         st, _ = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 1), THETA0[0], seq=seq,
                                                     base_version=st.fragments[0].version), float(seq))
     theta, version = st.fragments[0].theta, st.fragments[0].version
-    st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 100), THETA0[0], seq=6,
-                                                      base_version=version), 6.0)
-    assert actions == (sync.Outcome((0, 0, 6), "quarantined:exploding_norm"),)
+    st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 100), THETA0[0], seq=9,
+                                                      base_version=version), 9.0)
+    assert actions == (sync.Outcome((0, 0, 9), "quarantined:exploding_norm"),)
     assert st.quarantined == {"exploding_norm": 1} and st.fragments[0].theta is theta
     assert st.tape[-1]["reason"] == "exploding_norm" and "median" in st.tape[-1]["detail"]
-    st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 3), THETA0[0], seq=7,
-                                                      base_version=version), 7.0)
-    assert sync.Outcome((0, 0, 7), "merged") in actions  # 3x the median is within the bound
-    assert len(st.fragments[0].norms) == 6  # the quarantined norm never entered the window
+    st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 3), THETA0[0], seq=10,
+                                                      base_version=version), 10.0)
+    assert sync.Outcome((0, 0, 10), "merged") in actions  # 3x the median is within the bound
+    assert len(st.fragments[0].norms) == 8  # the window; the quarantined norm never entered it
+    # per inner step: the same 100x move over 100 steps is an ordinary contribution
+    st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 100), THETA0[0], seq=11, c_steps=100,
+                                                      c_tokens=800, base_version=st.fragments[0].version), 11.0)
+    assert sync.Outcome((0, 0, 11), "merged") in actions

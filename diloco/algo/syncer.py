@@ -48,8 +48,10 @@ class Policy(NamedTuple):
     # "slowest" = the slowest live learner, the literal reading of the paper's xi_step.
     grace_budget: str = "waiting"
     # A poisoned or diverged learner shows as a pseudo-gradient far larger than its peers': one
-    # whose norm exceeds norm_bound x the median of the fragment's last norm_window admitted norms
-    # is quarantined (0 = no bound). The median, not the mean, so one outlier cannot raise the bar.
+    # whose norm per inner step exceeds norm_bound x the median of the fragment's last norm_window
+    # admitted ones is quarantined (0 = no bound), once 8 are known. Per step, because a
+    # contribution spans anything from one step (a first send, a final flush) to several H; the
+    # median, not the mean, so one outlier cannot raise the bar.
     norm_bound: float = 0.0
     norm_window: int = 32
 
@@ -155,10 +157,10 @@ def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> t
         wire = messages.unpack_fragment(h, msg.payload, None, expected)
     except messages.MessageError as e:
         return _quarantine(st, e.reason, key, now, e.detail)
-    norm = merging.global_norm(wire)
-    if cfg.norm_bound > 0 and len(fs.norms) >= 4 and norm > cfg.norm_bound * float(np.median(fs.norms)):
-        return _quarantine(st, "exploding_norm", key, now,
-                           f"norm {norm:.4g} > {cfg.norm_bound} x median {float(np.median(fs.norms)):.4g}")
+    norm = merging.global_norm(wire) / max(h["c_steps"], 1)
+    if cfg.norm_bound > 0 and len(fs.norms) >= 8 and norm > cfg.norm_bound * float(np.median(fs.norms)):
+        return _quarantine(st, "exploding_norm", key, now, f"norm per step {norm:.4g} > "
+                           f"{cfg.norm_bound} x median {float(np.median(fs.norms)):.4g}")
     st = _with_fragment(st, p, fs._replace(norms=(fs.norms + (norm,))[-cfg.norm_window:]))
     m, inc = h["learner"], h["incarnation"]
     st = st._replace(last_seq={**st.last_seq, (m, inc): h["seq"]})
