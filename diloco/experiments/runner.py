@@ -1,0 +1,107 @@
+"""Run every (variant, seed) of an experiment in-process with diloco.run, each in its own directory
+results/<experiment>/<variant>/seed<k>/, and write results/<experiment>.{md,csv,json} and PNGs.
+
+A run directory that already holds a finished run of the same config is reused (not retrained),
+so an interrupted `experiment=all` picks up where it stopped; `fresh=true` retrains everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import yaml
+
+from diloco.config import TrainConfig, to_dict
+from diloco.experiments import measure, plots, tables
+from diloco.experiments.spec import ExperimentSpec, Job, Settings, devices_needed, members, plan
+
+_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+# Simulated devices scripts/experiment.py asks for: the most any experiment file needs (M = 16
+# learners of one device in T4 and T8). A Hydra multirun trains several experiments in one process
+# and JAX fixes the device count when it starts, so the first experiment cannot ask for less.
+DEVICES = 16
+
+
+def ensure_devices(n: int) -> None:
+    """Ask for at least n simulated CPU devices. XLA reads the flag when JAX first touches a
+    device, so this must run before any run starts; a machine with real accelerators ignores it."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    m = _COUNT.search(flags)
+    if m and int(m.group(1)) >= n:
+        return
+    flag = f"--xla_force_host_platform_device_count={n}"
+    os.environ["XLA_FLAGS"] = _COUNT.sub(flag, flags) if m else f"{flags} {flag}".strip()
+
+
+def enable_compilation_cache(path: str) -> None:
+    """Load executables compiled by an earlier run (of this process or another) instead of
+    compiling them again; as diloco/runtime/procs_learner.py does for restarted learners."""
+    import jax
+
+    if path and jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(Path(path).expanduser()))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def _finished(cfg: TrainConfig, run_dir: Path) -> dict | None:
+    """The summary of a finished run of exactly this config in run_dir, if there is one."""
+    paths = [run_dir / n for n in ("config.yaml", "summary.json", "timing.json")]
+    if not all(p.exists() for p in paths):
+        return None
+    if yaml.safe_load(paths[0].read_text()) != to_dict(cfg):
+        return None
+    return {**json.loads(paths[1].read_text()), **json.loads(paths[2].read_text())}
+
+
+def run_job(job: Job, settings: Settings) -> dict:
+    """Train one run (or reuse it) and return its row (diloco/experiments/measure.py)."""
+    from diloco.run import run
+
+    run_dir = Path(job.cfg.run.out_dir)
+    summary = None if settings.fresh else _finished(job.cfg, run_dir)
+    if summary is None:
+        if run_dir.exists():  # metrics.jsonl is appended to: a stale one would mix two runs
+            if Path(settings.out_dir).resolve() not in run_dir.resolve().parents:
+                raise RuntimeError(f"refusing to delete {run_dir}: not under out_dir={settings.out_dir}")
+            shutil.rmtree(run_dir)
+        start = time.perf_counter()
+        summary = run(job.cfg)
+        timing = {"wall_s": time.perf_counter() - start}
+        (run_dir / "timing.json").write_text(json.dumps(timing))
+        summary = {**summary, **timing}
+    row = measure.row(job.cfg, summary, run_dir)
+    print(f"[{job.experiment}] {job.variant} seed {job.seed}: eval loss {row['eval_loss']:.4f} "
+          f"({summary['wall_s']:.1f} s)", flush=True)
+    return {"experiment": job.experiment, "variant": job.variant, "seed": job.seed,
+            "run_dir": str(run_dir), "wall_s": summary["wall_s"], **row}
+
+
+def run_experiment(spec: ExperimentSpec, settings: Settings, jobs: list[Job] | None = None) -> list[Path]:
+    """Train an experiment's runs and write its reports; returns the files written."""
+    jobs = plan(spec, settings) if jobs is None else jobs
+    rows = [run_job(j, settings) for j in jobs]
+    result = tables.aggregate(spec, settings, rows)
+    figures = plots.write(result, Path(settings.out_dir))
+    return tables.write(result, Path(settings.out_dir), [f.name for f in figures]) + figures
+
+
+def plan_all(settings: Settings) -> list[tuple[ExperimentSpec, list[Job]]]:
+    """The runs of the experiment of `settings`, or of each member of a suite: composed and
+    validated up front, so that a bad variant fails before hours of training."""
+    return [(spec, plan(spec, settings)) for spec in members(settings.experiment)]
+
+
+def devices_for(planned: list[tuple[ExperimentSpec, list[Job]]]) -> int:
+    return max([DEVICES, *(devices_needed(jobs) for _, jobs in planned)])
+
+
+def run_all(settings: Settings, planned: list[tuple[ExperimentSpec, list[Job]]] | None = None) -> list[Path]:
+    """Train and report every planned experiment; returns the files written."""
+    planned = plan_all(settings) if planned is None else planned
+    enable_compilation_cache(settings.compilation_cache)
+    return [p for spec, jobs in planned for p in run_experiment(spec, settings, jobs)]

@@ -1,0 +1,184 @@
+"""The experiments of EXPERIMENTS.md section 3: every file composes into valid runs that compare
+like with like, the accounting helpers are right on hand-computed cases, and a tiny two-variant
+experiment trains end to end into its Markdown, CSV, JSON and PNG reports."""
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diloco.config import TrainConfig
+from diloco.experiments import measure, runner, spec, tables
+from diloco.experiments.spec import ExperimentSpec, Settings, Variant
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
+TABLES = [n for n in NAMES if n != "all"]
+
+
+def _global_batch(cfg: TrainConfig) -> int:
+    return cfg.data.batch_size * (cfg.runtime.learners if cfg.algo == "diloco" else 1)
+
+
+def test_the_suite_runs_t1_to_t8():
+    assert TABLES == [f"t{i}" for i in range(1, 9)]
+    assert list(spec.load_experiment("all").suite) == TABLES
+
+
+@pytest.mark.parametrize("name", TABLES)
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+def test_every_variant_composes_into_a_valid_config(name, quick):
+    exp = spec.load_experiment(name)
+    assert exp.name == name and exp.title and exp.paper and exp.expect
+    jobs = spec.plan(exp, Settings(experiment=exp, quick=quick, seeds=exp.seeds[:1]))
+    assert [j.variant for j in jobs] == [v.label for v in exp.variants]
+    assert len({j.cfg.run.out_dir for j in jobs}) == len(jobs)
+    # like with like: the same global batch and the same eval windows in every variant
+    assert {_global_batch(j.cfg) for j in jobs} == {32}
+    assert len({j.cfg.data.batch_size * j.cfg.run.eval_batches for j in jobs}) == 1
+    assert {j.cfg.run.steps for j in jobs} == {24 if quick else 300}
+    assert all(j.cfg.runtime.kind == "sim" for j in jobs)
+
+
+@pytest.mark.parametrize("name", ["t1", "t3", "t4", "t5"])
+def test_claims_of_a_difference_have_three_seeds(name):
+    assert len(spec.load_experiment(name).seeds) >= 3
+
+
+def test_seed_sets_every_seed_and_t2_variants_share_a_tape():
+    exp = spec.load_experiment("t2")
+    jobs = spec.plan(exp, Settings(experiment=exp, seeds=(3,)))
+    assert {(j.cfg.run.seed, j.cfg.runtime.seed, j.cfg.chaos.seed) for j in jobs} == {(3, 3, 3)}
+    by = {j.variant: j.cfg for j in jobs}
+    assert by["elastic_dp"].algo == "dp" and by["elastic_dp"].chaos == by["decoupled"].chaos
+    assert not by["decoupled_nofail"].chaos.enabled
+
+
+def test_sixteen_learners_ask_for_sixteen_devices(monkeypatch):
+    exp = spec.load_experiment("t8")
+    assert spec.devices_needed(spec.plan(exp, Settings(experiment=exp))) == 16
+    monkeypatch.setenv("XLA_FLAGS", "--foo --xla_force_host_platform_device_count=8")
+    runner.ensure_devices(16)
+    assert os.environ["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=16"
+    runner.ensure_devices(4)  # never lowers it
+    assert os.environ["XLA_FLAGS"].endswith("=16")
+
+
+def test_bad_experiments_are_named():
+    with pytest.raises(spec.ConfigError, match="unknown metrics"):
+        spec.check(ExperimentSpec(name="x", variants=(Variant("a"),), metrics=("lossy",)))
+    with pytest.raises(spec.ConfigError, match="unknown reference"):
+        spec.check(ExperimentSpec(name="x", variants=(Variant("a", reference="b"),)))
+    exp = ExperimentSpec(name="x", variants=(Variant("a", ("syncer.quorom=2",)),))
+    with pytest.raises(spec.ConfigError, match="experiment x, variant a: .*syncer.quorom"):
+        spec.plan(exp, Settings(experiment=exp))
+    exp = ExperimentSpec(name="x", variants=(Variant("a", ("data.batch_size=48",)),), eval_sequences=256)
+    with pytest.raises(spec.ConfigError, match="eval_sequences=256 is not divisible by data.batch_size=48"):
+        spec.plan(exp, Settings(experiment=exp))
+
+
+def test_elastic_dp_clock_by_hand():
+    # 4 slices, one step per second at full strength; a slice fails at t = 10 and returns at 20,
+    # each change pausing the job for 2 s: full speed to 10, paused to 12, 3/4 speed to 20,
+    # paused to 22, full speed after.
+    bp, progress, rate = measure.elastic_progress(np.array([10.0, 20.0]), np.array([-1, 1]), 4, 2.0, 1.0)
+    t = measure.step_times(bp, progress, rate, np.array([0, 5, 10, 13, 16, 20]))
+    np.testing.assert_allclose(t, [0, 5, 10, 12 + 3 / 0.75, 12 + 6 / 0.75, 22 + 4])
+    assert measure.computing_share(bp, rate, 30.0) == pytest.approx(26 / 30)
+    # no failures: the plain clock
+    bp, progress, rate = measure.elastic_progress(np.array([]), np.array([], int), 4, 2.0, 1.5)
+    np.testing.assert_allclose(measure.step_times(bp, progress, rate, np.array([2.0])), [3.0])
+
+
+def test_dp_step_time_is_compute_plus_ring_all_reduce():
+    cfg = TrainConfig()
+    r = cfg.runtime
+    bytes_ = 2 * (r.learners - 1) / r.learners * 1000 * 2
+    assert measure.dp_step_s(cfg, 1000) == pytest.approx(
+        r.step_time + bytes_ / r.bandwidth + 2 * (r.learners - 1) * r.latency)
+
+
+def test_merge_norms_pair_each_full_merge_with_its_contributions():
+    def arrival(fragment, learner, seq):
+        return {"event": "arrival", "fragment": fragment, "key": [learner, 0, seq]}
+
+    decisions = [arrival(0, 0, 1), arrival(0, 1, 1), arrival(1, 0, 2), arrival(1, 1, 2),
+                 {"event": "merge", "fragment": 0, "learners": [0, 1], "delta_norm": 1.0},
+                 {"event": "merge", "fragment": 1, "learners": [0, 1], "delta_norm": 9.0},  # embedding
+                 arrival(0, 1, 3), {"event": "quarantine", "key": [0, 0, 3]},
+                 {"event": "merge", "fragment": 0, "learners": [1], "delta_norm": 5.0}]  # not all M
+    norms = {(0, 0, 1): 1.5, (1, 0, 1): 2.5, (1, 0, 3): 7.0}
+    n = measure.merge_norms(decisions, learners=2, skip={1}, norms=norms)
+    assert (n["norm_full"], n["norm_single"], n["norm_ratio"]) == (1.0, 2.0, 0.5)
+
+
+def _row(variant, seed, loss, curve):
+    return {"variant": variant, "seed": seed, "eval_loss": loss, "curve": curve}
+
+
+def test_relative_loss_is_paired_by_seed_and_time_to_target_interpolates():
+    exp = ExperimentSpec(name="x", variants=(Variant("a"), Variant("b")), seeds=(0, 1))
+    rows = [_row("a", 0, 2.0, [[1, 10, 4.0], [2, 20, 3.0]]), _row("a", 1, 4.0, [[1, 10, 4.0], [2, 20, 3.0]]),
+            _row("b", 0, 2.2, [[1, 10, 2.0], [2, 20, 1.5]]), _row("b", 1, 4.0, [[1, 10, 2.0], [2, 20, 1.5]])]
+    result = tables.aggregate(exp, Settings(experiment=exp), rows)
+    a, b = result["variants"]
+    assert b["rel_loss"][0] == pytest.approx(0.05) and b["rel_loss"][1] == pytest.approx(np.std([0.1, 0], ddof=1))
+    assert a["mean"]["eval_loss"] == 3.0 and math.isnan(a["mean"]["merges"])
+    assert result["target_loss"] == 3.1  # the worse variant's final mean
+    assert b["time_to_target"] == 10 and a["time_to_target"] == pytest.approx(19)
+    assert tables.time_to({"time": [10, 20], "loss": [3.0, 2.0]}, 2.5) == 15
+    assert tables.time_to({"time": [10, 20], "loss": [3.0, 2.0]}, 1.0) == math.inf
+
+
+def test_quick_experiment_end_to_end(tmp_path):
+    """Two variants, one seed, tiny model: reports with the expected rows, then a rerun that
+    reuses the finished runs instead of training again."""
+    exp = ExperimentSpec(
+        name="smoke", title="DP vs Decoupled DiLoCo, M = 2", paper="-", expect="-",
+        base=("runtime.learners=2", "runtime.devices_per_learner=1", "run.steps=16"),
+        variants=(Variant("dp", ("algo=dp", "data.batch_size=16", "mesh.devices=2")),
+                  Variant("decoupled", ("data.batch_size=8",))),
+        metrics=("clock_s", "time_to_target"))
+    settings = Settings(experiment=exp, quick=True, out_dir=str(tmp_path), compilation_cache="",
+                        overrides=("run.steps=16",))
+    paths = runner.run_all(settings)
+    names = sorted(p.name for p in paths)
+    assert names == ["smoke.csv", "smoke.json", "smoke.md", "smoke_bars.png", "smoke_loss.png"]
+    rows = list(csv.DictReader((tmp_path / "smoke.csv").open()))
+    assert [(r["variant"], r["seed"], r["algo"]) for r in rows] == [("dp", "0", "dp"), ("decoupled", "0", "diloco")]
+    md = (tmp_path / "smoke.md").read_text()
+    assert "| `dp` | 1 |" in md and "| `decoupled` | 1 |" in md and "![smoke_loss.png]" in md
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    dp, dl = result["variants"]
+    assert dp["mean"]["tokens"] == dl["mean"]["tokens"] == 16 * 16 * 32  # same tokens, same batch
+    assert dl["mean"]["merges"] > 0 and 0 < dl["mean"]["up_per_step"] < dp["mean"]["up_per_step"]
+    assert len(dp["curve"]["loss"]) >= 2 and all(math.isfinite(x) for x in dl["curve"]["loss"])
+    assert (tmp_path / "smoke_loss.png").stat().st_size > 10_000
+
+    walls = [r["wall_s"] for r in result["runs"]]
+    runner.run_all(settings)  # finished runs of the same config are reused, not retrained
+    assert [r["wall_s"] for r in json.loads((tmp_path / "smoke.json").read_text())["runs"]] == walls
+
+    # the training-dynamics notebook draws an experiment's results JSON too
+    nb = json.loads((ROOT / "notebooks" / "training_dynamics.ipynb").read_text())
+    namespace = {"RUN_DIR": str(tmp_path / "smoke.json")}
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code" and "parameters" not in cell["metadata"].get("tags", []):
+            exec(compile("".join(cell["source"]), "training_dynamics.ipynb", "exec"), namespace)
+    assert len(namespace["records"]) == len(dp["curve"]["loss"]) + len(dl["curve"]["loss"])
+
+
+@pytest.mark.slow
+def test_script_runs_t1_quick(tmp_path):
+    out = subprocess.run([sys.executable, "scripts/experiment.py", "experiment=t1", "quick=true",
+                          f"out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-3000:]
+    md = (tmp_path / "t1.md").read_text()
+    assert all(f"| `{v}` |" in md for v in ("dp", "sync", "decoupled"))
+    assert (tmp_path / "t1_loss.png").exists() and (tmp_path / "t1_bars.png").exists()
