@@ -44,7 +44,6 @@ from diloco.runtime import blobstore as bs
 from diloco.runtime import setup as build_setup
 from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
-from diloco.runtime.threads import _warm_up as warm_up
 from diloco.runtime.unit import LearnerUnit
 
 POLL_MIN, POLL_MAX = 0.002, 0.05  # seconds: back-off bounds of every procs poll loop
@@ -178,7 +177,7 @@ class ProcLearner:
         predecessor had already finished, leaving nothing to do."""
         s, m = self.setup, self.m
         unit = new_unit(s, m, self.inc, sync.init(s.policy, s.fragments, s.theta0, {m: 0}))
-        warm_up(unit)  # on Theta_0: compiling costs the same whatever the values
+        unit.warm_up()  # on Theta_0: compiling costs the same whatever the values
         bs.write_control(self.store, f"ready/{m:04d}", {"incarnation": self.inc})
         self.t0 = wait_for(lambda: bs.read_control(self.store, "start"), self.parent)["t0"]
         if self.inc == 0:

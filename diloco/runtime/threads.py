@@ -35,7 +35,6 @@ from diloco.algo import quorum
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
 from diloco.config import TrainConfig
-from diloco.data import batch_at
 from diloco.runtime.crew import Crew, Stopped
 from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.mailbox import Mailbox
@@ -135,7 +134,7 @@ class Threads(HostedRuntime):
         r = self.cfg.runtime
         ckpts = LearnerCheckpoints(self.checkpoint_dir, r.learner_checkpoint_every, lock=self._ckpt_lock)
         unit = self.units[m] = new_unit(self.setup, m, 0, self.initial)
-        _warm_up(unit)
+        unit.warm_up()
         self.ready.wait()
         try:
             while True:
@@ -376,16 +375,6 @@ class Threads(HostedRuntime):
         # Peak rates over windows of one (slowest measured) step, as sim uses its modelled step time.
         window = quorum.slowest_step_time(self.syncer.step_times) or self.cfg.runtime.step_time
         return self.host.summary(clock="wall", end=self.end, window=window)
-
-
-def _warm_up(unit: LearnerUnit) -> None:
-    """Compile the inner step before the clock starts, on a copy of the state (the step donates
-    its input), so step times, speed factors and the time ledger measure steps, not XLA."""
-    c, s = unit.compiled, unit.spec
-    state = jax.device_put(unit.state, c.state_sharding, may_alias=False)
-    batch = batch_at(s.train_tokens, seed=s.seed, learner=unit.learner, num_learners=s.num_learners,
-                     step=0, batch_size=s.batch_size, seq_len=s.seq_len)
-    jax.block_until_ready(c.train_step(state, jax.device_put(batch, c.batch_sharding)))
 
 
 def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,

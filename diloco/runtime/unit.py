@@ -93,6 +93,15 @@ class LearnerUnit:
         self.state = self.state.replace(params=params)
         return ready
 
+    def warm_up(self) -> None:
+        """Compile the inner step before a wall clock starts, on a copy of the state (the step
+        donates its input), so step times, speed factors and the time ledger measure steps, not XLA."""
+        c, s = self.compiled, self.spec
+        state = jax.device_put(self.state, c.state_sharding, may_alias=False)
+        batch = batch_at(s.train_tokens, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
+                         step=0, batch_size=s.batch_size, seq_len=s.seq_len)
+        jax.block_until_ready(c.train_step(state, jax.device_put(batch, c.batch_sharding)))
+
     def step(self, fetch_loss: bool = False, rows: int | None = None) -> StepResult:
         """One inner step on this learner's shard, then the sends the schedule asks for. `rows`
         shrinks the batch (a learner that lost slices); its tokens, hence its weight, drop with it."""
