@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import jax
 import yaml
@@ -48,8 +49,9 @@ def dp_bytes_per_step(n_params: int, learners: int) -> float:
     return 2 * (learners - 1) / learners * n_params * 2
 
 
-def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path) -> dict:
-    setup = build_setup.build(cfg, corpus, model)
+def global_evaluator(cfg: TrainConfig, corpus: Corpus, model: Model, setup) -> Callable[[dict], float]:
+    """Eval loss of a global model given as {path: array}, on learner 0's sub-mesh and the run's
+    fixed validation batches."""
     val = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
                        n=cfg.run.eval_batches)
     compiled = setup.compiled[0]
@@ -59,8 +61,13 @@ def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path) ->
             lambda path, _: theta_by_path[tuple(k.key for k in path)], model.params)
         return evaluate(compiled, jax.device_put(params, compiled.state_sharding.params), val)
 
+    return evaluate_global
+
+
+def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path) -> dict:
+    setup = build_setup.build(cfg, corpus, model)
     runtime = {"sim": sim.run, "threads": threads.run, "procs": procs.run}[cfg.runtime.kind]
-    _, summary = runtime(cfg, setup, run_dir, evaluate_global)
+    _, summary = runtime(cfg, setup, run_dir, global_evaluator(cfg, corpus, model, setup))
     M, steps = cfg.runtime.learners, cfg.run.steps
     # Through the M learners' links, both directions, for the same number of steps.
     dp = 2 * M * steps * dp_bytes_per_step(count_params(model.params), M)

@@ -41,6 +41,7 @@ from diloco.config import TrainConfig
 from diloco.runtime import blobstore as bs
 from diloco.runtime.procs import MAX_RESTARTS
 from diloco.runtime.procs_recovery import CHECKPOINTS, INPUTS
+from diloco.run import global_evaluator
 from diloco.runtime.tape import read_decisions, read_inputs
 
 POLL = 0.1  # seconds between the killer's looks at the store
@@ -260,25 +261,6 @@ def curve_points(curve: Curve, axis: str, P: int) -> list[tuple[float, float]]:
     return [(xs[k] / scale, loss) for k, loss in sorted(curve.loss.items())]
 
 
-def evaluator(cfg: TrainConfig, corpus, model, setup) -> Callable[[dict], float]:
-    """The global model's eval loss on the batches diloco/run.py evaluates (the same closure)."""
-    import jax
-
-    from diloco.data import eval_batches
-    from diloco.train.trainer import evaluate
-
-    val = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
-                       n=cfg.run.eval_batches)
-    compiled = setup.compiled[0]
-
-    def evaluate_global(theta_by_path: dict) -> float:
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, _: theta_by_path[tuple(k.key for k in path)], model.params)
-        return evaluate(compiled, jax.device_put(params, compiled.state_sharding.params), val)
-
-    return evaluate_global
-
-
 def observe(run_dir: Path, store_url: str) -> dict:
     """Ledger, versions and restarts of a finished run, from its outputs and its store's control."""
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -339,7 +321,7 @@ def analyse(cfg: TrainConfig, out: Path, result: dict, names: list[str]) -> dict
     corpus = load_corpus(cfg.data)
     model = build(cfg.model, corpus.vocab_size, cfg.run.seed)
     setup = build_setup.build(cfg, corpus, model)
-    evaluate = evaluator(cfg, corpus, model, setup)
+    evaluate = global_evaluator(cfg, corpus, model, setup)  # what diloco.run evaluates
     M, P, per_step = cfg.runtime.learners, cfg.fragments.count, cfg.data.batch_size * cfg.data.seq_len
     inputs = {n: list(read_inputs(out.absolute() / n / INPUTS)) for n in names}
     bare = {n: replay_curve(setup, M, inputs[n], per_step) for n in names}

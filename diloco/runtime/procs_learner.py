@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from diloco import report
-from diloco.algo import messages, quorum
+from diloco.algo import messages
 from diloco.algo import syncer as sync
 from diloco.config import TrainConfig
 from diloco.data import load_corpus
@@ -44,7 +44,7 @@ from diloco.runtime import blobstore as bs
 from diloco.runtime import setup as build_setup
 from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
-from diloco.runtime.unit import LearnerUnit
+from diloco.runtime.unit import LearnerUnit, StallWatch
 
 POLL_MIN, POLL_MAX = 0.002, 0.05  # seconds: back-off bounds of every procs poll loop
 
@@ -199,10 +199,7 @@ class ProcLearner:
             return
         cfg, r, m, steps = self.cfg, self.cfg.runtime, self.m, self.cfg.run.steps
         rng = np.random.default_rng([r.seed, 7, m, self.inc])
-        times = quorum.StepTimes()  # this learner's step-time EMA, for its stall limit
-        stall_start: float | None = None
-        limit: tuple[int, float] | None = None  # (seq waited for, clock time to give up)
-        stalls: list[tuple[float, float]] = []  # booked with the next step (or done) event
+        watch = StallWatch(m, r.stall_limit_steps)
         while True:
             self.receive(unit)
             ready = unit.apply_due()
@@ -211,18 +208,13 @@ class ProcLearner:
             blocked = unit.blocking()
             if blocked is not None:
                 now = self.clock()
-                if stall_start is None:
-                    stall_start = now
-                if limit is None or limit[0] != blocked.seq:  # each overdue send gets its own limit
-                    limit = (blocked.seq, now + r.stall_limit_steps * quorum.slowest_step_time(times, [m]))
-                if now >= limit[1]:
+                give_up = watch.blocked(blocked.seq, now)
+                if now >= give_up:
                     unit.give_up(blocked.fragment)
                 else:
-                    self.wait(unit, limit[1])
+                    self.wait(unit, give_up)
                 continue
-            if stall_start is not None:
-                stalls.append((stall_start, self.clock()))
-                stall_start = limit = None
+            watch.unblocked(self.clock())
             if unit.ls.step >= steps:
                 break
             start = self.clock()
@@ -234,16 +226,15 @@ class ProcLearner:
             factor = self.speed * max(0.1, 1.0 + r.jitter * rng.standard_normal())
             self.idle(unit, start + factor * compute)
             end = self.clock()
-            times = quorum.observe_step_time(times, m, end - start)
+            watch.observe(end - start)
             self.emit("step", step=unit.ls.step, start=start, end=end, tokens=result.tokens,
-                      sends=self.ship(result), stalls=stalls, loss=result.loss)
-            stalls = []
+                      sends=self.ship(result), stalls=[list(x) for x in watch.take()], loss=result.loss)
             self.checkpoints.maybe_save(unit)
         if cfg.fragments.final_sync:
             result = unit.flush()
             self.emit("flush", at=self.clock(), sends=self.ship(result))
         self.checkpoints.close()
-        self.emit("done", at=self.clock(), stalls=stalls)
+        self.emit("done", at=self.clock(), stalls=[list(x) for x in watch.take()])
 
     def ship(self, result) -> list[list[int]]:
         """Write the contributions of a step (or the flush); the event that names them follows."""

@@ -41,7 +41,7 @@ from diloco.runtime.mailbox import Mailbox
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
 from diloco.runtime.tape import InputLog, run_outputs, write_decisions
-from diloco.runtime.unit import LearnerUnit
+from diloco.runtime.unit import LearnerUnit, StallWatch
 
 POLL = 0.05  # seconds: the longest any thread blocks before looking at the stop event again
 JOIN_TIMEOUT = 30.0  # seconds the main thread waits for stopped threads before reporting them stuck
@@ -169,35 +169,26 @@ class Threads(HostedRuntime):
     def _incarnation(self, m: int, unit: LearnerUnit, ckpts: LearnerCheckpoints) -> None:
         r, steps = self.cfg.runtime, self.cfg.run.steps
         rng = np.random.default_rng([r.seed, 7, m, unit.ls.incarnation])
-        times = quorum.StepTimes()  # this learner's step-time EMA, for its stall limit
-        stall_start: float | None = None
-        limit: tuple[int, float] | None = None  # (seq waited for, clock time to give up)
-        stalls: list[tuple[float, float]] = []  # booked with the next step (or done) event
+        watch = StallWatch(m, r.stall_limit_steps)
         while True:
             if m in self.kills:
-                open_stall = () if stall_start is None else ((stall_start, self.clock()),)
-                raise _Killed(tuple(stalls) + open_stall)
+                raise _Killed(watch.take(self.clock()))
             self._drain(m)
             ready = unit.apply_due()
             if ready:
                 waited = self._emit(m, ("apply", m, unit.ls.incarnation, tuple(q.fragment for q in ready)))
-                if waited is not None and stall_start is None:  # inside a stall it is part of it
-                    stalls.append(waited)
+                if waited is not None and watch.since is None:  # inside a stall it is part of it
+                    watch.done.append(waited)
             blocked = unit.blocking()
             if blocked is not None:
                 now = self.clock()
-                if stall_start is None:
-                    stall_start = now
-                if limit is None or limit[0] != blocked.seq:  # each overdue send gets its own limit
-                    limit = (blocked.seq, now + r.stall_limit_steps * quorum.slowest_step_time(times, [m]))
-                if now >= limit[1]:
+                give_up = watch.blocked(blocked.seq, now)
+                if now >= give_up:
                     unit.give_up(blocked.fragment)
                 else:
-                    self._receive(m, min(POLL, limit[1] - now))
+                    self._receive(m, min(POLL, give_up - now))
                 continue
-            if stall_start is not None:
-                stalls.append((stall_start, self.clock()))
-                stall_start = limit = None
+            watch.unblocked(self.clock())
             if unit.ls.step >= steps:
                 break
             start = self.clock()
@@ -211,20 +202,19 @@ class Threads(HostedRuntime):
             factor = self.speeds[m] * max(0.1, 1.0 + r.jitter * rng.standard_normal())
             self._idle(m, start + factor * compute)
             end = self.clock()
-            times = quorum.observe_step_time(times, m, end - start)
+            watch.observe(end - start)
             event = ("step", m, unit.ls.incarnation, unit.ls.step, start, end, result.tokens, result.sends,
-                     result.frames, tuple(stalls))
-            stalls.clear()
+                     result.frames, watch.take())
             waited = self._emit(m, event)
             if waited is not None:
-                stalls.append(waited)
+                watch.done.append(waited)
             if log:
                 self._write({"kind": "train", "learner": m, "step": unit.ls.step, "time": end,
                              "tokens": unit.ls.step * result.tokens, "loss": result.loss})
         if self.cfg.fragments.final_sync:
             result = unit.flush()
             self._emit(m, ("flush", m, unit.ls.incarnation, self.clock(), result.sends, result.frames))
-        self._emit(m, ("done", m, self.clock(), tuple(stalls)))
+        self._emit(m, ("done", m, self.clock(), watch.take()))
         while self._receive(m, POLL):  # broadcasts keep coming until the syncer closes the inbox
             pass
 

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from diloco.algo import learner as lsm
+from diloco.algo import quorum
 from diloco.algo import messages
 from diloco.algo.codecs import Codec
 from diloco.algo.fragments import Fragment, Path, Schedule
@@ -166,6 +167,41 @@ class LearnerUnit:
 
     def params_host(self) -> dict:
         return jax.device_get(self.state.params)
+
+
+class StallWatch:
+    """A wall-clock learner's stall bookkeeping: when a stall began, the give-up time armed for the
+    overdue send (one limit per send), its step-time estimate, and the finished stall intervals
+    waiting to ride on its next event. Shared by the threads and procs learner loops."""
+
+    def __init__(self, learner: int, stall_limit_steps: float):
+        self.learner, self.limit_steps = learner, stall_limit_steps
+        self.times = quorum.StepTimes()  # this learner's step-time EMA, for its stall limit
+        self.since: float | None = None
+        self.limit: tuple[int, float] | None = None  # (seq waited for, clock time to give up)
+        self.done: list[tuple[float, float]] = []  # booked with the next step (or done) event
+
+    def blocked(self, seq: int, now: float) -> float:
+        """Blocked on send `seq` at `now`: the time to give up on it."""
+        if self.since is None:
+            self.since = now
+        if self.limit is None or self.limit[0] != seq:
+            self.limit = (seq, now + self.limit_steps * quorum.slowest_step_time(self.times, [self.learner]))
+        return self.limit[1]
+
+    def unblocked(self, now: float) -> None:
+        if self.since is not None:
+            self.done.append((self.since, now))
+            self.since = self.limit = None
+
+    def observe(self, seconds: float) -> None:
+        self.times = quorum.observe_step_time(self.times, self.learner, seconds)
+
+    def take(self, now: float | None = None) -> tuple[tuple[float, float], ...]:
+        """The finished stalls (and, given `now`, the open one up to now), cleared."""
+        out = tuple(self.done) + (((self.since, now),) if now is not None and self.since is not None else ())
+        self.done.clear()
+        return out
 
 
 def _get(tree: dict, path: Path):
