@@ -13,6 +13,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from diloco.checks import (check, chaos_errors, data_errors, diloco_errors, inner_errors,
+                           model_errors)
+
 
 class ConfigError(ValueError):
     """A configuration value is unknown, mistyped or inconsistent with another one."""
@@ -284,160 +287,15 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def _check(errors: list[str], ok: bool, message: str) -> None:
-    if not ok:
-        errors.append(message)
-
-
-def model_errors(m: ModelConfig) -> list[str]:
-    e: list[str] = []
-    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
-        _check(e, getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be > 0")
-    if m.n_heads > 0 and m.n_kv_heads > 0:
-        _check(e, m.d_model % m.n_heads == 0,
-               f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
-        _check(e, m.n_heads % m.n_kv_heads == 0,
-               f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
-        if m.d_model % m.n_heads == 0:
-            head_dim = m.d_model // m.n_heads
-            _check(e, head_dim % 2 == 0,
-                   f"head dim model.d_model/model.n_heads={head_dim} must be even for RoPE")
-    _check(e, m.dtype in ("float32", "bfloat16"), f"model.dtype={m.dtype!r} not in float32|bfloat16")
-    return e
-
-
-def data_errors(d: DataConfig) -> list[str]:
-    e: list[str] = []
-    _check(e, d.source in ("shakespeare", "files", "synthetic"),
-           f"data.source={d.source!r} not in shakespeare|files|synthetic")
-    _check(e, d.source != "files" or len(d.paths) > 0, "data.source=files needs data.paths")
-    _check(e, d.tokenizer in ("byte", "bpe"), f"data.tokenizer={d.tokenizer!r} not in byte|bpe")
-    _check(e, d.tokenizer != "bpe" or d.bpe_vocab_size >= 260,
-           f"data.bpe_vocab_size={d.bpe_vocab_size} must be >= 260 (256 bytes + specials)")
-    _check(e, d.seq_len > 0, f"data.seq_len={d.seq_len} must be > 0")
-    _check(e, d.batch_size > 0, f"data.batch_size={d.batch_size} must be > 0")
-    _check(e, 0.0 < d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
-    _check(e, d.data_dir != "", "data.data_dir must not be empty (use '.' for the working directory)")
-    _check(e, d.text_field != "", "data.text_field must not be empty")
-    if d.source == "synthetic":
-        _check(e, d.synthetic_vocab >= 2, f"data.synthetic_vocab={d.synthetic_vocab} must be >= 2")
-        _check(e, d.synthetic_tokens > 0, f"data.synthetic_tokens={d.synthetic_tokens} must be > 0")
-        # numpy seeds its generators from non-negative integers only
-        _check(e, d.synthetic_seed >= 0, f"data.synthetic_seed={d.synthetic_seed} must be >= 0")
-        _check(e, 1 <= d.synthetic_branching <= d.synthetic_vocab,
-               f"data.synthetic_branching={d.synthetic_branching} must be in "
-               f"[1, data.synthetic_vocab={d.synthetic_vocab}]")
-    return e
-
-
-def inner_errors(i: InnerConfig, steps: int) -> list[str]:
-    e: list[str] = []
-    _check(e, i.optimizer in ("adamw", "sgd"), f"inner.optimizer={i.optimizer!r} not in adamw|sgd")
-    _check(e, i.schedule in ("cosine", "constant"), f"inner.schedule={i.schedule!r} not in cosine|constant")
-    _check(e, i.lr > 0, f"inner.lr={i.lr} must be > 0")
-    _check(e, 0 <= i.warmup_steps <= steps,
-           f"inner.warmup_steps={i.warmup_steps} must be in [0, run.steps={steps}]")
-    _check(e, 0.0 <= i.min_lr_ratio <= 1.0, f"inner.min_lr_ratio={i.min_lr_ratio} must be in [0, 1]")
-    _check(e, i.clip_norm >= 0, f"inner.clip_norm={i.clip_norm} must be >= 0")
-    _check(e, i.weight_decay >= 0, f"inner.weight_decay={i.weight_decay} must be >= 0")
-    return e
-
-
-def mesh_errors(mesh: MeshConfig, batch_size: int, n_visible: int) -> list[str]:
-    """Mesh checks need the number of visible devices, so they run where devices are known."""
-    e: list[str] = []
-    n = mesh.devices or n_visible
-    _check(e, 0 < n <= n_visible, f"mesh.devices={mesh.devices} but only {n_visible} devices are visible")
-    _check(e, mesh.fsdp >= 1, f"mesh.fsdp={mesh.fsdp} must be >= 1")
-    if e:
-        return e
-    data = mesh.data if mesh.data > 0 else n // mesh.fsdp
-    _check(e, data * mesh.fsdp == n,
-           f"mesh.data={data} x mesh.fsdp={mesh.fsdp} != {n} devices (mesh.devices={mesh.devices})")
-    _check(e, batch_size % (data * mesh.fsdp) == 0,
-           f"data.batch_size={batch_size} is not divisible by mesh.data*mesh.fsdp={data * mesh.fsdp}")
-    return e
-
-
-def diloco_errors(cfg: TrainConfig) -> list[str]:
-    e: list[str] = []
-    f, o, c, s, r = cfg.fragments, cfg.outer, cfg.codec, cfg.syncer, cfg.runtime
-    _check(e, cfg.algo in ("dp", "diloco"), f"algo={cfg.algo!r} not in dp|diloco")
-    _check(e, 1 <= f.count <= f.H, f"fragments.count={f.count} must be in [1, fragments.H={f.H}]")
-    _check(e, 0 <= f.tau < f.H, f"fragments.tau={f.tau} must be in [0, fragments.H={f.H})")
-    _check(e, 0.0 <= f.alpha <= 1.0, f"fragments.alpha={f.alpha} must be in [0, 1]")
-    _check(e, f.strategy in ("balanced", "layer_strided", "layer_sequential", "tensor"),
-           f"fragments.strategy={f.strategy!r} not in balanced|layer_strided|layer_sequential|tensor")
-    _check(e, o.name in ("nesterov", "sgd", "average", "delayed_nesterov"),
-           f"outer.name={o.name!r} not in nesterov|sgd|average|delayed_nesterov")
-    _check(e, o.lr > 0 and 0 <= o.momentum < 1, f"outer.lr={o.lr} must be > 0 and outer.momentum={o.momentum} in [0, 1)")
-    codecs = ("fp32", "bf16", "int8", "int4", "fp4", "2bit", "topk")
-    _check(e, c.up in codecs, f"codec.up={c.up!r} not in {'|'.join(codecs)}")
-    _check(e, c.down in codecs, f"codec.down={c.down!r} not in {'|'.join(codecs)}")
-    _check(e, 0 <= c.zstd_level <= 22, f"codec.zstd_level={c.zstd_level} must be in [0, 22]")
-    _check(e, 1 <= s.quorum <= r.learners, f"syncer.quorum={s.quorum} must be in [1, runtime.learners={r.learners}]")
-    _check(e, 0 <= s.gamma <= 1, f"syncer.gamma={s.gamma} must be in [0, 1]")
-    for name in ("merge", "embedding_merge"):
-        _check(e, getattr(s, name) in ("rda", "average", "rda_fragment"),
-               f"syncer.{name}={getattr(s, name)!r} not in rda|average|rda_fragment")
-    _check(e, s.history >= 1, f"syncer.history={s.history} must be >= 1")
-    _check(e, s.grace_budget in ("waiting", "slowest"), f"syncer.grace_budget={s.grace_budget!r} not in waiting|slowest")
-    _check(e, r.kind in ("sim", "threads", "procs"), f"runtime.kind={r.kind!r} not in sim|threads|procs")
-    _check(e, not cfg.chaos.enabled or r.kind == "sim",
-           f"chaos.enabled=true needs runtime.kind=sim (got {r.kind!r}): the wall-clock runtimes "
-           "take failures from real kills, not from a tape")
-    _check(e, s.norm_bound == 0 or s.norm_bound > 1, f"syncer.norm_bound={s.norm_bound} must be 0 (off) or > 1")
-    _check(e, s.norm_window >= 4, f"syncer.norm_window={s.norm_window} must be >= 4")
-    _check(e, r.queue_size >= 1, f"runtime.queue_size={r.queue_size} must be >= 1")
-    _check(e, r.max_rejoin_staleness >= 0, f"runtime.max_rejoin_staleness={r.max_rejoin_staleness} must be >= 0")
-    _check(e, r.restart_s >= 0, f"runtime.restart_s={r.restart_s} must be >= 0")
-    _check(e, r.learner_checkpoint_every >= 0,
-           f"runtime.learner_checkpoint_every={r.learner_checkpoint_every} must be >= 0")
-    _check(e, r.learners >= 1, f"runtime.learners={r.learners} must be >= 1")
-    _check(e, r.devices_per_learner >= 1, f"runtime.devices_per_learner={r.devices_per_learner} must be >= 1")
-    _check(e, len(r.speeds) in (0, r.learners),
-           f"runtime.speeds has {len(r.speeds)} entries for runtime.learners={r.learners}")
-    _check(e, all(x > 0 for x in r.speeds), f"runtime.speeds={list(r.speeds)} must all be > 0")
-    _check(e, r.step_time > 0 and r.bandwidth > 0 and r.latency >= 0 and r.jitter >= 0,
-           f"runtime.step_time={r.step_time}, bandwidth={r.bandwidth} must be > 0; latency={r.latency}, "
-           f"jitter={r.jitter} >= 0")
-    if cfg.algo == "diloco":
-        _check(e, not cfg.run.resume or r.kind == "sim",
-               f"run.resume=true with algo=diloco needs runtime.kind=sim (got {r.kind!r}): only the sim "
-               "runtime snapshots a whole run; start a new run.out_dir")
-        _check(e, cfg.data.batch_size % r.devices_per_learner == 0,
-               f"data.batch_size={cfg.data.batch_size} is not divisible by "
-               f"runtime.devices_per_learner={r.devices_per_learner}")
-    return e
-
-
-def chaos_errors(c: ChaosConfig) -> list[str]:
-    e: list[str] = []
-    _check(e, c.slices_per_learner >= 1, f"chaos.slices_per_learner={c.slices_per_learner} must be >= 1")
-    _check(e, c.chips_per_slice >= 1, f"chaos.chips_per_slice={c.chips_per_slice} must be >= 1")
-    _check(e, c.mtbi_s > 0, f"chaos.mtbi_s={c.mtbi_s} must be > 0")
-    _check(e, c.repair in ("fixed", "exponential", "lognormal"),
-           f"chaos.repair={c.repair!r} not in fixed|exponential|lognormal")
-    _check(e, c.repair_mean_s > 0, f"chaos.repair_mean_s={c.repair_mean_s} must be > 0")
-    _check(e, c.repair_sigma >= 0, f"chaos.repair_sigma={c.repair_sigma} must be >= 0")
-    _check(e, all(x > 0 for x in c.speeds), f"chaos.speeds={list(c.speeds)} must all be > 0")
-    _check(e, c.jitter >= 0, f"chaos.jitter={c.jitter} must be >= 0")
-    for i, w in enumerate(c.scavenge):
-        _check(e, len(w) == 2 and 0 <= w[0] < w[1],
-               f"chaos.scavenge[{i}]={list(w)} must be [start_s, stop_s] with 0 <= start_s < stop_s")
-    _check(e, c.seed >= 0, f"chaos.seed={c.seed} must be >= 0")  # numpy seeds are non-negative
-    return e
-
-
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check cross-field constraints that do not depend on the machine; return cfg unchanged."""
     errors = (model_errors(cfg.model) + data_errors(cfg.data) + inner_errors(cfg.inner, cfg.run.steps)
               + diloco_errors(cfg) + chaos_errors(cfg.chaos))
     r = cfg.run
-    _check(errors, r.steps > 0, f"run.steps={r.steps} must be > 0")
+    check(errors, r.steps > 0, f"run.steps={r.steps} must be > 0")
     for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "keep_checkpoints"):
-        _check(errors, getattr(r, name) >= 0, f"run.{name}={getattr(r, name)} must be >= 0")
-    _check(errors, cfg.data.seq_len <= cfg.model.max_seq_len,
+        check(errors, getattr(r, name) >= 0, f"run.{name}={getattr(r, name)} must be >= 0")
+    check(errors, cfg.data.seq_len <= cfg.model.max_seq_len,
            f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))

@@ -11,7 +11,8 @@ import pytest
 import yaml
 from flax import nnx
 
-from diloco.config import ConfigError, ModelConfig, from_dict, model_errors
+from diloco.checks import model_errors
+from diloco.config import ConfigError, ModelConfig, from_dict
 from diloco.model import abstract_params, build, count_params, is_embedding
 from diloco.model.transformer import Attention, rotary
 

@@ -12,7 +12,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 from flax import nnx
 
-from diloco.config import ConfigError, ModelConfig, model_errors
+from diloco.checks import model_errors
+from diloco.config import ConfigError, ModelConfig
 from diloco.model.transformer import Transformer
 
 Params = dict[str, Any]  # nested dicts with str keys; leaves are float32 jax arrays

@@ -12,7 +12,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from diloco.config import ConfigError, MeshConfig, mesh_errors
+from diloco.checks import mesh_errors
+from diloco.config import ConfigError, MeshConfig
 
 AXES = ("data", "fsdp")
 
