@@ -112,6 +112,8 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
                f"syncer.{name}={getattr(s, name)!r} not in rda|average|rda_fragment")
     check(e, s.history >= 1, f"syncer.history={s.history} must be >= 1")
     check(e, s.grace_budget in ("waiting", "slowest"), f"syncer.grace_budget={s.grace_budget!r} not in waiting|slowest")
+    check(e, s.anchor in ("current", "base"), f"syncer.anchor={s.anchor!r} not in current|base")
+    check(e, cfg.fragments.others in ("now", "defer"), f"fragments.others={cfg.fragments.others!r} not in now|defer")
     check(e, r.kind in ("sim", "threads", "procs"), f"runtime.kind={r.kind!r} not in sim|threads|procs")
     check(e, not cfg.chaos.enabled or r.kind == "sim",
            f"chaos.enabled=true needs runtime.kind=sim (got {r.kind!r}): the wall-clock runtimes "

@@ -111,9 +111,12 @@ class FragmentsConfig:
     alpha: float = 0.0  # learner mix on apply: alpha * local + (1 - alpha) * global [unsure]
     strategy: str = "balanced"  # balanced | layer_strided | layer_sequential | tensor
     final_sync: bool = True  # at the end each learner sends every fragment with unsent progress
-    # On apply, add the local progress made while the fragment travelled (Theta + local - local at
-    # send) instead of overwriting it; alpha is then unused. Not in the papers [unsure].
+    # On applying the merge that answers a send, add the local progress made since that send
+    # (Theta + local - local at send) instead of overwriting it; alpha is then unused [unsure].
     keep_overlap: bool = False
+    # A merge another learner triggered: now (apply before the next step) | defer (hold it until
+    # this learner's own send of the fragment is answered) [unsure].
+    others: str = "now"
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,7 @@ class SyncerConfig:
     max_staleness: int = -1  # versions; -1 = no cut-off
     history: int = 16  # versions of broadcast references kept for decoding contributions
     grace_budget: str = "waiting"  # Eq. 3 step time: waiting (fastest learner in the round) | slowest [unsure]
+    anchor: str = "current"  # delta_m = Theta_p - theta_m against: current (Theta now) | base (the version sent from) [unsure]
     # Quarantine a contribution whose pseudo-gradient norm per inner step exceeds norm_bound x the
     # median of the fragment's last norm_window admitted ones (once 8 are known); 0 = no bound.
     # Loose on purpose: the learning-rate warmup alone moves the per-step norm several-fold.

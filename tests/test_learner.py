@@ -63,11 +63,11 @@ def test_merge_applied_exactly_tau_steps_after_send_and_resets_only_its_counters
     assert st.pending == (lsm.Pending(1, 1, apply_at=3, answers=(1,)),)
     for expected_step in (1, 2):  # not before tau = 2 steps have passed
         assert st.step == expected_step
-        st, ready = lsm.to_apply(st)
+        st, ready = lsm.to_apply(st, sched)
         assert ready == ()
         st, _ = lsm.after_step(st, sched, TOKENS)
     assert st.step == 3
-    st, ready = lsm.to_apply(st)
+    st, ready = lsm.to_apply(st, sched)
     assert ready == (lsm.Pending(1, 1, 3, (1,)),)
     assert st.c_steps == (3, 0, 3, 3) and st.c_tokens == (30, 0, 30, 30)
     assert st.versions == (0, 1, 0, 0)
@@ -84,7 +84,7 @@ def test_late_merge_is_applied_before_the_next_step():
     first, second = [s for s in sends if s.fragment == 1]
     st = lsm.on_fragment(st, sched, 1, 4, merged=answer(first))
     assert st.pending == (lsm.Pending(1, 4, apply_at=6, answers=(first.seq,)),)
-    st, ready = lsm.to_apply(st)
+    st, ready = lsm.to_apply(st, sched)
     assert [q.fragment for q in ready] == [1] and st.versions[1] == 4
     assert second.seq in [f.seq for f in st.in_flight]  # the later send still waits for its own merge
 
@@ -95,7 +95,7 @@ def test_merge_nobody_waits_for_is_applied_before_the_next_step():
     st, _ = steps(lsm.init(0, 0, (0, 0, 0, 0)), sched, 1)  # only fragment 1 in flight
     st = lsm.on_fragment(st, sched, 3, 2)
     assert st.pending == (lsm.Pending(3, 2, apply_at=1),)
-    st, ready = lsm.to_apply(st)
+    st, ready = lsm.to_apply(st, sched)
     assert ready == (lsm.Pending(3, 2, 1),)
     assert st.c_steps == (1, 1, 1, 0) and st.versions == (0, 0, 0, 2)
     assert [f.fragment for f in st.in_flight] == [1]
@@ -106,13 +106,13 @@ def test_blocking_after_tau_steps_until_the_merge_arrives():
     st, _ = steps(lsm.init(0, 0, (0, 0, 0, 0)), sched, 2)  # fragment 1 sent at step 1, 2 at step 2
     assert lsm.blocking(st, sched) is None  # 1 step since the send: still inside the overlap
     st, _ = steps(st, sched, 1)
-    assert lsm.blocking(st, sched) == lsm.InFlight(1, 1, 1)  # the oldest overdue send
+    assert lsm.blocking(st, sched) == lsm.InFlight(1, 1, 1, 1, 1 * TOKENS)  # the oldest overdue send
     st = lsm.on_fragment(st, sched, 1, 1, merged=frozenset({(0, 0, 1)}))
     assert lsm.blocking(st, sched) is None  # arrived: pending, not overdue
-    st, ready = lsm.to_apply(st)
+    st, ready = lsm.to_apply(st, sched)
     assert [q.fragment for q in ready] == [1]
     st, _ = steps(st, sched, 1)
-    assert lsm.blocking(st, sched) == lsm.InFlight(2, 2, 2)
+    assert lsm.blocking(st, sched) == lsm.InFlight(2, 2, 2, 2, 2 * TOKENS)
 
 
 def test_merge_without_this_learners_send_applies_at_once_and_keeps_it_waiting():
@@ -123,15 +123,63 @@ def test_merge_without_this_learners_send_applies_at_once_and_keeps_it_waiting()
     other = frozenset({(3, 0, 9), (0, 1, sends[0].seq)})  # another learner, and a dead incarnation
     st = lsm.on_fragment(st, sched, 1, 1, merged=other)
     assert st.pending == (lsm.Pending(1, 1, apply_at=1),)
-    st, ready = lsm.to_apply(st)
+    st, ready = lsm.to_apply(st, sched)
     assert [q.version for q in ready] == [1] and st.versions[1] == 1 and st.c_steps[1] == 0
     assert [f.seq for f in st.in_flight] == [sends[0].seq]
     st, _ = steps(st, sched, 2)
-    assert lsm.blocking(st, sched) == lsm.InFlight(1, sends[0].seq, 1)
+    # the overwrite voided the counters the send left with: a kept overlap has nothing to keep from
+    assert lsm.blocking(st, sched) == lsm.InFlight(1, sends[0].seq, 1, -1, -1)
     st = lsm.on_fragment(st, sched, 1, 2, merged=answer(sends[0]))  # its own merge, in the next round
     assert lsm.blocking(st, sched) is None
-    st, ready = lsm.to_apply(st)
+    st, ready = lsm.to_apply(st, sched)
     assert st.versions[1] == 2 and sends[0].seq not in [f.seq for f in st.in_flight]
+
+
+def test_deferred_merge_waits_for_the_answer_and_the_answer_replaces_it():
+    """others="defer": another learner's merge is held (the learner's unsent progress survives);
+    the merge answering its own send, cumulative, is applied tau steps after that send."""
+    sched = make_schedule(4, 4, tau=2, others="defer")
+    st, sends = steps(lsm.init(0, 0, (0, 0, 0, 0)), sched, 1)  # fragment 1 sent after step 1
+    st = lsm.on_fragment(st, sched, 1, 1, merged=frozenset({(3, 0, 9)}))
+    assert st.pending == (lsm.Pending(1, 1, apply_at=lsm.DEFERRED),)
+    st, ready = lsm.to_apply(st, sched)
+    assert ready == () and st.versions[1] == 0 and st.c_steps[1] == 1
+    st, _ = steps(st, sched, 1)
+    assert lsm.blocking(st, sched) is None  # inside the overlap
+    st, _ = steps(st, sched, 1)
+    assert lsm.blocking(st, sched).seq == sends[0].seq  # the deferred merge answers nothing
+    st = lsm.on_fragment(st, sched, 1, 2, merged=answer(sends[0]))
+    st, ready = lsm.to_apply(st, sched)
+    assert [(q.version, q.answers) for q in ready] == [(2, (sends[0].seq,))]
+    assert st.versions[1] == 2 and 1 not in [f.fragment for f in st.in_flight] and st.c_steps[1] == 0
+
+
+def test_give_up_applies_a_deferred_merge():
+    sched = make_schedule(1, 4, tau=1, others="defer")
+    st, sends = steps(lsm.init(0, 0, (0,)), sched, 4)
+    st = lsm.on_fragment(st, sched, 0, 3, merged=frozenset({(2, 0, 5)}))
+    st, _ = steps(st, sched, 1)
+    assert lsm.blocking(st, sched).seq == sends[0].seq
+    st = lsm.give_up(st, 0)
+    st, ready = lsm.to_apply(st, sched)
+    assert [q.version for q in ready] == [3] and st.versions == (3,) and lsm.blocking(st, sched) is None
+
+
+def test_kept_overlap_leaves_the_counters_of_the_steps_since_the_send():
+    """keep=True: the answering apply keeps the tau steps made since the send, and the counters
+    (hence the next send's weight and the ledger's pending tokens) keep exactly those steps."""
+    sched = make_schedule(1, 4, tau=2, keep=True)
+    st, sends = steps(lsm.init(0, 0, (0,)), sched, 4)
+    st, _ = steps(st, sched, 2)
+    st = lsm.on_fragment(st, sched, 0, 1, merged=answer(sends[0]))
+    st, ready = lsm.to_apply(st, sched)
+    assert [q.kept for q in ready] == [True]
+    assert st.c_steps == (2,) and st.c_tokens == (2 * TOKENS,) and st.in_flight == ()
+    st, more = steps(st, sched, 2)
+    assert [(s.c_steps, s.c_tokens) for s in more] == [(4, 4 * TOKENS)]
+    unanswered = lsm.on_fragment(st, sched, 0, 2, merged=frozenset({(1, 0, 3)}))
+    unanswered, ready = lsm.to_apply(unanswered, sched)  # another learner's merge overwrites
+    assert [q.kept for q in ready] == [False] and unanswered.c_steps == (0,)
 
 
 def test_tau_zero_stalls_right_after_every_send():
@@ -140,10 +188,10 @@ def test_tau_zero_stalls_right_after_every_send():
     for version in (1, 2, 3):
         st, sends = lsm.after_step(st, sched, TOKENS)
         assert len(sends) == 1
-        assert lsm.blocking(st, sched) == lsm.InFlight(0, sends[0].seq, st.step)
+        assert lsm.blocking(st, sched) == lsm.InFlight(0, sends[0].seq, st.step, 1, TOKENS)
         st = lsm.on_fragment(st, sched, 0, version, merged=answer(sends[0]))
         assert st.pending == (lsm.Pending(0, version, apply_at=st.step, answers=(sends[0].seq,)),)
-        st, ready = lsm.to_apply(st)
+        st, ready = lsm.to_apply(st, sched)
         assert len(ready) == 1 and lsm.blocking(st, sched) is None
         assert st.c_steps == (0,) and st.c_tokens == (0,)
     assert st.versions == (3,)
@@ -160,7 +208,7 @@ def test_give_up_releases_the_stall_and_a_later_arrival_still_applies():
     st, _ = lsm.after_step(st, sched, TOKENS)
     assert st.c_steps == (3,)
     st = lsm.on_fragment(st, sched, 0, 1)  # the first merge, late: applied before the next step
-    st, ready = lsm.to_apply(st)
+    st, ready = lsm.to_apply(st, sched)
     assert ready == (lsm.Pending(0, 1, 3),) and st.c_steps == (0,) and st.versions == (0 + 1,)
 
 
@@ -175,7 +223,7 @@ def test_stale_and_duplicate_versions_are_ignored():
     st = lsm.on_fragment(st, sched, 1, 7)  # newer: replaces the pending one, inherits its answer
     assert st.pending == (lsm.Pending(1, 7, apply_at=2, answers=(1,)),)
     st, _ = steps(st, sched, 1)
-    st, ready = lsm.to_apply(st)
+    st, ready = lsm.to_apply(st, sched)
     assert ready == (lsm.Pending(1, 7, 2, (1,)),) and st.versions == (4, 7)
     assert lsm.on_fragment(st, sched, 1, 7) == st  # a duplicate of the applied version
 
@@ -189,7 +237,7 @@ def test_every_send_is_answered_tau_steps_later_with_an_echo_syncer(tau):
     st = lsm.init(0, 0, (0,) * P)
     sent, applied = {}, []
     for _ in range(20):
-        st, ready = lsm.to_apply(st)
+        st, ready = lsm.to_apply(st, sched)
         applied += [(q.fragment, q.version, st.step) for q in ready]
         assert lsm.blocking(st, sched) is None
         st, sends = lsm.after_step(st, sched, TOKENS)

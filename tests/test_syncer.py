@@ -402,6 +402,24 @@ def test_contribution_is_decoded_against_the_reference_of_its_base_version():
         np.testing.assert_allclose(st.fragments[0].theta[p], local[p], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("anchor", ["current", "base"])
+def test_a_stale_contribution_is_anchored_at_current_theta_or_at_its_base(anchor):
+    """Learner 0 merges at version 1; learner 1 then sends d from version 0. anchor=current takes
+    Theta_1 - local (pulling Theta back towards version 0); anchor=base adds learner 1's d alone."""
+    sgd = make_outer("sgd", lr=1.0, momentum=0.0)
+    pol = policy(K=1, outer=sgd, anchor=anchor)
+    st = start(pol)
+    st, _ = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 0.5), THETA0[0]), 0.0)
+    theta1 = st.fragments[0].theta
+    local = shifted(THETA0[0], -0.25)  # learner 1 moved by -0.25 x (1, 2, ...) from version 0
+    st, _ = sync.on_contribution(pol, st, frame(local, THETA0[0], learner=1), 1.0)
+    want = local if anchor == "current" else {p: theta1[p] + (local[p] - THETA0[0][p]) for p in local}
+    (_, second) = merges(st)
+    assert second["staleness"] == [1]
+    for p in local:
+        np.testing.assert_allclose(st.fragments[0].theta[p], want[p], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("spec", ["topk+k1.0", "topk+zstd1+k1.0", "fp32+zstd1"])
 def test_the_payload_bound_admits_every_codec_at_its_largest(spec):
     """Top-k at fraction 1 sends 8 bytes per value, twice fp32; zstd adds its frame on top. A legitimate

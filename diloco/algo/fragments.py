@@ -271,9 +271,20 @@ class Schedule(NamedTuple):
     offsets: tuple[int, ...]  # t_p in 0..H-1: fragment p is sent after step t with t mod H == t_p
     tau: int  # overlap: the merged fragment is applied tau steps after it was sent
     alpha: float  # learner mix: theta <- alpha * theta + (1 - alpha) * Theta (0 = overwrite)
+    # Applying the merge that answers a send keeps the progress made since that send (Theta +
+    # local - local at send; alpha unused) instead of overwriting it [unsure].
+    keep: bool = False
+    # A merge that took in none of this learner's sends: "now" applies it before the next step
+    # (overwriting the unsent progress of that fragment); "defer" holds it until the learner's own
+    # send of the fragment is answered (merges are cumulative), or until it gives up waiting [unsure].
+    others: str = "now"
 
 
-def make_schedule(P: int, H: int, tau: int = 2, alpha: float = 0.0) -> Schedule:
+OTHERS = ("now", "defer")
+
+
+def make_schedule(P: int, H: int, tau: int = 2, alpha: float = 0.0, keep: bool = False,
+                  others: str = "now") -> Schedule:
     """Offsets spread evenly over 0..H-1 (t_p = p*H // P, so t_p = p when P = H)."""
     if not isinstance(P, int) or P < 1:
         raise ValueError(f"number of fragments P must be a positive integer, got {P!r}")
@@ -285,7 +296,9 @@ def make_schedule(P: int, H: int, tau: int = 2, alpha: float = 0.0) -> Schedule:
         raise ValueError(f"overlap tau={tau!r} must be an integer with 0 <= tau < H={H}")
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"learner mix alpha={alpha!r} must lie in [0, 1]")
-    return Schedule(H, tuple(p * H // P for p in range(P)), tau, float(alpha))
+    if others not in OTHERS:
+        raise ValueError(f"others={others!r} not in {'|'.join(OTHERS)}")
+    return Schedule(H, tuple(p * H // P for p in range(P)), tau, float(alpha), bool(keep), others)
 
 
 def due(schedule: Schedule, step: int) -> tuple[int, ...]:

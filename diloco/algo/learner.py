@@ -31,6 +31,8 @@ class InFlight(NamedTuple):
     fragment: int
     seq: int
     sent_at: int  # local step after which it left
+    c_steps: int = 0  # the fragment's counters when it left (what a kept overlap subtracts);
+    c_tokens: int = 0  # -1 once an overwrite of the fragment voided them
 
 
 class Pending(NamedTuple):
@@ -40,6 +42,10 @@ class Pending(NamedTuple):
     version: int
     apply_at: int  # applied before the local step apply_at + 1, i.e. once step >= apply_at
     answers: tuple[int, ...] = ()  # seqs of this learner's sends the merge took in
+    kept: bool = False  # set by to_apply: Theta + the progress made since the answered send
+
+
+DEFERRED = 2**62  # apply_at of a merge held until an answer (Schedule.others == "defer") or a give-up
 
 
 class LearnerState(NamedTuple):
@@ -69,7 +75,7 @@ def after_step(st: LearnerState, schedule: Schedule, tokens: int) -> tuple[Learn
     for p in due(schedule, step):
         seq += 1
         sends.append(Send(p, seq, st.versions[p], c_steps[p], c_tokens[p], step))
-        in_flight.append(InFlight(p, seq, step))
+        in_flight.append(InFlight(p, seq, step, c_steps[p], c_tokens[p]))
     st = st._replace(step=step, seq=seq, c_steps=c_steps, c_tokens=c_tokens, in_flight=tuple(in_flight))
     return st, tuple(sends)
 
@@ -86,7 +92,7 @@ def flush(st: LearnerState) -> tuple[LearnerState, tuple[Send, ...]]:
         if steps > 0 and p not in sending:
             seq += 1
             sends.append(Send(p, seq, st.versions[p], steps, st.c_tokens[p], st.step))
-            in_flight.append(InFlight(p, seq, st.step))
+            in_flight.append(InFlight(p, seq, st.step, steps, st.c_tokens[p]))
     return st._replace(seq=seq, in_flight=tuple(in_flight)), tuple(sends)
 
 
@@ -97,9 +103,10 @@ def on_fragment(st: LearnerState, schedule: Schedule, fragment: int, version: in
     `merged` lists the (learner, incarnation, seq) the merge took in. If it took in this learner's
     send, the merge answers it and is applied tau steps after that send (the overlap of Streaming
     DiLoCo section 2.3). Otherwise (a merge another learner triggered, while this learner's own
-    contribution waits for the next round) it is applied before the next step, and the send stays
-    in flight. Versions not newer than one already held or pending are ignored; a newer one replaces
-    a pending one and inherits what it answered (versions are cumulative).
+    contribution waits for the next round) it is applied before the next step, or with
+    `schedule.others == "defer"` held until an answer or a give-up; the send stays in flight.
+    Versions not newer than one already held or pending are ignored; a newer one replaces a pending
+    one and inherits what it answered (versions are cumulative).
     """
     newest = max([st.versions[fragment]] + [q.version for q in st.pending if q.fragment == fragment])
     if version <= newest:
@@ -111,30 +118,35 @@ def on_fragment(st: LearnerState, schedule: Schedule, fragment: int, version: in
     if answers:
         apply_at = max(st.step, min(sent.get(seq, st.step - schedule.tau) for seq in answers) + schedule.tau)
     else:
-        apply_at = st.step
+        apply_at = DEFERRED if schedule.others == "defer" else st.step
     pending = tuple(q for q in st.pending if q.fragment != fragment)
     return st._replace(pending=pending + (Pending(fragment, version, apply_at, answers),))
 
 
-def to_apply(st: LearnerState) -> tuple[LearnerState, tuple[Pending, ...]]:
-    """Pop the pending fragments due before the next step; their counters reset and the sends they
-    answer (with any earlier send of the same fragment) leave flight."""
+def to_apply(st: LearnerState, schedule: Schedule) -> tuple[LearnerState, tuple[Pending, ...]]:
+    """Pop the pending fragments due before the next step. The sends they answer (with any earlier
+    send of the same fragment) leave flight. Counters reset, except where the apply keeps the
+    progress made since the answered send (returned with kept=True): they drop to that progress.
+    An overwrite also voids the counters of the fragment's sends still in flight, so a later answer
+    to one of them overwrites too (the snapshot it would keep from is gone)."""
     ready = tuple(q for q in st.pending if q.apply_at <= st.step)
     if not ready:
         return st, ()
-    done = {q.fragment for q in ready}
     answered = {q.fragment: max(q.answers) for q in ready if q.answers}
-    c_steps = tuple(0 if p in done else c for p, c in enumerate(st.c_steps))
-    c_tokens = tuple(0 if p in done else c for p, c in enumerate(st.c_tokens))
-    versions = list(st.versions)
+    sent = {(f.fragment, f.seq): f for f in st.in_flight}
+    c_steps, c_tokens, versions, out = list(st.c_steps), list(st.c_tokens), list(st.versions), []
     for q in ready:
-        versions[q.fragment] = q.version
-    st = st._replace(
-        c_steps=c_steps, c_tokens=c_tokens, versions=tuple(versions),
-        pending=tuple(q for q in st.pending if q.apply_at > st.step),
-        in_flight=tuple(f for f in st.in_flight if f.seq > answered.get(f.fragment, -1)),
-    )
-    return st, ready
+        p, f = q.fragment, sent.get((q.fragment, answered.get(q.fragment)))
+        kept = schedule.keep and f is not None and f.c_steps >= 0
+        c_steps[p], c_tokens[p] = (c_steps[p] - f.c_steps, c_tokens[p] - f.c_tokens) if kept else (0, 0)
+        versions[p] = q.version
+        out.append(q._replace(kept=kept))
+    overwritten = {q.fragment for q in out if not q.kept}
+    in_flight = tuple(f._replace(c_steps=-1, c_tokens=-1) if f.fragment in overwritten else f
+                      for f in st.in_flight if f.seq > answered.get(f.fragment, -1))
+    st = st._replace(c_steps=tuple(c_steps), c_tokens=tuple(c_tokens), versions=tuple(versions),
+                     pending=tuple(q for q in st.pending if q.apply_at > st.step), in_flight=in_flight)
+    return st, tuple(out)
 
 
 def blocking(st: LearnerState, schedule: Schedule) -> InFlight | None:
@@ -151,5 +163,8 @@ def blocking(st: LearnerState, schedule: Schedule) -> InFlight | None:
 
 
 def give_up(st: LearnerState, fragment: int) -> LearnerState:
-    """Stop waiting for `fragment` after the stall limit; it is applied whenever it arrives."""
-    return st._replace(in_flight=tuple(f for f in st.in_flight if f.fragment != fragment))
+    """Stop waiting for `fragment` after the stall limit; it is applied whenever it arrives, and a
+    deferred newer version of it is applied before the next step."""
+    pending = tuple(q._replace(apply_at=st.step) if q.fragment == fragment and q.apply_at == DEFERRED else q
+                    for q in st.pending)
+    return st._replace(in_flight=tuple(f for f in st.in_flight if f.fragment != fragment), pending=pending)

@@ -47,6 +47,12 @@ class Policy(NamedTuple):
     # (its merged fragment is due back tau of ITS steps after sending, so K = 1 stalls nobody);
     # "slowest" = the slowest live learner, the literal reading of the paper's xi_step.
     grace_budget: str = "waiting"
+    # What a contribution's pseudo-gradient is taken against [unsure]: "current" = the syncer's
+    # Theta at the merge (ALGORITHM.md section 4: a stale contribution also pulls Theta back towards
+    # the older copy it started from); "base" = the version it was computed from (what the learner
+    # sent: only its own progress, as in asynchronous DiLoCo variants). A base that has left the
+    # kept history by the merge falls back to "current".
+    anchor: str = "current"
     # A poisoned or diverged learner shows as a pseudo-gradient far larger than its peers': one
     # whose norm per inner step exceeds norm_bound x the median of the fragment's last norm_window
     # admitted ones is quarantined (0 = no bound), once 8 are known. Per step, because a
@@ -258,7 +264,7 @@ def _merge(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
         st = _with_fragment(st, p, fs)
         return st, tuple(Outcome(c.key, "excluded") for c in inside)
     method = cfg.embedding_merge if fs.spec.embedding else cfg.merge
-    deltas = [merging.pseudo_gradient(fs.theta, c.local) for c in inside]
+    deltas = [merging.pseudo_gradient(_anchor(cfg, fs, c), c.local) for c in inside]
     delta = merging.merge(deltas, weights, method)
     theta, outer_state = _outer_step(cfg.outer, fs.theta, fs.outer_state, delta)
     theta = {path: np.asarray(x) for path, x in theta.items()}
@@ -273,6 +279,14 @@ def _merge(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
     }
     st = st._replace(merges=st.merges + 1, tape=st.tape + (record,))
     return st, (publish,) + tuple(Outcome(c.key, "merged") for c in inside)
+
+
+def _anchor(cfg: Policy, fs: FragmentState, c: Contribution) -> Values:
+    if cfg.anchor == "base":
+        ref = _ref(fs, c.base_version)
+        if ref is not None:
+            return ref
+    return fs.theta
 
 
 @partial(jax.jit, static_argnums=0)

@@ -50,7 +50,7 @@ def policy(cfg: TrainConfig) -> sync.Policy:
     down_spec = codec_spec(c.down, block=c.block, topk_fraction=c.topk_fraction)
     return sync.Policy(grace, outer_optimizer(cfg), s.merge, s.embedding_merge,
                        None if s.max_staleness < 0 else s.max_staleness, s.history, down, down_spec,
-                       grace_budget=s.grace_budget, norm_bound=s.norm_bound, norm_window=s.norm_window)
+                       grace_budget=s.grace_budget, anchor=s.anchor, norm_bound=s.norm_bound, norm_window=s.norm_window)
 
 
 def learner_meshes(cfg: TrainConfig) -> list:
@@ -72,12 +72,12 @@ def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
     # One fragment holds everything: there is nothing to separate embeddings from.
     flag = is_embedding if f.count > 1 else None
     fragments = make_fragments(model.params, f.count, f.strategy, flag)
-    schedule = make_schedule(f.count, f.H, f.tau, f.alpha)
+    schedule = make_schedule(f.count, f.H, f.tau, f.alpha, f.keep_overlap, f.others)
     up = make_codec(c.up, error_feedback=c.error_feedback, zstd_level=c.zstd_level, block=c.block,
                     topk_fraction=c.topk_fraction)
     up_spec = codec_spec(c.up, c.error_feedback, c.zstd_level, block=c.block, topk_fraction=c.topk_fraction)
     spec = UnitSpec(corpus.train, cfg.run.seed, cfg.runtime.learners, cfg.data.batch_size, cfg.data.seq_len,
-                    fragments, schedule, up, up_spec, f.keep_overlap)
+                    fragments, schedule, up, up_spec)
     compiled = tuple(compile_steps(model, cfg, mesh) for mesh in learner_meshes(cfg))
     host = jax.device_get(model.params)
     theta0 = tuple({p: np.asarray(v, np.float32) for p, v in extract(host, frag).items()} for frag in fragments)

@@ -39,7 +39,6 @@ class UnitSpec(NamedTuple):
     schedule: Schedule
     up_codec: Codec
     up_spec: str
-    keep_overlap: bool = False  # on apply, keep the local progress made since the send
 
 
 class LearnerUnit:
@@ -72,8 +71,10 @@ class LearnerUnit:
         self.ls = lsm.give_up(self.ls, fragment)
 
     def apply_due(self) -> tuple[lsm.Pending, ...]:
-        """Apply every received fragment whose apply step has come (before the next inner step)."""
-        self.ls, ready = lsm.to_apply(self.ls)
+        """Apply every received fragment whose apply step has come (before the next inner step).
+        Returns those applied by overwriting: their unsent progress is gone (the ledger's
+        "overwritten"); a kept apply carries it on into the next send."""
+        self.ls, ready = lsm.to_apply(self.ls, self.spec.schedule)
         if not ready:
             return ()
         alpha = self.spec.schedule.alpha
@@ -81,10 +82,13 @@ class LearnerUnit:
         for q in ready:
             version, values = self.latest[q.fragment]
             self.anchors[q.fragment] = (version, values)
-            sent = self.sent_local.pop(q.fragment, None) if self.spec.keep_overlap else None
+            # The snapshot of the fragment's latest send (the one a merge answers, bar the rare
+            # case of two sends in flight); an overwrite voids it, as it voids the counters.
+            sent = self.sent_local.pop(q.fragment, None) if q.kept else None
+            self.sent_local.pop(q.fragment, None)
             for path, glob in values.items():
                 old = _get(params, path)
-                if sent is not None:  # Theta + the tau steps of progress made while it travelled
+                if sent is not None:  # Theta + the progress made since the answered send
                     new = glob + (np.asarray(jax.device_get(old)) - sent[path])
                 elif alpha == 0.0:
                     new = glob
@@ -92,7 +96,7 @@ class LearnerUnit:
                     new = alpha * np.asarray(jax.device_get(old)) + (1 - alpha) * glob
                 params = _set(params, path, jax.device_put(np.asarray(new, np.float32), old.sharding))
         self.state = self.state.replace(params=params)
-        return ready
+        return tuple(q for q in ready if not q.kept)
 
     def warm_up(self) -> None:
         """Compile the inner step before a wall clock starts, on a copy of the state (the step
@@ -129,7 +133,7 @@ class LearnerUnit:
         _, anchor = self.anchors[send.fragment]
         local = jax.device_get({path: _get(self.state.params, path) for path in frag.paths})
         local = {path: np.asarray(local[path], np.float32) for path in frag.paths}
-        if self.spec.keep_overlap:
+        if self.spec.schedule.keep:
             self.sent_local[send.fragment] = local
         diff = {path: anchor[path] - local[path] for path in frag.paths}
         states = {p: self.codec_states[p] for p in frag.paths if p in self.codec_states}
