@@ -113,6 +113,7 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     check(e, s.history >= 1, f"syncer.history={s.history} must be >= 1")
     check(e, s.grace_budget in ("waiting", "slowest"), f"syncer.grace_budget={s.grace_budget!r} not in waiting|slowest")
     check(e, s.anchor in ("current", "base"), f"syncer.anchor={s.anchor!r} not in current|base")
+    check(e, s.scale in ("admitted", "live"), f"syncer.scale={s.scale!r} not in admitted|live")
     check(e, cfg.fragments.others in ("now", "defer"), f"fragments.others={cfg.fragments.others!r} not in now|defer")
     check(e, r.kind in ("sim", "threads", "procs"), f"runtime.kind={r.kind!r} not in sim|threads|procs")
     check(e, not cfg.chaos.enabled or r.kind == "sim",

@@ -153,6 +153,7 @@ class SyncerConfig:
     max_staleness: int = -1  # versions; -1 = no cut-off
     history: int = 16  # versions of broadcast references kept for decoding contributions
     grace_budget: str = "waiting"  # Eq. 3 step time: waiting (fastest learner in the round) | slowest [unsure]
+    scale: str = "admitted"  # one merge's delta: the admitted mean | x admitted / live learners [unsure]
     anchor: str = "current"  # delta_m = Theta_p - theta_m against: current (Theta now) | base (the version sent from) [unsure]
     # Quarantine a contribution whose pseudo-gradient norm per inner step exceeds norm_bound x the
     # median of the fragment's last norm_window admitted ones (once 8 are known); 0 = no bound.

@@ -178,8 +178,9 @@ def test_kept_overlap_leaves_the_counters_of_the_steps_since_the_send():
     st, more = steps(st, sched, 2)
     assert [(s.c_steps, s.c_tokens) for s in more] == [(4, 4 * TOKENS)]
     unanswered = lsm.on_fragment(st, sched, 0, 2, merged=frozenset({(1, 0, 3)}))
-    unanswered, ready = lsm.to_apply(unanswered, sched)  # another learner's merge overwrites
-    assert [q.kept for q in ready] == [False] and unanswered.c_steps == (0,)
+    unanswered, ready = lsm.to_apply(unanswered, sched)  # another learner's merge: progress rebased
+    assert [q.kept for q in ready] == [True] and unanswered.c_steps == st.c_steps
+    assert unanswered.in_flight == st.in_flight and unanswered.versions == (2,)
 
 
 def test_tau_zero_stalls_right_after_every_send():

@@ -258,8 +258,8 @@ def test_heterogeneous_speeds_K1_with_default_grace_never_stalls_the_fast_learne
 
 def test_deferring_other_merges_and_keeping_the_overlap_overwrites_no_progress(tmp_path, build):
     """Out-of-phase learners at K = 1: by default each learner overwrites its unsent progress with
-    the other's merges (booked "overwritten"). With others=defer and keep_overlap every token a
-    learner processes reaches the syncer (and anchor=base merges each as its own progress)."""
+    the other's merges (booked "overwritten"). With keep_overlap (rebasing onto others' merges, or
+    deferring them) every token a learner processes reaches the syncer."""
     def run(**fragments):
         cfg = make_cfg(tmp_path, steps=12, fragments=dict(count=2, tau=1, **fragments),
                        syncer=dict(quorum=1, gamma=0.0, anchor="base"), runtime=dict(speeds=(1.0, 1.7)))
@@ -267,9 +267,10 @@ def test_deferring_other_merges_and_keeping_the_overlap_overwrites_no_progress(t
         return sum(sim.tokens.dropped.get("overwritten", ())), summary["tokens_merged_share"]
 
     lost_now, share_now = run()
-    lost_kept, share_kept = run(others="defer", keep_overlap=True)
-    assert lost_now > 0 and lost_kept == 0
-    assert share_kept == 1.0 > share_now
+    lost_deferred, share_deferred = run(others="defer", keep_overlap=True)
+    lost_rebased, share_rebased = run(keep_overlap=True)  # others' merges: progress rebased onto them
+    assert lost_now > 0 and lost_deferred == lost_rebased == 0
+    assert share_deferred == share_rebased == 1.0 > share_now
 
 
 def test_heterogeneous_speeds_K_equals_M_stalls_the_fast_learner(tmp_path, build):

@@ -420,6 +420,17 @@ def test_a_stale_contribution_is_anchored_at_current_theta_or_at_its_base(anchor
         np.testing.assert_allclose(st.fragments[0].theta[p], want[p], rtol=1e-6, atol=1e-6)
 
 
+def test_scale_live_counts_absent_learners_as_zero_deltas():
+    """scale=live, M = 4, one learner in the merge: Theta moves a quarter of the way (outer SGD lr 1)."""
+    pol = policy(K=1, outer=make_outer("sgd", lr=1.0, momentum=0.0), scale="live")
+    st = start(pol, M=4)
+    local = shifted(THETA0[0], 0.5)
+    st, _ = sync.on_contribution(pol, st, frame(local, THETA0[0]), 0.0)
+    for p in local:
+        np.testing.assert_allclose(st.fragments[0].theta[p], THETA0[0][p] + 0.25 * (local[p] - THETA0[0][p]),
+                                   rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("spec", ["topk+k1.0", "topk+zstd1+k1.0", "fp32+zstd1"])
 def test_the_payload_bound_admits_every_codec_at_its_largest(spec):
     """Top-k at fraction 1 sends 8 bytes per value, twice fp32; zstd adds its frame on top. A legitimate

@@ -42,7 +42,7 @@ class Pending(NamedTuple):
     version: int
     apply_at: int  # applied before the local step apply_at + 1, i.e. once step >= apply_at
     answers: tuple[int, ...] = ()  # seqs of this learner's sends the merge took in
-    kept: bool = False  # set by to_apply: Theta + the progress made since the answered send
+    kept: bool = False  # set by to_apply: local progress survives the apply (Schedule.keep)
 
 
 DEFERRED = 2**62  # apply_at of a merge held until an answer (Schedule.others == "defer") or a give-up
@@ -125,8 +125,10 @@ def on_fragment(st: LearnerState, schedule: Schedule, fragment: int, version: in
 
 def to_apply(st: LearnerState, schedule: Schedule) -> tuple[LearnerState, tuple[Pending, ...]]:
     """Pop the pending fragments due before the next step. The sends they answer (with any earlier
-    send of the same fragment) leave flight. Counters reset, except where the apply keeps the
-    progress made since the answered send (returned with kept=True): they drop to that progress.
+    send of the same fragment) leave flight. Counters reset, except where the apply keeps local
+    progress (schedule.keep; returned with kept=True): a merge answering a send keeps the progress
+    made since that send, and the counters drop to it; another learner's merge keeps all of it
+    (the runtime rebases it onto the new version) and the counters stay.
     An overwrite also voids the counters of the fragment's sends still in flight, so a later answer
     to one of them overwrites too (the snapshot it would keep from is gone)."""
     ready = tuple(q for q in st.pending if q.apply_at <= st.step)
@@ -137,8 +139,14 @@ def to_apply(st: LearnerState, schedule: Schedule) -> tuple[LearnerState, tuple[
     c_steps, c_tokens, versions, out = list(st.c_steps), list(st.c_tokens), list(st.versions), []
     for q in ready:
         p, f = q.fragment, sent.get((q.fragment, answered.get(q.fragment)))
-        kept = schedule.keep and f is not None and f.c_steps >= 0
-        c_steps[p], c_tokens[p] = (c_steps[p] - f.c_steps, c_tokens[p] - f.c_tokens) if kept else (0, 0)
+        if not q.answers:  # another learner's merge: kept = the unsent progress is rebased onto it
+            kept = schedule.keep
+        else:
+            kept = schedule.keep and f is not None and f.c_steps >= 0
+            if kept:
+                c_steps[p], c_tokens[p] = c_steps[p] - f.c_steps, c_tokens[p] - f.c_tokens
+        if not kept:
+            c_steps[p], c_tokens[p] = 0, 0
         versions[p] = q.version
         out.append(q._replace(kept=kept))
     overwritten = {q.fragment for q in out if not q.kept}

@@ -53,6 +53,12 @@ class Policy(NamedTuple):
     # sent: only its own progress, as in asynchronous DiLoCo variants). A base that has left the
     # kept history by the merge falls back to "current".
     anchor: str = "current"
+    # How far one merge moves Theta [unsure]: "admitted" = the weighted mean over the learners in
+    # the merge (section 4); "live" = that mean times |admitted| / |live learners|, so each learner
+    # that is absent counts as a zero delta. With anchor="base" and learners out of phase (one per
+    # merge) this keeps the sum of M one-learner merges at the size of one merge of all M, where
+    # "admitted" would move Theta M times as far per period (asynchronous SGD without the 1/M).
+    scale: str = "admitted"
     # A poisoned or diverged learner shows as a pseudo-gradient far larger than its peers': one
     # whose norm per inner step exceeds norm_bound x the median of the fragment's last norm_window
     # admitted ones is quarantined (0 = no bound), once 8 are known. Per step, because a
@@ -266,6 +272,8 @@ def _merge(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
     method = cfg.embedding_merge if fs.spec.embedding else cfg.merge
     deltas = [merging.pseudo_gradient(_anchor(cfg, fs, c), c.local) for c in inside]
     delta = merging.merge(deltas, weights, method)
+    if cfg.scale == "live" and len(inside) < len(st.live):
+        delta = {path: x * np.float32(len(inside) / len(st.live)) for path, x in delta.items()}
     theta, outer_state = _outer_step(cfg.outer, fs.theta, fs.outer_state, delta)
     theta = {path: np.asarray(x) for path, x in theta.items()}
     version = fs.version + 1

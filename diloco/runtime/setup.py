@@ -50,7 +50,7 @@ def policy(cfg: TrainConfig) -> sync.Policy:
     down_spec = codec_spec(c.down, block=c.block, topk_fraction=c.topk_fraction)
     return sync.Policy(grace, outer_optimizer(cfg), s.merge, s.embedding_merge,
                        None if s.max_staleness < 0 else s.max_staleness, s.history, down, down_spec,
-                       grace_budget=s.grace_budget, anchor=s.anchor, norm_bound=s.norm_bound, norm_window=s.norm_window)
+                       grace_budget=s.grace_budget, anchor=s.anchor, scale=s.scale, norm_bound=s.norm_bound, norm_window=s.norm_window)
 
 
 def learner_meshes(cfg: TrainConfig) -> list:

@@ -81,7 +81,11 @@ class LearnerUnit:
         params = self.state.params
         for q in ready:
             version, values = self.latest[q.fragment]
+            _, before = self.anchors[q.fragment]
             self.anchors[q.fragment] = (version, values)
+            if q.kept and not q.answers:  # rebase: Theta' + (local - Theta), the send snapshot too
+                params = self._rebase(params, q.fragment, before, values)
+                continue
             # The snapshot of the fragment's latest send (the one a merge answers, bar the rare
             # case of two sends in flight); an overwrite voids it, as it voids the counters.
             sent = self.sent_local.pop(q.fragment, None) if q.kept else None
@@ -97,6 +101,19 @@ class LearnerUnit:
                 params = _set(params, path, jax.device_put(np.asarray(new, np.float32), old.sharding))
         self.state = self.state.replace(params=params)
         return tuple(q for q in ready if not q.kept)
+
+    def _rebase(self, params, p: int, before: dict, after: dict):
+        """Move fragment p's params (and its latest send snapshot) by after - before: the unsent
+        progress, and what a kept answer will keep, ride on the new version."""
+        sent = self.sent_local.get(p)
+        for path in after:
+            shift = after[path] - before[path]
+            old = _get(params, path)
+            new = np.asarray(jax.device_get(old)) + shift
+            params = _set(params, path, jax.device_put(np.asarray(new, np.float32), old.sharding))
+            if sent is not None:
+                sent[path] = sent[path] + shift
+        return params
 
     def warm_up(self) -> None:
         """Compile the inner step before a wall clock starts, on a copy of the state (the step
