@@ -49,6 +49,31 @@ def test_resume_from_a_snapshot_equals_the_uninterrupted_run(tmp_path, build):
             assert x == y
 
 
+def test_sigterm_saves_a_final_snapshot_and_resume_finishes_the_run(tmp_path, build):
+    """SIGTERM after step 13 (between the periodic snapshots at 12 and 18): the sim takes one more step,
+    saves a snapshot there and raises KeyboardInterrupt; resuming ends where the whole run does."""
+    import os
+    import signal
+
+    whole = cfg_for(tmp_path, "whole")
+    setup = build(whole)
+    a, summary_a = sim_mod.run(whole, setup, tmp_path / "whole", None)
+
+    def term(sim):
+        if sim.steps_done == 13 and not sim.interrupted:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return False
+
+    with pytest.raises(KeyboardInterrupt):
+        sim_mod.run(cfg_for(tmp_path, "term"), setup, tmp_path / "term", None, stop=term)
+    assert signal.getsignal(signal.SIGTERM) is not None  # the previous handler is back
+    assert 14 in {int(p.name) for p in (tmp_path / "term" / "sim").iterdir() if p.name.isdigit()}
+    c, summary_c = sim_mod.run(cfg_for(tmp_path, "term", resume=True), setup, tmp_path / "term", None)
+    assert summary_c == summary_a
+    for x, y in zip(sync.theta(a.syncer).values(), sync.theta(c.syncer).values()):
+        np.testing.assert_array_equal(x, y)
+
+
 def jax_leaves(tree):
     import jax
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(jax.device_get(tree))]

@@ -18,7 +18,11 @@ takes effect at the learner's next step boundary: the step in progress finishes.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import logging
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,6 +38,8 @@ from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
 from diloco.runtime.sim_ckpt import SimSnapshots, restore
 from diloco.runtime.tape import InputLog, read_inputs, run_outputs, write_decisions
+
+log = logging.getLogger(__name__)
 
 
 class Sim(HostedRuntime):
@@ -73,6 +79,7 @@ class Sim(HostedRuntime):
         self.flushed: set[int] = set()  # learners that sent their final contributions
         self.now = 0.0
         self.steps_done = 0  # inner steps over all learners: when snapshots fall due
+        self.interrupted = False  # set by a signal (run()): save a final snapshot, then stop
         self.evals: list[tuple[float, int, float]] = []
 
     def push(self, t: float, kind: str, *data: Any) -> None:
@@ -96,7 +103,10 @@ class Sim(HostedRuntime):
             self.now, _, kind, data = heapq.heappop(self.heap)
             getattr(self, f"_on_{kind}")(*data)
             if kind == "step" and snapshots is not None:
-                snapshots.maybe_save(self)
+                snapshots.maybe_save(self, final=self.interrupted)
+            if kind == "step" and self.interrupted:  # Ctrl-C / SIGTERM, at a step boundary
+                self.checkpoints.close()
+                raise KeyboardInterrupt(f"sim interrupted after {self.steps_done} inner steps")
             if stop is not None and stop(self):
                 self.checkpoints.close()
                 return None
@@ -291,6 +301,29 @@ def chaos_tape(cfg: TrainConfig) -> tapes.Tape | None:
     return tapes.generate(cfg.chaos, r.learners, horizon_s=4 * cfg.run.steps * r.step_time * slowest)
 
 
+@contextlib.contextmanager
+def _interruptible(sim: Sim):
+    """SIGINT or SIGTERM (main thread only) lets the sim finish the step in progress, save a final
+    snapshot and raise KeyboardInterrupt; `run.resume=true` continues from it bit-identically.
+    A second signal interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if sim.interrupted:
+            raise KeyboardInterrupt
+        log.warning("signal %d: stopping after the current step with a final snapshot", signum)
+        sim.interrupted = True
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable[[dict], float] | None,
         stop: Callable[[Sim], bool] | None = None) -> tuple[Sim, dict | None]:
     """Run Decoupled DiLoCo in virtual time; returns the finished Sim (for its state) and a summary
@@ -310,11 +343,12 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable
             if tape is not None and run_dir is not None:
                 (run_dir / "chaos_tape.json").write_text(tapes.to_json(tape))
             sim = Sim(cfg, setup, writer, evaluate, inputs, tape, ckpts)
-            if found is None:
-                summary = sim.run(snapshots, stop)
-            else:
-                restore(sim, *found)
-                summary = sim.loop(snapshots, stop)
+            with _interruptible(sim):
+                if found is None:
+                    summary = sim.run(snapshots, stop)
+                else:
+                    restore(sim, *found)
+                    summary = sim.loop(snapshots, stop)
             if summary is None:
                 return sim, None
             if evaluate is not None:

@@ -171,7 +171,10 @@ class SimSnapshots:
         self.manager = checkpoint.open_manager(directory, keep) if self.every else None
         self.next_at = every
 
-    def maybe_save(self, sim) -> None:
+    def maybe_save(self, sim, final: bool = False) -> None:
+        """Save when `every` more steps are done, or now if `final` (an interrupted run)."""
+        if final and self.every and sim.steps_done not in self.manager.all_steps():
+            self.next_at = sim.steps_done
         if self.every and sim.steps_done >= self.next_at:
             self.next_at = (sim.steps_done // self.every + 1) * self.every
             arrays, meta = snapshot(sim)
