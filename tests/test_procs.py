@@ -217,8 +217,8 @@ def test_kill_9_syncer_restarts_from_its_checkpoint_and_skips_or_repeats_no_vers
 
 
 def test_sigterm_stops_every_process_and_prints_a_partial_summary(world, tmp_path, capsys):
-    """SIGTERM to the supervisor (as from a process manager) mid-run: the learners are terminated,
-    the syncer finishes with what it booked, its summary is printed, KeyboardInterrupt is raised."""
+    """SIGTERM to the supervisor (as from a process manager) mid-run: the learners checkpoint and
+    exit, the syncer finishes with what it booked, its summary is printed, KeyboardInterrupt is raised."""
     cfg, setup, run_dir = variant(world, tmp_path, speeds=(1.0, 20.0))  # learner 1 keeps it going
     store, sent, stop = None, [], threading.Event()
 
@@ -254,3 +254,7 @@ def test_sigterm_stops_every_process_and_prints_a_partial_summary(world, tmp_pat
             os.kill(pid, 0)
     out = capsys.readouterr().out
     assert "partial summary" in out and "token_ledger_imbalance" in out
+    # each learner checkpointed where SIGTERM found it (the periodic interval, 50, was never reached)
+    for m in range(M):
+        saved = [int(d.name) for d in (run_dir / "learners" / f"learner-{m}").iterdir() if d.name.isdigit()]
+        assert saved and 0 < max(saved) <= STEPS

@@ -185,8 +185,9 @@ def test_keyboard_interrupt_in_the_main_thread_stops_all(world, no_leftover_thre
     assert len(calls) == 1 and time.monotonic() - calls[0] < 5.0
 
 
-def test_sigint_while_running_stops_all(world, no_leftover_threads):
-    """A real Ctrl-C (SIGINT to the process) lands in the main thread while the learners run."""
+def test_sigint_while_running_stops_all(world, tmp_path, no_leftover_threads):
+    """A real Ctrl-C (SIGINT to the process) lands in the main thread while the learners run; each
+    learner writes a final checkpoint of where it stopped."""
     cfg, setup = variant(world, speeds=(1.0, 20.0))  # learner 1 keeps the run going for seconds
     timers, sent = [], []
 
@@ -202,11 +203,13 @@ def test_sigint_while_running_stops_all(world, no_leftover_threads):
 
     try:
         with pytest.raises(KeyboardInterrupt):
-            threads.run(cfg, setup, None, evaluate_then_sigint)
+            threads.run(cfg, setup, tmp_path, evaluate_then_sigint)
     finally:
         for timer in timers:
             timer.join()
     assert sent and time.monotonic() - sent[0] < 5.0
+    for m in range(cfg.runtime.learners):
+        assert any(d.name.isdigit() for d in (tmp_path / "learners" / f"learner-{m}").iterdir())
 
 
 def test_a_killed_learner_rejoins_from_its_checkpoint_under_a_new_incarnation(world, tmp_path, monkeypatch,

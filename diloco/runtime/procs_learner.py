@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import signal
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -150,6 +151,7 @@ class ProcLearner:
         self.setup = child_setup(cfg, store)
         r = cfg.runtime
         self.speed = (list(r.speeds) or [1.0] * r.learners)[m]
+        self.terminating = False  # set by SIGTERM: checkpoint and exit at the next step boundary
         self.checkpoints = LearnerCheckpoints(None if run_dir is None else run_dir / "learners",
                                               r.learner_checkpoint_every, cfg.run.keep_checkpoints)
         self.n = 0  # next event number
@@ -200,7 +202,7 @@ class ProcLearner:
         cfg, r, m, steps = self.cfg, self.cfg.runtime, self.m, self.cfg.run.steps
         rng = np.random.default_rng([r.seed, 7, m, self.inc])
         watch = StallWatch(m, r.stall_limit_steps)
-        while True:
+        while not self.terminating:
             self.receive(unit)
             ready = unit.apply_due()
             if ready:
@@ -230,6 +232,10 @@ class ProcLearner:
             self.emit("step", step=unit.ls.step, start=start, end=end, tokens=result.tokens,
                       sends=self.ship(result), stalls=[list(x) for x in watch.take()], loss=result.loss)
             self.checkpoints.maybe_save(unit)
+        if self.terminating:  # a final checkpoint between steps; what is unsent is lost
+            self.checkpoints.maybe_save(unit, final=True)
+            self.checkpoints.close()
+            return
         if cfg.fragments.final_sync:
             result = unit.flush()
             self.emit("flush", at=self.clock(), sends=self.ship(result))
@@ -279,7 +285,15 @@ class ProcLearner:
 
 def learner_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m: int, incarnation: int,
                  parent: int) -> None:
-    ProcLearner(store, cfg, run_dir, m, incarnation, parent).run()
+    rt = ProcLearner(store, cfg, run_dir, m, incarnation, parent)
+
+    def stop(signum, frame):  # SIGTERM (the supervisor stopping, or a preemption notice)
+        rt.terminating = True
+
+    signal.signal(signal.SIGTERM, stop)
+    rt.run()
+    if rt.terminating:  # not done: the supervisor restarts it if the run goes on
+        sys.exit(128 + signal.SIGTERM)
 
 
 def learner_main(store_url: str, cfg: TrainConfig, cache: str | None, run_dir: Path | None, m: int,

@@ -160,9 +160,11 @@ class Recovery:
         if self.journal is not None:
             self.journal.append(entry)
 
-    def maybe_save(self, rt) -> None:
-        """At an entry boundary, every `every` merges: an async checkpoint of everything."""
-        if self.ckpts is None or rt.syncer.merges - self.saved_merges < self.every:
+    def maybe_save(self, rt, final: bool = False) -> None:
+        """At an entry boundary, every `every` merges (or at any new merge if `final`: a syncer
+        stopped by SIGTERM): an async checkpoint of everything."""
+        due = rt.syncer.merges - self.saved_merges >= (1 if final else self.every)
+        if self.ckpts is None or not due:
             return
         self._promote()  # Orbax finishes the previous save before it starts this one
         arrays, meta = bookkeeping_out(rt)

@@ -134,6 +134,8 @@ class ProcSyncer:
                     self.collect()
                     last_gc = now
                 poller.wait(any(active))
+            if self.stopping:  # SIGTERM: a final checkpoint of what is booked, then the summary
+                self.recovery.maybe_save(self, final=True)
             self.finish()
         finally:
             self.recovery.close(self)

@@ -54,10 +54,13 @@ class LearnerCheckpoints:
                                                         async_save=self._lock is None)
         return self._managers[m]
 
-    def maybe_save(self, unit: LearnerUnit) -> bool:
-        """Save after every `every`-th step of the unit; True if a save started."""
+    def maybe_save(self, unit: LearnerUnit, final: bool = False) -> bool:
+        """Save after every `every`-th step of the unit, or now if `final` (a learner stopped by a
+        signal) unless this step is saved already; True if a save started."""
         step = unit.ls.step
-        if not self.enabled or step == 0 or step % self.every:
+        if not self.enabled or step == 0 or (step % self.every and not final):
+            return False
+        if final and step in self._manager(unit.learner).all_steps():
             return False
         meta = {"learner": unit.learner, "incarnation": unit.ls.incarnation, "step": step,
                 "versions": list(unit.ls.versions)}

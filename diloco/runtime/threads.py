@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import queue
+import signal
 import threading
 import time
 from pathlib import Path
@@ -106,6 +107,9 @@ class Threads(HostedRuntime):
 
     # --- supervision (main thread) ------------------------------------------------------------
     def run(self) -> dict:
+        previous = None
+        if threading.current_thread() is threading.main_thread():  # SIGTERM stops as Ctrl-C does
+            previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             self.crew.start()
             self._supervise()
@@ -113,6 +117,8 @@ class Threads(HostedRuntime):
             self.crew.fail(e)
         finally:
             self.crew.join()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         if self.crew.error is not None:
             raise self.crew.error
         return self.summary()
@@ -143,6 +149,8 @@ class Threads(HostedRuntime):
                 except _Killed as killed:
                     unit = self._restart(m, unit, ckpts, killed.args[0])
         finally:
+            if isinstance(self.crew.error, KeyboardInterrupt):  # Ctrl-C / SIGTERM: a final checkpoint
+                ckpts.maybe_save(self.units[m], final=True)
             ckpts.close()
 
     def _restart(self, m: int, dead: LearnerUnit, ckpts: LearnerCheckpoints, stalls: tuple) -> LearnerUnit:
