@@ -206,6 +206,7 @@ class ChaosConfig:
     jitter: float = 0.0  # relative std of each step time
     scavenge: tuple[tuple[float, ...], ...] = ()  # [start_s, stop_s] per extra learner (ids from runtime.learners on)
     seed: int = 0
+    wall_scale: float = 1.0  # threads: wall seconds per tape second (a real step's seconds / runtime.step_time)
 
 
 @dataclass(frozen=True)

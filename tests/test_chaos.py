@@ -155,3 +155,27 @@ def test_chaos_group_files_list_every_field_and_compose(option):
         raw = compose(config_name="train", overrides=[f"chaos={option}", "run.out_dir=runs/test"])
     cfg = load(OmegaConf.to_container(raw, resolve=True))
     assert cfg.chaos.enabled == (option == "poisson")
+
+
+def test_rows_and_return_times_on_a_hand_written_tape():
+    tape = Tape(2, 4, 100.0, (1.0, 1.0), 0.0, 0, (
+        Event(1.0, "slice_down", 0, 0), Event(2.0, "slice_down", 0, 1), Event(2.0, "slice_down", 0, 2),
+        Event(3.0, "slice_down", 0, 3), Event(5.0, "slice_up", 0, 2)))
+    rows = [tapes.batch_rows(tape, 0, t, batch_size=8, devices=2) for t in (0.0, 1.0, 2.0)]
+    assert rows == [8, 6, 2] and tapes.rows_options(tape, 8, 2) == (2, 4, 6, 8)
+    assert tapes.back_at(tape, 0, 3.5) == 5.0 and tapes.back_at(tape, 0, 0.5) == 0.5
+    assert tapes.back_at(dataclasses.replace(tape, events=tape.events[:4]), 0, 3.5) == math.inf
+
+
+@pytest.mark.parametrize("runtime, chaos, message", [
+    ("procs", {}, "needs runtime.kind=sim or threads"),
+    ("threads", {"scavenge": [[1.0, 2.0]]}, "chaos.scavenge"),
+    ("threads", {"wall_scale": 0.0}, "chaos.wall_scale"),
+])
+def test_wall_clock_chaos_configs_are_checked(runtime, chaos, message):
+    raw = to_dict(TrainConfig())
+    raw.update(algo="diloco")
+    raw["runtime"].update(kind=runtime)
+    raw["chaos"].update(enabled=True, **chaos)
+    with pytest.raises(ConfigError, match=message):
+        load(raw)

@@ -239,3 +239,33 @@ def test_a_killed_learner_rejoins_from_its_checkpoint_under_a_new_incarnation(wo
     for fs in rt.syncer.fragments:  # one version at a time: none applied twice or skipped
         versions = [r["version"] for r in merges if r["fragment"] == fs.spec.index]
         assert versions == list(range(1, fs.version + 1))
+
+
+def test_a_chaos_tape_on_the_wall_clock_shrinks_the_batch_then_kills_and_restarts(world, tmp_path, monkeypatch,
+                                                                                   no_leftover_threads):
+    """A hand-written tape replayed at wall_scale 1: learner 1 loses one of its 2 slices at once
+    (half the batch from its first step, compiled before the clock starts), its other slice 0.05 s
+    into the run (it crashes) and gets one back at 0.4 s (it restarts after restart_s and finishes
+    on half the batch); learner 0 never notices. The ledger balances and the down time is booked."""
+    from diloco.chaos import tapes
+    cfg, setup = variant(world, restart_s=0.1)
+    cfg = replace(cfg, chaos=replace(cfg.chaos, wall_scale=1.0))
+    events = (tapes.Event(0.0, "slice_down", 1, 0), tapes.Event(0.05, "slice_down", 1, 1),
+              tapes.Event(0.4, "slice_up", 1, 1))
+    tape = tapes.Tape(M, 2, 100.0, (1.0, 1.0), 0.0, 0, events)
+    rows = {0: set(), 1: set()}
+    plain_step = LearnerUnit.step
+
+    def step(unit, *args, **kwargs):
+        rows[unit.learner].add(kwargs.get("rows"))
+        return plain_step(unit, *args, **kwargs)
+    monkeypatch.setattr(LearnerUnit, "step", step)
+    rt = threads.Threads(cfg, setup, None, None, None, tmp_path / "learners", tape)
+    summary = rt.run()
+
+    batch = cfg.data.batch_size
+    assert rows == {0: {batch}, 1: {batch // 2}}
+    assert [(r.learner, r.incarnation) for r in rt.rejoins] == [(1, 1)]
+    assert [u.ls.step for u in rt.units] == [STEPS] * M
+    assert summary["token_ledger_imbalance"] == 0 and sum(rt.tokens.lost) > 0
+    assert timeline.seconds(rt.time)[1]["down"] >= 0.3

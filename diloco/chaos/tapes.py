@@ -157,6 +157,31 @@ def is_alive(tape: Tape, learner: int, t: float) -> bool:
     return live_slices(tape, learner, t) > 0
 
 
+def batch_rows(tape: Tape, learner: int, t: float, batch_size: int, devices: int) -> int:
+    """Batch rows a learner computes at time t: its live slices' share, whole rows per device
+    (at least one per device; rows of dead slices are simply not computed)."""
+    return _rows(live_slices(tape, learner, t), tape.slices_per_learner, batch_size, devices)
+
+
+def rows_options(tape: Tape, batch_size: int, devices: int) -> tuple[int, ...]:
+    """Every batch_rows value a live learner can have (1 .. all slices up)."""
+    return tuple(_rows(k, tape.slices_per_learner, batch_size, devices)
+                 for k in range(1, tape.slices_per_learner + 1))
+
+
+def _rows(live: int, slices: int, batch_size: int, devices: int) -> int:
+    return max(devices, batch_size * live // slices // devices * devices)
+
+
+def back_at(tape: Tape, learner: int, t: float) -> float:
+    """The first time >= t at which the learner is alive again (inf if never)."""
+    while not is_alive(tape, learner, t):
+        t = next_change(tape, learner, t)
+        if math.isinf(t):
+            return t
+    return t
+
+
 def next_change(tape: Tape, learner: int, t: float) -> float:
     """Time of the learner's first event strictly after t; inf if there is none."""
     for e in tape.events:

@@ -133,9 +133,7 @@ class Sim(HostedRuntime):
         b = self.setup.spec.batch_size
         if self.tape is None:
             return b
-        live = tapes.live_slices(self.tape, m, self.now)
-        d = self.cfg.runtime.devices_per_learner
-        return max(d, b * live // self.tape.slices_per_learner // d * d)
+        return tapes.batch_rows(self.tape, m, self.now, b, self.cfg.runtime.devices_per_learner)
 
     def _on_chaos(self, m: int) -> None:
         unit = self.units[m]

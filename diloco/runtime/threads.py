@@ -35,12 +35,14 @@ from diloco import report
 from diloco.algo import quorum
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
+from diloco.chaos import tapes
 from diloco.config import TrainConfig
 from diloco.runtime.crew import Crew, Stopped
 from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.mailbox import Mailbox
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
+from diloco.runtime.sim import chaos_tape
 from diloco.runtime.tape import InputLog, run_outputs, write_decisions
 from diloco.runtime.unit import LearnerUnit, StallWatch
 
@@ -61,12 +63,19 @@ class Threads(HostedRuntime):
 
     def __init__(self, cfg: TrainConfig, setup: Setup, writer: report.MetricsWriter | None,
                  evaluate: Callable[[dict], float] | None, inputs: InputLog | None = None,
-                 checkpoint_dir: Path | None = None):
+                 checkpoint_dir: Path | None = None, tape: tapes.Tape | None = None):
         self.cfg, self.setup, self.evaluate = cfg, setup, evaluate
         self.writer, self._write_lock = writer, threading.Lock()  # learners and main thread write
         r = cfg.runtime
         self.M = r.learners
         self.speeds = list(r.speeds) or [1.0] * self.M
+        # A failure tape replayed on the wall clock (chaos.wall_scale wall seconds per tape second):
+        # slices lost shrink the batch, a learner with none left crashes and restarts once its
+        # slices are back. Its speeds and jitter replace the runtime's, as in sim.
+        self.tape, self.wall_scale = tape, cfg.chaos.wall_scale
+        self.jitter = r.jitter if tape is None else tape.jitter
+        if tape is not None:
+            self.speeds = list(tape.speeds[:self.M])
         self.host = SyncerHost(setup, {m: 0 for m in range(self.M)}, inputs, on_deadline=self._arm,
                                transport=self._transmit)
         self.initial = self.host.state  # every learner starts from Theta_0, never from its own init
@@ -141,6 +150,10 @@ class Threads(HostedRuntime):
         ckpts = LearnerCheckpoints(self.checkpoint_dir, r.learner_checkpoint_every, lock=self._ckpt_lock)
         unit = self.units[m] = new_unit(self.setup, m, 0, self.initial)
         unit.warm_up()
+        if self.tape is not None:  # and every smaller batch that losing slices can leave
+            b, d = self.setup.spec.batch_size, self.cfg.runtime.devices_per_learner
+            for rows in sorted(set(tapes.rows_options(self.tape, b, d)) - {b}):
+                unit.warm_up(rows)
         self.ready.wait()
         try:
             while True:
@@ -159,6 +172,8 @@ class Threads(HostedRuntime):
         died_at = self.clock()
         self._emit(m, ("died", m, dead.ls.incarnation, died_at, stalls))
         restart_at = died_at  # in a kill drill the devices are back at once: restarting, never down
+        if self.tape is not None:  # down until the tape gives a slice back
+            restart_at = self._sleep(tapes.back_at(self.tape, m, died_at / self.wall_scale) * self.wall_scale)
         self._sleep(restart_at + self.cfg.runtime.restart_s)
         unit, how = rejoin_unit(self.setup, m, dead.ls.incarnation + 1, self.host.state, ckpts,
                                 self.cfg.runtime.max_rejoin_staleness, dead.ls.step)
@@ -167,6 +182,15 @@ class Threads(HostedRuntime):
         self._emit(m, ("rejoin", m, how.incarnation, died_at, restart_at, self.clock()))
         self._write({"kind": "rejoin", "time": self.clock(), **how._asdict()})
         return unit
+
+    def _alive(self, m: int) -> bool:
+        return self.tape is None or tapes.is_alive(self.tape, m, self.clock() / self.wall_scale)
+
+    def _rows(self, m: int) -> int | None:
+        if self.tape is None:
+            return None
+        return tapes.batch_rows(self.tape, m, self.clock() / self.wall_scale, self.setup.spec.batch_size,
+                                self.cfg.runtime.devices_per_learner)
 
     def _sleep(self, until: float) -> float:
         while (left := until - self.clock()) > 0:
@@ -179,7 +203,7 @@ class Threads(HostedRuntime):
         rng = np.random.default_rng([r.seed, 7, m, unit.ls.incarnation])
         watch = StallWatch(m, r.stall_limit_steps)
         while True:
-            if m in self.kills:
+            if m in self.kills or not self._alive(m):
                 raise _Killed(watch.take(self.clock()))
             self._drain(m)
             ready = unit.apply_due()
@@ -201,13 +225,13 @@ class Threads(HostedRuntime):
                 break
             start = self.clock()
             log = report.due(unit.ls.step + 1, self.cfg.run.log_every, steps)
-            result = unit.step(fetch_loss=log)
+            result = unit.step(fetch_loss=log, rows=self._rows(m))
             jax.block_until_ready(unit.state)  # dispatch is asynchronous: time the step, not its launch
             compute = self.clock() - start
             ckpts.maybe_save(unit)
             # A learner with speed factor s sleeps (s - 1) x its compute time (x jitter), so a
             # heterogeneous run works on one real clock; factors below 1 cannot speed a step up.
-            factor = self.speeds[m] * max(0.1, 1.0 + r.jitter * rng.standard_normal())
+            factor = self.speeds[m] * max(0.1, 1.0 + self.jitter * rng.standard_normal())
             self._idle(m, start + factor * compute)
             end = self.clock()
             watch.observe(end - start)
@@ -380,8 +404,11 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
     """Run Decoupled DiLoCo on the wall clock; returns the finished runtime (for its state) and a
     summary with the same keys as sim's."""
     with run_outputs(run_dir) as (writer, inputs):
+        tape = chaos_tape(cfg)
+        if tape is not None and run_dir is not None:
+            (run_dir / "chaos_tape.json").write_text(tapes.to_json(tape))
         rt = Threads(cfg, setup, writer, evaluate, inputs,
-                     None if run_dir is None else run_dir / "learners")
+                     None if run_dir is None else run_dir / "learners", tape)
         summary = rt.run()  # every thread has been joined when it returns or raises
         if evaluate is not None:
             rt._eval(rt.end, rt.units[0].ls.step, sync.theta(rt.syncer), int(rt.tokens.processed[0]),

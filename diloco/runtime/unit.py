@@ -115,13 +115,14 @@ class LearnerUnit:
                 sent[path] = sent[path] + shift
         return params
 
-    def warm_up(self) -> None:
+    def warm_up(self, rows: int | None = None) -> None:
         """Compile the inner step before a wall clock starts, on a copy of the state (the step
-        donates its input), so step times, speed factors and the time ledger measure steps, not XLA."""
+        donates its input), so step times, speed factors and the time ledger measure steps, not XLA.
+        `rows`: a smaller batch a failure tape will ask for (each batch shape compiles once)."""
         c, s = self.compiled, self.spec
         state = jax.device_put(self.state, c.state_sharding, may_alias=False)
         batch = batch_at(s.train_tokens, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
-                         step=0, batch_size=s.batch_size, seq_len=s.seq_len)
+                         step=0, batch_size=s.batch_size if rows is None else rows, seq_len=s.seq_len)
         jax.block_until_ready(c.train_step(state, jax.device_put(batch, c.batch_sharding)))
 
     def step(self, fetch_loss: bool = False, rows: int | None = None) -> StepResult:
