@@ -12,7 +12,8 @@ from diloco.chaos import tapes
 from diloco.chaos.tapes import Event, Tape
 from diloco.config import ChaosConfig, validate
 from diloco.runtime.rejoin import LearnerCheckpoints
-from diloco.runtime.sim import Sim, chaos_tape
+from diloco.runtime.sim import Sim
+from diloco.runtime.walltape import chaos_tape
 from test_sim import build, corpus, make_cfg, model  # noqa: F401  (fixtures)
 
 STEPS = 30

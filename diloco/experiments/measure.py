@@ -48,7 +48,7 @@ def elastic_progress(times: np.ndarray, delta: np.ndarray, slices: int, pause_s:
 def tape_slice_events(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray, int]:
     """(times, -1/+1, slices) of the base learners' slices on the tape a Decoupled DiLoCo run of
     cfg replays; scavenged learners' chips are not the data-parallel job's."""
-    from diloco.runtime.sim import chaos_tape
+    from diloco.runtime.walltape import chaos_tape
 
     tape = chaos_tape(cfg)
     M = cfg.runtime.learners

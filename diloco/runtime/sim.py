@@ -38,6 +38,7 @@ from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
 from diloco.runtime.sim_ckpt import SimSnapshots, restore
 from diloco.runtime.tape import InputLog, read_inputs, run_outputs, write_decisions
+from diloco.runtime.walltape import chaos_tape
 
 log = logging.getLogger(__name__)
 
@@ -288,15 +289,6 @@ def _removed(tape: tapes.Tape, m: int, t: float) -> bool:
     """Learner m's last tape event by time t took it out of the run (as opposed to failing it)."""
     last = [e.kind for e in tape.events if e.learner == m and e.time <= t]
     return bool(last) and last[-1] == "learner_remove"
-
-
-def chaos_tape(cfg: TrainConfig) -> tapes.Tape | None:
-    """The failure tape of a run, over a horizon long enough for every learner to finish."""
-    if not cfg.chaos.enabled:
-        return None
-    r = cfg.runtime
-    slowest = max([*r.speeds, *cfg.chaos.speeds, 1.0])
-    return tapes.generate(cfg.chaos, r.learners, horizon_s=4 * cfg.run.steps * r.step_time * slowest)
 
 
 @contextlib.contextmanager

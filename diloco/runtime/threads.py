@@ -42,9 +42,9 @@ from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.mailbox import Mailbox
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
-from diloco.runtime.sim import chaos_tape
 from diloco.runtime.tape import InputLog, run_outputs, write_decisions
 from diloco.runtime.unit import LearnerUnit, StallWatch
+from diloco.runtime.walltape import WallTape, chaos_tape
 
 POLL = 0.05  # seconds: the longest any thread blocks before looking at the stop event again
 JOIN_TIMEOUT = 30.0  # seconds the main thread waits for stopped threads before reporting them stuck
@@ -72,7 +72,8 @@ class Threads(HostedRuntime):
         # A failure tape replayed on the wall clock (chaos.wall_scale wall seconds per tape second):
         # slices lost shrink the batch, a learner with none left crashes and restarts once its
         # slices are back. Its speeds and jitter replace the runtime's, as in sim.
-        self.tape, self.wall_scale = tape, cfg.chaos.wall_scale
+        self.tape = None if tape is None else WallTape(tape, cfg.chaos.wall_scale, cfg.data.batch_size,
+                                                       r.devices_per_learner)
         self.jitter = r.jitter if tape is None else tape.jitter
         if tape is not None:
             self.speeds = list(tape.speeds[:self.M])
@@ -150,10 +151,8 @@ class Threads(HostedRuntime):
         ckpts = LearnerCheckpoints(self.checkpoint_dir, r.learner_checkpoint_every, lock=self._ckpt_lock)
         unit = self.units[m] = new_unit(self.setup, m, 0, self.initial)
         unit.warm_up()
-        if self.tape is not None:  # and every smaller batch that losing slices can leave
-            b, d = self.setup.spec.batch_size, self.cfg.runtime.devices_per_learner
-            for rows in sorted(set(tapes.rows_options(self.tape, b, d)) - {b}):
-                unit.warm_up(rows)
+        for rows in () if self.tape is None else self.tape.smaller_batches():
+            unit.warm_up(rows)
         self.ready.wait()
         try:
             while True:
@@ -173,7 +172,7 @@ class Threads(HostedRuntime):
         self._emit(m, ("died", m, dead.ls.incarnation, died_at, stalls))
         restart_at = died_at  # in a kill drill the devices are back at once: restarting, never down
         if self.tape is not None:  # down until the tape gives a slice back
-            restart_at = self._sleep(tapes.back_at(self.tape, m, died_at / self.wall_scale) * self.wall_scale)
+            restart_at = self._sleep(self.tape.back_at(m, died_at))
         self._sleep(restart_at + self.cfg.runtime.restart_s)
         unit, how = rejoin_unit(self.setup, m, dead.ls.incarnation + 1, self.host.state, ckpts,
                                 self.cfg.runtime.max_rejoin_staleness, dead.ls.step)
@@ -182,15 +181,6 @@ class Threads(HostedRuntime):
         self._emit(m, ("rejoin", m, how.incarnation, died_at, restart_at, self.clock()))
         self._write({"kind": "rejoin", "time": self.clock(), **how._asdict()})
         return unit
-
-    def _alive(self, m: int) -> bool:
-        return self.tape is None or tapes.is_alive(self.tape, m, self.clock() / self.wall_scale)
-
-    def _rows(self, m: int) -> int | None:
-        if self.tape is None:
-            return None
-        return tapes.batch_rows(self.tape, m, self.clock() / self.wall_scale, self.setup.spec.batch_size,
-                                self.cfg.runtime.devices_per_learner)
 
     def _sleep(self, until: float) -> float:
         while (left := until - self.clock()) > 0:
@@ -203,7 +193,7 @@ class Threads(HostedRuntime):
         rng = np.random.default_rng([r.seed, 7, m, unit.ls.incarnation])
         watch = StallWatch(m, r.stall_limit_steps)
         while True:
-            if m in self.kills or not self._alive(m):
+            if m in self.kills or (self.tape is not None and not self.tape.alive(m, self.clock())):
                 raise _Killed(watch.take(self.clock()))
             self._drain(m)
             ready = unit.apply_due()
@@ -225,7 +215,8 @@ class Threads(HostedRuntime):
                 break
             start = self.clock()
             log = report.due(unit.ls.step + 1, self.cfg.run.log_every, steps)
-            result = unit.step(fetch_loss=log, rows=self._rows(m))
+            rows = None if self.tape is None else self.tape.rows(m, start)  # slices lost: a smaller batch
+            result = unit.step(fetch_loss=log, rows=rows)
             jax.block_until_ready(unit.state)  # dispatch is asynchronous: time the step, not its launch
             compute = self.clock() - start
             ckpts.maybe_save(unit)

@@ -1,0 +1,42 @@
+"""A run's failure tape (diloco/chaos/tapes.py), and that tape read on a wall clock: `scale` wall
+seconds per tape second. The threads runtime asks it, at each learner's step boundary, whether the
+learner is up, how many batch rows its live slices compute, and when a dead one gets a slice back;
+the sim runtime reads the same tape in virtual time."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from diloco.chaos import tapes
+from diloco.config import TrainConfig
+
+
+def chaos_tape(cfg: TrainConfig) -> tapes.Tape | None:
+    """The failure tape of a run, over a horizon long enough for every learner to finish."""
+    if not cfg.chaos.enabled:
+        return None
+    r = cfg.runtime
+    slowest = max([*r.speeds, *cfg.chaos.speeds, 1.0])
+    return tapes.generate(cfg.chaos, r.learners, horizon_s=4 * cfg.run.steps * r.step_time * slowest)
+
+
+class WallTape(NamedTuple):
+    tape: tapes.Tape
+    scale: float  # wall seconds per tape second (chaos.wall_scale)
+    batch_size: int  # a learner's rows with every slice up
+    devices: int  # rows stay a multiple of the learner's devices
+
+    def alive(self, m: int, wall: float) -> bool:
+        return tapes.is_alive(self.tape, m, wall / self.scale)
+
+    def rows(self, m: int, wall: float) -> int:
+        return tapes.batch_rows(self.tape, m, wall / self.scale, self.batch_size, self.devices)
+
+    def back_at(self, m: int, wall: float) -> float:
+        """Wall time at which learner m, dead at `wall`, has a slice again (inf: never)."""
+        return tapes.back_at(self.tape, m, wall / self.scale) * self.scale
+
+    def smaller_batches(self) -> tuple[int, ...]:
+        """Every batch a learner short of slices computes: compile them before the clock starts."""
+        options = tapes.rows_options(self.tape, self.batch_size, self.devices)
+        return tuple(sorted(set(options) - {self.batch_size}))
