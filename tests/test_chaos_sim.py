@@ -53,6 +53,10 @@ def test_a_learner_losing_a_slice_steps_with_half_the_batch(tmp_path, build):
     # learner 0: 30 full steps; learner 1: steps starting at t in [5, 15) (10 of them) at half size
     assert sim.tokens.processed[0] == (30 * 8 + 20 * 8 + 10 * 4) * seq
     assert sim.rejoins == [] and timeline.seconds(sim.time)[1]["down"] == 0.0
+    # goodput counts live chips: half of those 10 steps' time is degraded, the learner still up
+    secs = timeline.seconds(sim.time)[1]
+    assert secs["degraded"] == pytest.approx(10 * 0.5) and secs["compute"] == pytest.approx(30 - 5.0)
+    assert timeline.goodput(sim.time, 1) == pytest.approx(25 / 30) and training_uptime(sim) == 1.0
 
 
 def test_a_dead_learner_rejoins_under_a_new_incarnation_and_the_run_never_stops(tmp_path, build):

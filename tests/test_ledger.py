@@ -144,8 +144,8 @@ def test_goodput_and_uptime():
     led = time_ledger()
     assert len(timeline.intervals(led)) == 7  # L0's two back-to-back compute intervals were coalesced
     assert timeline.seconds(led) == {
-        0: {"compute": 9.0, "stall": 1.0, "down": 0.0, "restarting": 0.0},
-        1: {"compute": 6.0, "stall": 0.0, "down": 3.0, "restarting": 1.0},
+        0: {"compute": 9.0, "stall": 1.0, "down": 0.0, "restarting": 0.0, "degraded": 0.0},
+        1: {"compute": 6.0, "stall": 0.0, "down": 3.0, "restarting": 1.0, "degraded": 0.0},
     }
     assert timeline.goodput(led) == 15 / 20
     assert timeline.goodput(led, 0) == 0.9 and timeline.goodput(led, 1) == 0.6

@@ -1,5 +1,8 @@
-"""The time ledger: per learner, intervals of compute, stall, down and restarting; goodput and
-uptime are computed from it, never estimated afterwards (DESIGN.md "Ledgers")."""
+"""The time ledger: per learner, intervals of compute, stall, down, restarting and degraded; goodput
+and uptime are computed from it, never estimated afterwards (DESIGN.md "Ledgers").
+
+Goodput counts chips, not learners: a step computed on a fraction f of the learner's slices books
+f of its time as compute and the rest as "degraded" (up, so uptime counts it, but idle chips)."""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ import numpy as np
 from diloco.algo.eventlog import LedgerError, Log, append, rows
 
 
-STATES = ("compute", "stall", "down", "restarting")
-UP_STATES = ("compute", "stall")  # alive: can still contribute once its fragment is back
+STATES = ("compute", "stall", "down", "restarting", "degraded")  # append only: checkpoints store indices
+UP_STATES = ("compute", "stall", "degraded")  # alive: can still contribute once its fragment is back
 TIME_ROW = np.dtype([("learner", "i4"), ("state", "i1"), ("start", "f8"), ("end", "f8")])
 
 
