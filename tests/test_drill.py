@@ -81,3 +81,18 @@ def test_compare_interpolates_both_curves_at_the_shorter_ones_tokens():
     with pytest.raises(ValueError, match="outside"):
         drill.loss_at(free, 250.0)
     assert drill.bracket([0, 10, 10, 30], 20) == {2, 3} and drill.bracket([0, 10, 30], 30) == {2}
+
+
+def test_recovery_times_come_from_the_tape_on_the_syncer_clock():
+    tape = [
+        {"event": "arrival", "at": 1.0, "key": [1, 0, 3]},
+        {"event": "merge", "at": 1.2, "learners": [1]},
+        {"event": "merge", "at": 6.0, "learners": [0]},
+        {"event": "arrival", "at": 7.0, "key": [1, 1, 1]},  # learner 1's next incarnation
+        {"event": "merge", "at": 7.5, "learners": [0]},  # its round closed without it
+        {"event": "merge", "at": 9.0, "learners": [0, 1]},
+    ]
+    kills = [{"t": 2.0, "target": "learner-1", "incarnation": 0}, {"t": 5.0, "target": "syncer", "incarnation": 0},
+             {"t": 8.0, "target": "learner-0", "incarnation": 0}]
+    got = [k["recovered_s"] for k in drill.recovery(tape, kills)]
+    assert got == [7.0, 1.0, None]  # 9.0 - 2.0; 6.0 - 5.0; learner 0's successor never sent

@@ -42,10 +42,10 @@ from diloco.runtime import blobstore as bs
 from diloco.runtime.procs import MAX_RESTARTS
 from diloco.runtime.procs_recovery import CHECKPOINTS, INPUTS
 from diloco.run import global_evaluator
+from diloco.runtime.drill_report import checks, markdown, recovery, rows  # noqa: F401  (the drill's API)
 from diloco.runtime.tape import read_decisions, read_inputs
 
 POLL = 0.1  # seconds between the killer's looks at the store
-TARGET = 0.03  # the acceptance bound on the relative eval-loss difference
 
 
 def next_gap(rng: np.random.Generator, every: float, schedule: str) -> float:
@@ -108,11 +108,12 @@ class Killer:
 
     def _loop(self) -> None:
         store = bs.BlobStore(self.url, sync=False)
-        while self._read(store, "start") is None:
+        while (start := self._read(store, "start")) is None:
             if self._stop.wait(POLL):
                 return
-        t0 = time.monotonic()
-        next_kill = t0 + next_gap(self.rng, self.every, self.schedule)
+        # Kill times on the syncer's clock (its t0 is wall time), so they line up with the tape.
+        t0 = time.monotonic() - (time.time() - start["t0"])
+        next_kill = time.monotonic() + next_gap(self.rng, self.every, self.schedule)
         while not self._stop.wait(POLL):
             procs = self._read(store, "procs")
             if procs is None:
@@ -306,7 +307,8 @@ def run_drill(cfg: TrainConfig, out: Path, every: float, syncer_at: float, seed:
         if killer is not None:
             if killer.error is not None:
                 raise RuntimeError(f"the killer thread failed: {killer.error!r}") from killer.error
-            result[name].update(kills=killer.kills, syncer_kill_after_versions=after)
+            tape = read_decisions(run_dir / "tape.jsonl")
+            result[name].update(kills=recovery(tape, killer.kills), syncer_kill_after_versions=after)
     return analyse(cfg, out, result, names)
 
 
@@ -347,56 +349,3 @@ def analyse(cfg: TrainConfig, out: Path, result: dict, names: list[str]) -> dict
                                          curve_points(curves["free2"], axis, P)) for axis in AXES}
     result["checks"] = checks(result, names)
     return result
-
-
-def checks(result: dict, names: list[str]) -> dict:
-    c, kills = result["chaos"], result["chaos"]["kills"]
-    learner_kills = sum(k["target"].startswith("learner") for k in kills)
-    return {
-        "ledger_balanced": all(result[n]["token_ledger_imbalance"] == 0 for n in names),
-        "versions_consecutive": all(result[n]["versions_consecutive"] for n in names),
-        "merged_tokens_rebuilt_match_ledger": all(
-            abs(result[n]["merged_tokens_rebuilt"] - result[n]["merged_tokens_ledger"]) <= 1 for n in names),
-        "final_eval_rebuilt_matches_run": all(
-            abs(result[n]["final_eval_rebuilt"] - result[n]["summary"]["eval_loss"]) < 1e-4 for n in names),
-        "learner_kills": learner_kills,
-        "learner_restarts": sum(c["learner_restarts"].values()),
-        "syncer_kills": len(kills) - learner_kills,
-        "syncer_restarts": c["syncer_restarts"],
-        "within_3pct": abs(result["compare"]["merged"]["relative"]) <= TARGET,
-        "not_worse_by_3pct": result["compare"]["merged"]["relative"] <= TARGET,
-    }
-
-
-def rows(result: dict) -> list[tuple[str, object]]:
-    f, c, cmp = result["free"], result["chaos"], result["compare"]
-    k = {n: ("yes" if v else "NO") if isinstance(v, bool) else v for n, v in result["checks"].items()}
-    out = [
-        ("wall s (free / chaos)", f"{f['wall_s']} / {c['wall_s']}"),
-        ("learner kills / restarts", f"{k['learner_kills']} / {k['learner_restarts']}"),
-        ("syncer kills / restarts", f"{k['syncer_kills']} / {k['syncer_restarts']}"),
-        ("rejoins", len(c["rejoins"])),
-        ("ledger balanced", k["ledger_balanced"]),
-        ("versions 1..n per fragment", k["versions_consecutive"]),
-        ("merged tokens rebuilt = ledger", k["merged_tokens_rebuilt_match_ledger"]),
-        ("final eval rebuilt = run's", k["final_eval_rebuilt_matches_run"]),
-        ("merges (free / chaos)", f"{f['summary']['merges']} / {c['summary']['merges']}"),
-    ]
-    for axis, label in (("merged", "merged tokens"), ("processed", "processed tokens"), ("final", "final")):
-        x = cmp[axis]
-        at = "" if axis == "final" else f" at {int(x['tokens']):,}"
-        out.append((f"eval loss, equal {label}{at}",
-                    f"{x['eval_loss_free']:.4f} / {x['eval_loss']:.4f} ({100 * x['relative']:+.2f}%)"))
-    for axis, x in result.get("noise", {}).items():
-        out.append((f"noise: free2 vs free, {axis}", f"{100 * x['relative']:+.2f}%"))
-    out.append(("equal merged tokens: within 3% / not worse by 3%", f"{k['within_3pct']} / {k['not_worse_by_3pct']}"))
-    return out
-
-
-def markdown(result: dict, command: str) -> str:
-    lines = ["# Chaos drill (procs runtime)", "", f"`{command}`", "", "| | free / chaos |", "|---|---|"]
-    lines += [f"| {k} | {report._fmt(v)} |" for k, v in rows(result)]
-    lines += ["", "Kills (seconds after the run's start, target, incarnation, versions published then):", ""]
-    lines += [f"- {k['t']} s: {k['target']} incarnation {k['incarnation']} ({k['published_versions']} versions)"
-              for k in result["chaos"]["kills"]]
-    return "\n".join(lines) + "\n"
