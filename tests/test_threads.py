@@ -146,11 +146,11 @@ def test_exception_in_a_thread_propagates_and_stops_all(world, monkeypatch, no_l
     if where == "learner":
         step = LearnerUnit.step
 
-        def broken_step(self, fetch_loss=False):
+        def broken_step(self, fetch_loss=False, rows=None):
             if self.learner == 1 and self.ls.step == 3:
                 raised_at.append(time.monotonic())
                 raise Boom("learner 1 broke at step 3")
-            return step(self, fetch_loss)
+            return step(self, fetch_loss, rows)
 
         monkeypatch.setattr(LearnerUnit, "step", broken_step)
     else:
@@ -245,13 +245,13 @@ def test_a_chaos_tape_on_the_wall_clock_shrinks_the_batch_then_kills_and_restart
                                                                                    no_leftover_threads):
     """A hand-written tape replayed at wall_scale 1: learner 1 loses one of its 2 slices at once
     (half the batch from its first step, compiled before the clock starts), its other slice 0.05 s
-    into the run (it crashes) and gets one back at 0.4 s (it restarts after restart_s and finishes
+    into the run (it crashes) and gets one back at 1.5 s (it restarts after restart_s and finishes
     on half the batch); learner 0 never notices. The ledger balances and the down time is booked."""
     from diloco.chaos import tapes
     cfg, setup = variant(world, restart_s=0.1)
     cfg = replace(cfg, chaos=replace(cfg.chaos, wall_scale=1.0))
     events = (tapes.Event(0.0, "slice_down", 1, 0), tapes.Event(0.05, "slice_down", 1, 1),
-              tapes.Event(0.4, "slice_up", 1, 1))
+              tapes.Event(1.5, "slice_up", 1, 1))  # wide: a loaded machine checks late
     tape = tapes.Tape(M, 2, 100.0, (1.0, 1.0), 0.0, 0, events)
     rows = {0: set(), 1: set()}
     plain_step = LearnerUnit.step
@@ -268,4 +268,4 @@ def test_a_chaos_tape_on_the_wall_clock_shrinks_the_batch_then_kills_and_restart
     assert [(r.learner, r.incarnation) for r in rt.rejoins] == [(1, 1)]
     assert [u.ls.step for u in rt.units] == [STEPS] * M
     assert summary["token_ledger_imbalance"] == 0 and sum(rt.tokens.lost) > 0
-    assert timeline.seconds(rt.time)[1]["down"] >= 0.3
+    assert timeline.seconds(rt.time)[1]["down"] >= 0.5
