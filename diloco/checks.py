@@ -7,6 +7,7 @@ as the rules that hold between the settings.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: diloco.config imports this module
@@ -116,12 +117,11 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     check(e, s.scale in ("admitted", "live"), f"syncer.scale={s.scale!r} not in admitted|live")
     check(e, cfg.fragments.others in ("now", "defer"), f"fragments.others={cfg.fragments.others!r} not in now|defer")
     check(e, r.kind in ("sim", "threads", "procs"), f"runtime.kind={r.kind!r} not in sim|threads|procs")
-    check(e, not cfg.chaos.enabled or r.kind in ("sim", "threads"),
-           f"chaos.enabled=true needs runtime.kind=sim or threads (got {r.kind!r}): procs takes "
-           "failures from real kills (scripts/chaos_drill.py), not from a tape")
     check(e, not (cfg.chaos.enabled and cfg.chaos.scavenge and r.kind != "sim"),
            f"chaos.scavenge={list(cfg.chaos.scavenge)} needs runtime.kind=sim (got {r.kind!r})")
     check(e, cfg.chaos.wall_scale > 0, f"chaos.wall_scale={cfg.chaos.wall_scale} must be > 0")
+    check(e, not cfg.chaos.tape_file or Path(cfg.chaos.tape_file).is_file(),
+           f"chaos.tape_file={cfg.chaos.tape_file!r} is not a file")
     check(e, s.norm_bound == 0 or s.norm_bound > 1, f"syncer.norm_bound={s.norm_bound} must be 0 (off) or > 1")
     check(e, s.norm_window >= 4, f"syncer.norm_window={s.norm_window} must be >= 4")
     check(e, r.queue_size >= 1, f"runtime.queue_size={r.queue_size} must be >= 1")

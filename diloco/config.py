@@ -206,7 +206,8 @@ class ChaosConfig:
     jitter: float = 0.0  # relative std of each step time
     scavenge: tuple[tuple[float, ...], ...] = ()  # [start_s, stop_s] per extra learner (ids from runtime.learners on)
     seed: int = 0
-    wall_scale: float = 1.0  # threads: wall seconds per tape second (a real step's seconds / runtime.step_time)
+    wall_scale: float = 1.0  # threads/procs: wall seconds per tape second (a real step's seconds / step_time)
+    tape_file: str = ""  # a tape JSON (e.g. a sim run's chaos_tape.json) to replay instead of generating one
 
 
 @dataclass(frozen=True)

@@ -168,7 +168,7 @@ def test_rows_and_return_times_on_a_hand_written_tape():
 
 
 @pytest.mark.parametrize("runtime, chaos, message", [
-    ("procs", {}, "needs runtime.kind=sim or threads"),
+    ("procs", {"scavenge": [[1.0, 2.0]]}, "chaos.scavenge"),
     ("threads", {"scavenge": [[1.0, 2.0]]}, "chaos.scavenge"),
     ("threads", {"wall_scale": 0.0}, "chaos.wall_scale"),
 ])

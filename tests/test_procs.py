@@ -23,6 +23,7 @@ from diloco.model import build
 from diloco.runtime import blobstore as bs
 from diloco.runtime import procs
 from diloco.runtime import setup as build_setup
+from diloco.runtime import procs_learner
 from diloco.runtime.procs_learner import store_view
 from diloco.runtime.tape import read_decisions, read_inputs
 from diloco.train.trainer import evaluate
@@ -258,3 +259,28 @@ def test_sigterm_stops_every_process_and_prints_a_partial_summary(world, tmp_pat
     for m in range(M):
         saved = [int(d.name) for d in (run_dir / "learners" / f"learner-{m}").iterdir() if d.name.isdigit()]
         assert saved and 0 < max(saved) <= STEPS
+
+
+def test_a_chaos_tape_drives_the_learner_processes(world, tmp_path):
+    """A hand-written tape file replayed on the wall clock: learner 1 computes half its batch from
+    the start, loses its last slice 0.05 s in (its process exits with EXIT_DOWN) and gets one back at
+    2 s; its successor waits for that, rejoins and finishes. Down time is booked until the tape's
+    return, the ledger balances, and no version is skipped or repeated."""
+    from diloco.chaos import tapes
+
+    tape = tapes.Tape(M, 2, 100.0, (1.0, 1.0), 0.0, 0, (
+        tapes.Event(0.0, "slice_down", 1, 0), tapes.Event(0.05, "slice_down", 1, 1),
+        tapes.Event(2.0, "slice_up", 1, 1)))
+    path = tmp_path / "tape.json"
+    path.write_text(tapes.to_json(tape))
+    cfg, setup, run_dir = variant(world, tmp_path)
+    cfg = validate(replace(cfg, chaos=replace(cfg.chaos, enabled=True, tape_file=str(path))))
+    rt, summary = procs.run(cfg, setup, run_dir, None)
+
+    assert ("learner-1", 0, procs_learner.EXIT_DOWN) in rt.exits
+    assert [(r["learner"], r["incarnation"]) for r in rt.rejoins] == [(1, 1)]
+    assert rt.rejoins[0]["time"] >= 2.0  # not before the tape gave a slice back
+    assert summary["token_ledger_imbalance"] == 0 and 0 < summary["goodput"] < 1
+    assert rt.finished["steps"] == {"0": STEPS, "1": STEPS}
+    versions = merge_versions(run_dir)
+    assert all(vs == list(range(1, len(vs) + 1)) for vs in versions.values())

@@ -41,11 +41,8 @@ class SyncerHost:
     def step(self, m: int, inc: int, start: float, end: float, tokens: int, now: float) -> None:
         """A step of `tokens`: fewer than a full batch means slices were down, and that share of
         the step's chip time is booked "degraded", not compute (goodput counts live chips)."""
-        share = min(1.0, tokens / (self.setup.spec.batch_size * self.setup.spec.seq_len))
-        split = end if share >= 1.0 else start + share * (end - start)
-        self.time = timeline.add_time(self.time, m, "compute", start, split)
-        if split < end:
-            self.time = timeline.add_time(self.time, m, "degraded", split, end)
+        share = tokens / (self.setup.spec.batch_size * self.setup.spec.seq_len)
+        self.time = timeline.add_step(self.time, m, start, end, share)
         self.tokens = ledger.process(self.tokens, m, inc, tokens)
         self.deliver(Input("step_time", now, (m, end - start)))
 

@@ -44,7 +44,7 @@ from typing import Callable
 from diloco import report
 from diloco.config import TrainConfig
 from diloco.runtime import blobstore as bs
-from diloco.runtime.procs_learner import died, fingerprint, learner_main
+from diloco.runtime.procs_learner import EXIT_DOWN, died, fingerprint, learner_main
 from diloco.runtime.procs_recovery import restartable
 from diloco.runtime.procs_syncer import rep_key, syncer_main, unpack_theta
 from diloco.runtime.setup import Setup
@@ -171,10 +171,11 @@ class Procs:
         error = self._error(f"learner-{m:04d}-{inc:04d}")
         if error:  # a Python error is a bug to report, not a failure to ride out
             raise RuntimeError(f"learner {m} incarnation {inc} failed (exit code {p.exitcode}){error}")
-        if self.restarts[m] >= MAX_RESTARTS:
-            raise RuntimeError(f"learner {m} died {self.restarts[m] + 1} times (last exit code {p.exitcode}); "
-                               f"not restarting it again")
-        self.restarts[m] += 1
+        if p.exitcode != EXIT_DOWN:  # a chaos tape's failures are planned, not a crash loop
+            if self.restarts[m] >= MAX_RESTARTS:
+                raise RuntimeError(f"learner {m} died {self.restarts[m] + 1} times (last exit code "
+                                   f"{p.exitcode}); not restarting it again")
+            self.restarts[m] += 1
         bs.write_control(self.store, died(m, inc), {"at": self.clock(), "exitcode": p.exitcode})
         self._spawn(m, inc + 1)
 

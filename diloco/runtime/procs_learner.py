@@ -46,8 +46,10 @@ from diloco.runtime import setup as build_setup
 from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
 from diloco.runtime.unit import LearnerUnit, StallWatch
+from diloco.runtime.walltape import WallTape, chaos_tape
 
 POLL_MIN, POLL_MAX = 0.002, 0.05  # seconds: back-off bounds of every procs poll loop
+EXIT_DOWN = 75  # a learner whose chaos tape took all its slices (EX_TEMPFAIL): restarted, not an error
 
 
 def event_key(learner: int, incarnation: int, n: int) -> str:
@@ -150,7 +152,15 @@ class ProcLearner:
         self.store, self.cfg, self.m, self.inc, self.parent = store, cfg, m, incarnation, parent
         self.setup = child_setup(cfg, store)
         r = cfg.runtime
-        self.speed = (list(r.speeds) or [1.0] * r.learners)[m]
+        self.speed, self.jitter = (list(r.speeds) or [1.0] * r.learners)[m], r.jitter
+        # A chaos tape on the wall clock, as in threads: every process derives the same tape from
+        # the config. Fewer slices: a smaller batch; none: the process exits (EXIT_DOWN) and its
+        # successor waits for the tape to give a slice back before it rejoins.
+        tape = chaos_tape(cfg)
+        self.tape = None if tape is None else WallTape(tape, cfg.chaos.wall_scale, cfg.data.batch_size,
+                                                       r.devices_per_learner)
+        if tape is not None:
+            self.speed, self.jitter = tape.speeds[m], tape.jitter
         self.terminating = False  # set by SIGTERM: checkpoint and exit at the next step boundary
         self.checkpoints = LearnerCheckpoints(None if run_dir is None else run_dir / "learners",
                                               r.learner_checkpoint_every, cfg.run.keep_checkpoints)
@@ -180,6 +190,8 @@ class ProcLearner:
         s, m = self.setup, self.m
         unit = new_unit(s, m, self.inc, sync.init(s.policy, s.fragments, s.theta0, {m: 0}))
         unit.warm_up()  # on Theta_0: compiling costs the same whatever the values
+        for rows in () if self.tape is None else self.tape.smaller_batches():
+            unit.warm_up(rows)
         bs.write_control(self.store, f"ready/{m:04d}", {"incarnation": self.inc})
         self.t0 = wait_for(lambda: bs.read_control(self.store, "start"), self.parent)["t0"]
         if self.inc == 0:
@@ -187,12 +199,17 @@ class ProcLearner:
         before = wait_for(lambda: bs.read_control(self.store, buried(m, self.inc - 1)), self.parent)
         if before["done"]:
             return None
+        down_until = self.clock()
+        if self.tape is not None:  # its slices are still down: wait for the tape to return one
+            down_until = max(down_until, self.tape.back_at(m, down_until))
+            while self.clock() < down_until:
+                self._nap(min(POLL_MAX, down_until - self.clock()))
         view, fetched = store_view(self.store, s)
         now = self.clock()
         self.fetched += [[now, p, n, "fp32"] for p, n in fetched.items()]
         unit, how = rejoin_unit(s, m, self.inc, view, self.checkpoints, self.cfg.runtime.max_rejoin_staleness,
                                 before["step"])
-        self.emit("join", at=now, rejoin=how._asdict())
+        self.emit("join", at=now, rejoin=how._asdict(), down_until=down_until)
         return unit
 
     def run(self) -> None:
@@ -220,12 +237,15 @@ class ProcLearner:
             if unit.ls.step >= steps:
                 break
             start = self.clock()
+            if self.tape is not None and not self.tape.alive(m, start):
+                self.checkpoints.close()
+                sys.exit(EXIT_DOWN)  # all its slices are down: the supervisor starts its successor
             log = report.due(unit.ls.step + 1, cfg.run.log_every, steps)
-            result = unit.step(fetch_loss=log)
+            result = unit.step(fetch_loss=log, rows=None if self.tape is None else self.tape.rows(m, start))
             jax.block_until_ready(unit.state)  # dispatch is asynchronous: time the step, not its launch
             compute = self.clock() - start
             # As in threads: speed factor s sleeps (s - 1) x the compute time (x jitter).
-            factor = self.speed * max(0.1, 1.0 + r.jitter * rng.standard_normal())
+            factor = self.speed * max(0.1, 1.0 + self.jitter * rng.standard_normal())
             self.idle(unit, start + factor * compute)
             end = self.clock()
             watch.observe(end - start)

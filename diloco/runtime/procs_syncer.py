@@ -217,7 +217,11 @@ class ProcSyncer:
         kind = e["kind"]
         if kind == "step":
             self._book_stalls(m, e["stalls"])
-            self._add_time(m, "compute", e["start"], e["end"])
+            # a step on fewer slices (a chaos tape): the idle chips' share of it is degraded
+            share = e["tokens"] / (self.setup.spec.batch_size * self.setup.spec.seq_len)
+            split = e["start"] + min(1.0, share) * (e["end"] - e["start"])
+            self._add_time(m, "compute", e["start"], split)
+            self._add_time(m, "degraded", split, e["end"])
             self.tokens = ledger.process(self.tokens, m, inc, e["tokens"])
             self.steps[m] = e["step"]
             self._deliver(Input("step_time", self.now, (m, e["end"] - e["start"])))
@@ -236,7 +240,10 @@ class ProcSyncer:
             for p in e["fragments"]:
                 self.tokens = ledger.apply(self.tokens, m, inc, p)
         elif kind == "join":
-            self._add_time(m, "restarting", self.died_at.pop(m, e["at"]), e["at"])
+            died_at = self.died_at.pop(m, e["at"])
+            back = e.get("down_until", died_at)  # a chaos tape kept its slices down until then
+            self._add_time(m, "down", died_at, back)
+            self._add_time(m, "restarting", back, e["at"])
             self.steps[m] = e["rejoin"]["step"]
             self._deliver(Input("live", self.now, tuple(sorted({**self.syncer.live, m: inc}.items()))))
             self._report({"kind": "rejoin", "time": e["at"], **e["rejoin"]})

@@ -5,6 +5,7 @@ the sim runtime reads the same tape in virtual time."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple
 
 from diloco.chaos import tapes
@@ -15,6 +16,8 @@ def chaos_tape(cfg: TrainConfig) -> tapes.Tape | None:
     """The failure tape of a run, over a horizon long enough for every learner to finish."""
     if not cfg.chaos.enabled:
         return None
+    if cfg.chaos.tape_file:  # the same failures in another runtime, or a hand-written drill
+        return tapes.from_json(Path(cfg.chaos.tape_file).read_text())
     r = cfg.runtime
     slowest = max([*r.speeds, *cfg.chaos.speeds, 1.0])
     return tapes.generate(cfg.chaos, r.learners, horizon_s=4 * cfg.run.steps * r.step_time * slowest)
