@@ -182,3 +182,22 @@ def test_script_runs_t1_quick(tmp_path):
     md = (tmp_path / "t1.md").read_text()
     assert all(f"| `{v}` |" in md for v in ("dp", "sync", "decoupled"))
     assert (tmp_path / "t1_loss.png").exists() and (tmp_path / "t1_bars.png").exists()
+
+
+def test_a_finished_run_is_reused_when_its_config_only_lacks_newer_fields(tmp_path):
+    """A run saved before a config field existed still counts as the same run; a changed value or
+    a field that no longer exists does not."""
+    import yaml
+
+    from diloco.config import to_dict
+
+    cfg = TrainConfig()
+    old = to_dict(cfg)
+    del old["syncer"]["anchor"]  # as written before syncer.anchor existed
+    (tmp_path / "summary.json").write_text('{"eval_loss": 2.0}')
+    (tmp_path / "timing.json").write_text('{"wall_s": 1.0}')
+    for raw, reused in ((old, True), ({**old, "algo": "diloco"}, False),
+                        ({**old, "retired_field": 1}, False)):
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+        got = runner._finished(cfg, tmp_path)
+        assert (got == {"eval_loss": 2.0, "wall_s": 1.0}) if reused else got is None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from diloco.config import TrainConfig, to_dict
+from diloco.config import ConfigError, TrainConfig, from_dict, to_dict
 from diloco.experiments import measure, plots, tables
 from diloco.experiments.spec import ExperimentSpec, Job, Settings, devices_needed, members, plan
 
@@ -49,11 +49,17 @@ def enable_compilation_cache(path: str) -> None:
 
 
 def _finished(cfg: TrainConfig, run_dir: Path) -> dict | None:
-    """The summary of a finished run of exactly this config in run_dir, if there is one."""
+    """The summary of a finished run of exactly this config in run_dir, if there is one. The saved
+    config is loaded as today's code would load it, so a run made before a config field existed
+    still counts (a new field's default keeps the old behaviour)."""
     paths = [run_dir / n for n in ("config.yaml", "summary.json", "timing.json")]
     if not all(p.exists() for p in paths):
         return None
-    if yaml.safe_load(paths[0].read_text()) != to_dict(cfg):
+    try:
+        saved = to_dict(from_dict(TrainConfig, yaml.safe_load(paths[0].read_text())))
+    except ConfigError:  # a field that no longer exists: a different config
+        return None
+    if saved != to_dict(cfg):
         return None
     return {**json.loads(paths[1].read_text()), **json.loads(paths[2].read_text())}
 
