@@ -22,7 +22,8 @@ Token ledger, per fragment p (every token a learner processes is processed once 
   late for any round), "quarantined:<reason>" (a messages.QUARANTINE_REASONS reason), and
   "overwritten": pending when the learner applied a global version of p. The learner resets
   c_steps/c_tokens there (ALGORITHM.md section 3), so these tokens (the tau overlap steps after a
-  send, with alpha = 0 also their update to p) never reach the syncer.
+  send, with alpha = 0 also their update to p) never reach the syncer. An apply that keeps the
+  local progress (fragments.keep_overlap) leaves them pending: they ride in the next send.
 * lost_p: pending when the learner incarnation died, or in a contribution lost in transit.
 """
 
