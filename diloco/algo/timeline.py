@@ -51,10 +51,14 @@ def intervals(led: TimeLedger) -> np.ndarray:
     return np.concatenate([closed, opened])
 
 
+def step_split(start: float, end: float, share: float) -> float:
+    """A step computed on `share` of the learner's chips is compute until the returned time and
+    degraded after it (goodput counts live chips)."""
+    return end if share >= 1.0 else start + max(0.0, share) * (end - start)
+
+
 def add_step(led: TimeLedger, learner: int, start: float, end: float, share: float) -> TimeLedger:
-    """A step computed on `share` of the learner's chips: that share of its time is compute, the
-    rest degraded (goodput counts live chips)."""
-    split = end if share >= 1.0 else start + max(0.0, share) * (end - start)
+    split = step_split(start, end, share)
     led = add_time(led, learner, "compute", start, split)
     return add_time(led, learner, "degraded", split, end) if split < end else led
 

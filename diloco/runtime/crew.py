@@ -4,9 +4,25 @@ timeout that names the threads that did not stop."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
 import time
 from typing import Any, Callable
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM (a process manager stopping the job) raises KeyboardInterrupt as Ctrl-C does, in the
+    main thread only; the previous handler is back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class Stopped(Exception):

@@ -33,9 +33,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import signal
 import tempfile
-import threading
 import time
 from multiprocessing.connection import wait as wait_for_exit
 from pathlib import Path
@@ -44,10 +42,12 @@ from typing import Callable
 from diloco import report
 from diloco.config import TrainConfig
 from diloco.runtime import blobstore as bs
+from diloco.runtime.crew import sigterm_as_interrupt
 from diloco.runtime.procs_learner import EXIT_DOWN, died, fingerprint, learner_main
 from diloco.runtime.procs_recovery import restartable
 from diloco.runtime.procs_syncer import rep_key, syncer_main, unpack_theta
 from diloco.runtime.setup import Setup
+from diloco.runtime.walltape import run_tape
 
 POLL = 0.05  # seconds the supervisor waits for a process exit before reading reports again
 JOIN_TIMEOUT = 30.0  # seconds a stopping child gets before it is killed
@@ -90,19 +90,15 @@ class Procs:
         return 0.0 if self.t0 is None else time.time() - self.t0
 
     def run(self) -> dict:
-        previous = None
-        if threading.current_thread() is threading.main_thread():  # SIGTERM stops as Ctrl-C does
-            previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-        try:
-            self._start()
-            self._supervise()
-        except BaseException:
-            self._stop()
-            raise
-        finally:
-            self._join()
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+        with sigterm_as_interrupt():
+            try:
+                self._start()
+                self._supervise()
+            except BaseException:
+                self._stop()
+                raise
+            finally:
+                self._join()
         return self.summary
 
     def _start(self) -> None:
@@ -259,6 +255,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
         if run_dir is not None:
             writer = report.MetricsWriter(run_dir / "metrics.jsonl")
             stack.callback(writer.close)
+        run_tape(cfg, run_dir)  # for the record: every learner process derives the same tape
         rt = Procs(cfg, setup, run_dir, evaluate, writer, url, str(root / "xla_cache"))
         summary = rt.run()
         if evaluate is not None:

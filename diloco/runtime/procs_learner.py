@@ -156,11 +156,9 @@ class ProcLearner:
         # A chaos tape on the wall clock, as in threads: every process derives the same tape from
         # the config. Fewer slices: a smaller batch; none: the process exits (EXIT_DOWN) and its
         # successor waits for the tape to give a slice back before it rejoins.
-        tape = chaos_tape(cfg)
-        self.tape = None if tape is None else WallTape(tape, cfg.chaos.wall_scale, cfg.data.batch_size,
-                                                       r.devices_per_learner)
-        if tape is not None:
-            self.speed, self.jitter = tape.speeds[m], tape.jitter
+        self.tape = WallTape.of(cfg, chaos_tape(cfg))
+        if self.tape is not None:
+            self.speed, self.jitter = self.tape.tape.speeds[m], self.tape.tape.jitter
         self.terminating = False  # set by SIGTERM: checkpoint and exit at the next step boundary
         self.checkpoints = LearnerCheckpoints(None if run_dir is None else run_dir / "learners",
                                               r.learner_checkpoint_every, cfg.run.keep_checkpoints)
@@ -189,9 +187,8 @@ class ProcLearner:
         predecessor had already finished, leaving nothing to do."""
         s, m = self.setup, self.m
         unit = new_unit(s, m, self.inc, sync.init(s.policy, s.fragments, s.theta0, {m: 0}))
-        unit.warm_up()  # on Theta_0: compiling costs the same whatever the values
-        for rows in () if self.tape is None else self.tape.smaller_batches():
-            unit.warm_up(rows)
+        # on Theta_0: compiling costs the same whatever the values
+        unit.warm_up(*(() if self.tape is None else self.tape.smaller_batches()))
         bs.write_control(self.store, f"ready/{m:04d}", {"incarnation": self.inc})
         self.t0 = wait_for(lambda: bs.read_control(self.store, "start"), self.parent)["t0"]
         if self.inc == 0:

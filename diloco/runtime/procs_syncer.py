@@ -219,7 +219,7 @@ class ProcSyncer:
             self._book_stalls(m, e["stalls"])
             # a step on fewer slices (a chaos tape): the idle chips' share of it is degraded
             share = e["tokens"] / (self.setup.spec.batch_size * self.setup.spec.seq_len)
-            split = e["start"] + min(1.0, share) * (e["end"] - e["start"])
+            split = timeline.step_split(e["start"], e["end"], share)
             self._add_time(m, "compute", e["start"], split)
             self._add_time(m, "degraded", split, e["end"])
             self.tokens = ledger.process(self.tokens, m, inc, e["tokens"])

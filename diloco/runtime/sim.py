@@ -38,7 +38,7 @@ from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
 from diloco.runtime.sim_ckpt import SimSnapshots, restore
 from diloco.runtime.tape import InputLog, read_inputs, run_outputs, write_decisions
-from diloco.runtime.walltape import chaos_tape
+from diloco.runtime.walltape import run_tape
 
 log = logging.getLogger(__name__)
 
@@ -327,11 +327,9 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable
         with run_outputs(run_dir) as (writer, inputs):
             for event in kept:
                 inputs.append(event)
-            tape = chaos_tape(cfg)
+            tape = run_tape(cfg, run_dir)
             ckpts = LearnerCheckpoints(None if run_dir is None else run_dir / "learners",
                                        cfg.runtime.learner_checkpoint_every, cfg.run.keep_checkpoints)
-            if tape is not None and run_dir is not None:
-                (run_dir / "chaos_tape.json").write_text(tapes.to_json(tape))
             sim = Sim(cfg, setup, writer, evaluate, inputs, tape, ckpts)
             with _interruptible(sim):
                 if found is None:

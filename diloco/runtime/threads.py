@@ -22,7 +22,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import queue
-import signal
 import threading
 import time
 from pathlib import Path
@@ -37,14 +36,14 @@ from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
 from diloco.chaos import tapes
 from diloco.config import TrainConfig
-from diloco.runtime.crew import Crew, Stopped
+from diloco.runtime.crew import Crew, Stopped, sigterm_as_interrupt
 from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.mailbox import Mailbox
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
 from diloco.runtime.tape import InputLog, run_outputs, write_decisions
 from diloco.runtime.unit import LearnerUnit, StallWatch
-from diloco.runtime.walltape import WallTape, chaos_tape
+from diloco.runtime.walltape import WallTape, run_tape
 
 POLL = 0.05  # seconds: the longest any thread blocks before looking at the stop event again
 JOIN_TIMEOUT = 30.0  # seconds the main thread waits for stopped threads before reporting them stuck
@@ -72,8 +71,7 @@ class Threads(HostedRuntime):
         # A failure tape replayed on the wall clock (chaos.wall_scale wall seconds per tape second):
         # slices lost shrink the batch, a learner with none left crashes and restarts once its
         # slices are back. Its speeds and jitter replace the runtime's, as in sim.
-        self.tape = None if tape is None else WallTape(tape, cfg.chaos.wall_scale, cfg.data.batch_size,
-                                                       r.devices_per_learner)
+        self.tape = WallTape.of(cfg, tape)
         self.jitter = r.jitter if tape is None else tape.jitter
         if tape is not None:
             self.speeds = list(tape.speeds[:self.M])
@@ -117,18 +115,14 @@ class Threads(HostedRuntime):
 
     # --- supervision (main thread) ------------------------------------------------------------
     def run(self) -> dict:
-        previous = None
-        if threading.current_thread() is threading.main_thread():  # SIGTERM stops as Ctrl-C does
-            previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-        try:
-            self.crew.start()
-            self._supervise()
-        except BaseException as e:  # Ctrl-C, or an error in `evaluate`: stop everything, then re-raise
-            self.crew.fail(e)
-        finally:
-            self.crew.join()
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+        with sigterm_as_interrupt():
+            try:
+                self.crew.start()
+                self._supervise()
+            except BaseException as e:  # Ctrl-C/SIGTERM, or an error in `evaluate`: stop all, re-raise
+                self.crew.fail(e)
+            finally:
+                self.crew.join()
         if self.crew.error is not None:
             raise self.crew.error
         return self.summary()
@@ -150,9 +144,7 @@ class Threads(HostedRuntime):
         r = self.cfg.runtime
         ckpts = LearnerCheckpoints(self.checkpoint_dir, r.learner_checkpoint_every, lock=self._ckpt_lock)
         unit = self.units[m] = new_unit(self.setup, m, 0, self.initial)
-        unit.warm_up()
-        for rows in () if self.tape is None else self.tape.smaller_batches():
-            unit.warm_up(rows)
+        unit.warm_up(*(() if self.tape is None else self.tape.smaller_batches()))
         self.ready.wait()
         try:
             while True:
@@ -395,11 +387,8 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
     """Run Decoupled DiLoCo on the wall clock; returns the finished runtime (for its state) and a
     summary with the same keys as sim's."""
     with run_outputs(run_dir) as (writer, inputs):
-        tape = chaos_tape(cfg)
-        if tape is not None and run_dir is not None:
-            (run_dir / "chaos_tape.json").write_text(tapes.to_json(tape))
         rt = Threads(cfg, setup, writer, evaluate, inputs,
-                     None if run_dir is None else run_dir / "learners", tape)
+                     None if run_dir is None else run_dir / "learners", run_tape(cfg, run_dir))
         summary = rt.run()  # every thread has been joined when it returns or raises
         if evaluate is not None:
             rt._eval(rt.end, rt.units[0].ls.step, sync.theta(rt.syncer), int(rt.tokens.processed[0]),

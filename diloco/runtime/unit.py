@@ -88,8 +88,8 @@ class LearnerUnit:
                 continue
             # The snapshot of the fragment's latest send (the one a merge answers, bar the rare
             # case of two sends in flight); an overwrite voids it, as it voids the counters.
-            sent = self.sent_local.pop(q.fragment, None) if q.kept else None
-            self.sent_local.pop(q.fragment, None)
+            sent = self.sent_local.pop(q.fragment, None)
+            sent = sent if q.kept else None
             for path, glob in values.items():
                 old = _get(params, path)
                 if sent is not None:  # Theta + the progress made since the answered send
@@ -115,15 +115,16 @@ class LearnerUnit:
                 sent[path] = sent[path] + shift
         return params
 
-    def warm_up(self, rows: int | None = None) -> None:
+    def warm_up(self, *smaller: int) -> None:
         """Compile the inner step before a wall clock starts, on a copy of the state (the step
         donates its input), so step times, speed factors and the time ledger measure steps, not XLA.
-        `rows`: a smaller batch a failure tape will ask for (each batch shape compiles once)."""
+        `smaller`: batch sizes a failure tape will ask for (each batch shape compiles once)."""
         c, s = self.compiled, self.spec
-        state = jax.device_put(self.state, c.state_sharding, may_alias=False)
-        batch = batch_at(s.train_tokens, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
-                         step=0, batch_size=s.batch_size if rows is None else rows, seq_len=s.seq_len)
-        jax.block_until_ready(c.train_step(state, jax.device_put(batch, c.batch_sharding)))
+        for rows in (s.batch_size, *smaller):
+            state = jax.device_put(self.state, c.state_sharding, may_alias=False)
+            batch = batch_at(s.train_tokens, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
+                             step=0, batch_size=rows, seq_len=s.seq_len)
+            jax.block_until_ready(c.train_step(state, jax.device_put(batch, c.batch_sharding)))
 
     def step(self, fetch_loss: bool = False, rows: int | None = None) -> StepResult:
         """One inner step on this learner's shard, then the sends the schedule asks for. `rows`

@@ -1,5 +1,5 @@
 """A run's failure tape (diloco/chaos/tapes.py), and that tape read on a wall clock: `scale` wall
-seconds per tape second. The threads runtime asks it, at each learner's step boundary, whether the
+seconds per tape second. The threads and procs learners ask it, at each step boundary, whether the
 learner is up, how many batch rows its live slices compute, and when a dead one gets a slice back;
 the sim runtime reads the same tape in virtual time."""
 
@@ -23,11 +23,25 @@ def chaos_tape(cfg: TrainConfig) -> tapes.Tape | None:
     return tapes.generate(cfg.chaos, r.learners, horizon_s=4 * cfg.run.steps * r.step_time * slowest)
 
 
+def run_tape(cfg: TrainConfig, run_dir: Path | None) -> tapes.Tape | None:
+    """chaos_tape (generated, or read from chaos.tape_file), written to <run_dir>/chaos_tape.json."""
+    tape = chaos_tape(cfg)
+    if tape is not None and run_dir is not None:
+        (run_dir / "chaos_tape.json").write_text(tapes.to_json(tape))
+    return tape
+
+
 class WallTape(NamedTuple):
     tape: tapes.Tape
     scale: float  # wall seconds per tape second (chaos.wall_scale)
     batch_size: int  # a learner's rows with every slice up
     devices: int  # rows stay a multiple of the learner's devices
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, tape: tapes.Tape | None) -> WallTape | None:
+        if tape is None:
+            return None
+        return cls(tape, cfg.chaos.wall_scale, cfg.data.batch_size, cfg.runtime.devices_per_learner)
 
     def alive(self, m: int, wall: float) -> bool:
         return tapes.is_alive(self.tape, m, wall / self.scale)
