@@ -60,6 +60,18 @@ def test_seed_sets_every_seed_and_t2_variants_share_a_tape():
     assert not by["decoupled_nofail"].chaos.enabled
 
 
+def test_the_default_decoupled_run_is_shared_by_t1_t2_t5_and_t6():
+    """The runner trains it once (runner._twin) only if these compose to the same config."""
+    def cfg(name, label):
+        exp = spec.load_experiment(name)
+        job, = [j for j in spec.plan(exp, Settings(experiment=exp, seeds=(0,))) if j.variant == label]
+        return runner._same_run(job.cfg)
+
+    t1 = cfg("t1", "decoupled")
+    assert cfg("t2", "decoupled_nofail") == cfg("t5", "int4") == cfg("t6", "balanced") == t1
+    assert cfg("t5", "bf16") != t1
+
+
 def test_sixteen_learners_ask_for_sixteen_devices(monkeypatch):
     exp = spec.load_experiment("t8")
     assert spec.devices_needed(spec.plan(exp, Settings(experiment=exp))) == 16
@@ -201,3 +213,34 @@ def test_a_finished_run_is_reused_when_its_config_only_lacks_newer_fields(tmp_pa
         (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
         got = runner._finished(cfg, tmp_path)
         assert (got == {"eval_loss": 2.0, "wall_s": 1.0}) if reused else got is None
+
+
+def test_a_run_equal_to_a_finished_run_of_another_experiment_is_copied(tmp_path):
+    """T5's int4 and T6's balanced are T1's decoupled: the runner copies the finished directory
+    (sim runs are deterministic given the config) and records the new place; a different value is
+    not a twin, nor is an unfinished run."""
+    import yaml
+
+    from diloco.config import from_dict, to_dict
+
+    def cfg_at(path, **codec):
+        raw = to_dict(TrainConfig())
+        raw["run"].update(steps=7, out_dir=str(path))
+        raw["codec"].update(codec)
+        return from_dict(TrainConfig, raw)
+
+    done = tmp_path / "t1" / "decoupled" / "seed0"
+    done.mkdir(parents=True)
+    (done / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg_at(done))))
+    (done / "tape.jsonl").write_text("{}\n")
+    target = tmp_path / "t5" / "int4" / "seed0"
+    assert runner._twin(cfg_at(target), tmp_path) is None  # no summary yet: unfinished
+    (done / "summary.json").write_text('{"eval_loss": 2.0}')
+    (done / "timing.json").write_text('{"wall_s": 3.0}')
+    assert runner._twin(cfg_at(target), tmp_path) == done
+    assert runner._twin(cfg_at(target, up="bf16"), tmp_path) is None
+    assert runner._twin(cfg_at(done), tmp_path) is None  # a run is not its own twin
+
+    runner._copy_twin(cfg_at(target), done, target)
+    assert (target / "tape.jsonl").read_text() == "{}\n"
+    assert runner._finished(cfg_at(target), target) == {"eval_loss": 2.0, "wall_s": 3.0}

@@ -2,7 +2,10 @@
 results/<experiment>/<variant>/seed<k>/, and write results/<experiment>.{md,csv,json} and PNGs.
 
 A run directory that already holds a finished run of the same config is reused (not retrained),
-so an interrupted `experiment=all` picks up where it stopped; `fresh=true` retrains everything.
+so an interrupted `experiment=all` picks up where it stopped. A run whose config equals a finished
+run of another experiment (T1's Decoupled DiLoCo is T5's int4 and T6's balanced) is copied from it:
+sim runs are deterministic given the config, so training it again would give the same files.
+`fresh=true` retrains everything.
 """
 
 from __future__ import annotations
@@ -64,6 +67,36 @@ def _finished(cfg: TrainConfig, run_dir: Path) -> dict | None:
     return {**json.loads(paths[1].read_text()), **json.loads(paths[2].read_text())}
 
 
+def _same_run(cfg: TrainConfig) -> dict:
+    """cfg as a dict, without where it is written."""
+    d = to_dict(cfg)
+    d["run"] = {k: v for k, v in d["run"].items() if k != "out_dir"}
+    return d
+
+
+def _twin(cfg: TrainConfig, out_dir: Path) -> Path | None:
+    """Another run directory under out_dir (results/<experiment>/<variant>/seed<k>) holding a
+    finished run of the same config written elsewhere."""
+    want = _same_run(cfg)
+    here = Path(cfg.run.out_dir).resolve()
+    for path in sorted(out_dir.glob("*/*/seed*/config.yaml")):
+        d = path.parent
+        if d.resolve() == here:
+            continue
+        try:
+            saved = from_dict(TrainConfig, yaml.safe_load(path.read_text()))
+        except (ConfigError, yaml.YAMLError):
+            continue
+        if _same_run(saved) == want and _finished(saved, d) is not None:
+            return d
+    return None
+
+
+def _copy_twin(cfg: TrainConfig, twin: Path, run_dir: Path) -> None:
+    shutil.copytree(twin, run_dir)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
 def run_job(job: Job, settings: Settings) -> dict:
     """Train one run (or reuse it) and return its row (diloco/experiments/measure.py)."""
     from diloco.run import run
@@ -75,6 +108,12 @@ def run_job(job: Job, settings: Settings) -> dict:
             if Path(settings.out_dir).resolve() not in run_dir.resolve().parents:
                 raise RuntimeError(f"refusing to delete {run_dir}: not under out_dir={settings.out_dir}")
             shutil.rmtree(run_dir)
+        twin = None if settings.fresh else _twin(job.cfg, Path(settings.out_dir))
+        if twin is not None:
+            _copy_twin(job.cfg, twin, run_dir)
+            print(f"[{job.experiment}] {job.variant} seed {job.seed}: the same run as {twin}, copied", flush=True)
+            summary = _finished(job.cfg, run_dir)
+    if summary is None:
         start = time.perf_counter()
         summary = run(job.cfg)
         timing = {"wall_s": time.perf_counter() - start}
