@@ -127,6 +127,10 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     check(e, r.queue_size >= 1, f"runtime.queue_size={r.queue_size} must be >= 1")
     check(e, r.max_rejoin_staleness >= 0, f"runtime.max_rejoin_staleness={r.max_rejoin_staleness} must be >= 0")
     check(e, r.restart_s >= 0, f"runtime.restart_s={r.restart_s} must be >= 0")
+    check(e, r.step_period_s >= 0, f"runtime.step_period_s={r.step_period_s} must be >= 0")
+    check(e, r.step_period_s == 0 or r.kind != "sim",
+          f"runtime.step_period_s={r.step_period_s} paces the wall-clock runtimes (threads, procs); "
+          f"sim steps take runtime.step_time={r.step_time} virtual seconds")
     check(e, r.learner_checkpoint_every >= 0,
            f"runtime.learner_checkpoint_every={r.learner_checkpoint_every} must be >= 0")
     check(e, r.learners >= 1, f"runtime.learners={r.learners} must be >= 1")

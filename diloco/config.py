@@ -172,6 +172,9 @@ class RuntimeConfig:
     step_time: float = 1.0  # modelled seconds per inner step at speed 1 (sim)
     speeds: tuple[float, ...] = ()  # per learner step-time factor; () = all 1.0
     jitter: float = 0.0  # relative std of each step time
+    # threads/procs: a learner's steps end at least this many wall seconds apart, on a schedule from
+    # its first step (diloco/runtime/unit.py Pace); keeps learners in phase on a shared machine
+    step_period_s: float = 0.0
     bandwidth: float = 1e8  # bytes/s per learner link, each direction (sim)
     latency: float = 0.01  # seconds per message (sim)
     stall_limit_steps: float = 8.0  # a learner waits at most this many step times for a fragment

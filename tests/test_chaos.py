@@ -179,3 +179,15 @@ def test_wall_clock_chaos_configs_are_checked(runtime, chaos, message):
     raw["chaos"].update(enabled=True, **chaos)
     with pytest.raises(ConfigError, match=message):
         load(raw)
+
+
+@pytest.mark.parametrize("runtime, period, message", [
+    ("threads", -1.0, "runtime.step_period_s=-1.0 must be >= 0"),
+    ("sim", 0.5, "runtime.step_period_s=0.5 paces the wall-clock runtimes"),
+])
+def test_step_period_is_checked(runtime, period, message):
+    raw = to_dict(TrainConfig())
+    raw.update(algo="diloco")
+    raw["runtime"].update(kind=runtime, step_period_s=period)
+    with pytest.raises(ConfigError, match=message):
+        load(raw)

@@ -131,6 +131,21 @@ def test_slow_learner_finishes_last_and_k1_merges_without_it(world, no_leftover_
     assert summary["token_ledger_imbalance"] == 0
 
 
+def test_paced_learners_keep_the_schedule_and_merge_together(world, no_leftover_threads):
+    """runtime.step_period_s: each step ends on the learner's schedule (never before it), so the
+    two equal learners stay in phase and a K = 1 round takes both almost every time."""
+    period = 0.1
+    cfg, setup = variant(world, step_period_s=period, quorum=1)
+    rt, summary = threads.run(cfg, setup, None, None)
+
+    assert [u.ls.step for u in rt.units] == [STEPS] * M
+    assert min(rt.finished_at.values()) >= STEPS * period * 0.99, rt.finished_at
+    merges = [r for r in rt.syncer.tape if r["event"] == "merge"]
+    both = sum(len(r["learners"]) == M for r in merges)
+    assert both >= 0.75 * len(merges), [r["learners"] for r in merges]
+    assert summary["token_ledger_imbalance"] == 0
+
+
 def test_full_queues_do_not_deadlock(world, no_leftover_threads):
     """Queues of one item and a synchronous quorum (K = M): every put blocks often, nothing hangs."""
     cfg, setup = variant(world, queue_size=1, quorum=M)

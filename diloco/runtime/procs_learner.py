@@ -45,7 +45,7 @@ from diloco.runtime import blobstore as bs
 from diloco.runtime import setup as build_setup
 from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
-from diloco.runtime.unit import LearnerUnit, StallWatch
+from diloco.runtime.unit import LearnerUnit, Pace, StallWatch
 from diloco.runtime.walltape import WallTape, chaos_tape
 
 POLL_MIN, POLL_MAX = 0.002, 0.05  # seconds: back-off bounds of every procs poll loop
@@ -215,7 +215,7 @@ class ProcLearner:
             return
         cfg, r, m, steps = self.cfg, self.cfg.runtime, self.m, self.cfg.run.steps
         rng = np.random.default_rng([r.seed, 7, m, self.inc])
-        watch = StallWatch(m, r.stall_limit_steps)
+        watch, pace = StallWatch(m, r.stall_limit_steps), Pace(r.step_period_s)
         while not self.terminating:
             self.receive(unit)
             ready = unit.apply_due()
@@ -241,9 +241,8 @@ class ProcLearner:
             result = unit.step(fetch_loss=log, rows=None if self.tape is None else self.tape.rows(m, start))
             jax.block_until_ready(unit.state)  # dispatch is asynchronous: time the step, not its launch
             compute = self.clock() - start
-            # As in threads: speed factor s sleeps (s - 1) x the compute time (x jitter).
             factor = self.speed * max(0.1, 1.0 + self.jitter * rng.standard_normal())
-            self.idle(unit, start + factor * compute)
+            self.idle(unit, pace.end(start, compute, factor))  # speed factor and step_period_s
             end = self.clock()
             watch.observe(end - start)
             self.emit("step", step=unit.ls.step, start=start, end=end, tokens=result.tokens,

@@ -42,7 +42,7 @@ from diloco.runtime.mailbox import Mailbox
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
 from diloco.runtime.tape import InputLog, run_outputs, write_decisions
-from diloco.runtime.unit import LearnerUnit, StallWatch
+from diloco.runtime.unit import LearnerUnit, Pace, StallWatch
 from diloco.runtime.walltape import WallTape, run_tape
 
 POLL = 0.05  # seconds: the longest any thread blocks before looking at the stop event again
@@ -183,7 +183,7 @@ class Threads(HostedRuntime):
     def _incarnation(self, m: int, unit: LearnerUnit, ckpts: LearnerCheckpoints) -> None:
         r, steps = self.cfg.runtime, self.cfg.run.steps
         rng = np.random.default_rng([r.seed, 7, m, unit.ls.incarnation])
-        watch = StallWatch(m, r.stall_limit_steps)
+        watch, pace = StallWatch(m, r.stall_limit_steps), Pace(r.step_period_s)
         while True:
             if m in self.kills or (self.tape is not None and not self.tape.alive(m, self.clock())):
                 raise _Killed(watch.take(self.clock()))
@@ -212,10 +212,8 @@ class Threads(HostedRuntime):
             jax.block_until_ready(unit.state)  # dispatch is asynchronous: time the step, not its launch
             compute = self.clock() - start
             ckpts.maybe_save(unit)
-            # A learner with speed factor s sleeps (s - 1) x its compute time (x jitter), so a
-            # heterogeneous run works on one real clock; factors below 1 cannot speed a step up.
             factor = self.speeds[m] * max(0.1, 1.0 + self.jitter * rng.standard_normal())
-            self._idle(m, start + factor * compute)
+            self._idle(m, pace.end(start, compute, factor))  # speed factor and step_period_s
             end = self.clock()
             watch.observe(end - start)
             event = ("step", m, unit.ls.incarnation, unit.ls.step, start, end, result.tokens, result.sends,

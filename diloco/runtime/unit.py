@@ -227,6 +227,27 @@ class StallWatch:
         return out
 
 
+class Pace:
+    """When a wall-clock learner's step ends. A speed factor s stretches the step to s x its
+    compute time (a heterogeneous run on one real clock; factors below 1 cannot speed a step up).
+    With runtime.step_period_s > 0 a step also ends no earlier than the learner's schedule, which
+    advances s x period per step from its first step: learners sharing a machine drift apart by
+    whole steps otherwise (the operating system gives them unequal shares), so a K = 1 syncer
+    merges them one at a time, and a step that ran late is made up by not idling after the next
+    ones, keeping equal-speed learners in phase as they are on hardware of their own."""
+
+    def __init__(self, period: float):
+        self.period = period
+        self.due: float | None = None  # when the schedule says the last step should have ended
+
+    def end(self, start: float, compute: float, factor: float) -> float:
+        natural = start + factor * compute
+        if self.period <= 0:
+            return natural
+        self.due = (start if self.due is None else self.due) + factor * self.period
+        return max(natural, self.due)
+
+
 def _get(tree: dict, path: Path):
     for k in path:
         tree = tree[k]

@@ -1,0 +1,28 @@
+"""Pace (diloco/runtime/unit.py): when a wall-clock learner's step ends, by hand."""
+
+import pytest
+
+from diloco.runtime.unit import Pace
+
+
+def test_without_a_period_a_step_ends_when_its_stretched_compute_does():
+    pace = Pace(0.0)
+    assert pace.end(10.0, 0.5, 1.0) == 10.5
+    assert pace.end(11.0, 0.5, 3.0) == 12.5  # speed factor 3: sleeps twice the compute time
+    assert pace.due is None
+
+
+def test_steps_follow_the_schedule_from_the_first_step():
+    pace = Pace(1.0)
+    # fast steps idle to the schedule 1, 2, 3 s after the first step's start
+    assert [pace.end(s, 0.1, 1.0) for s in (0.0, 1.0, 2.0)] == [1.0, 2.0, 3.0]
+    # a late step (2.5 s of compute) ends late; the next ones do not idle until back on schedule
+    assert pace.end(3.0, 2.5, 1.0) == 5.5
+    assert pace.end(5.5, 0.2, 1.0) == pytest.approx(5.7)  # due at 5.0: behind, no idling
+    assert pace.end(5.7, 0.2, 1.0) == 6.0  # caught up: due at 6.0
+
+
+def test_a_slow_learner_follows_a_stretched_schedule():
+    pace = Pace(0.5)
+    ends = [pace.end(s, 0.1, 2.0) for s in (0.0, 1.0, 2.0)]
+    assert ends == [1.0, 2.0, 3.0]  # factor 2 x period 0.5
