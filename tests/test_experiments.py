@@ -102,7 +102,9 @@ def test_elastic_dp_clock_by_hand():
     bp, progress, rate = measure.elastic_progress(np.array([10.0, 20.0]), np.array([-1, 1]), 4, 2.0, 1.0)
     t = measure.step_times(bp, progress, rate, np.array([0, 5, 10, 13, 16, 20]))
     np.testing.assert_allclose(t, [0, 5, 10, 12 + 3 / 0.75, 12 + 6 / 0.75, 22 + 4])
-    assert measure.computing_share(bp, rate, 30.0) == pytest.approx(26 / 30)
+    assert measure.computing_share(bp, rate, 30.0) == pytest.approx(26 / 30)  # uptime
+    # goodput weights each second by the live slices: 10 + 8 x 3/4 + 8 of 30 s
+    assert measure.computing_share(bp, rate, 30.0, step_s=1.0) == pytest.approx(24 / 30)
     # no failures: the plain clock
     bp, progress, rate = measure.elastic_progress(np.array([]), np.array([], int), 4, 2.0, 1.5)
     np.testing.assert_allclose(measure.step_times(bp, progress, rate, np.array([2.0])), [3.0])

@@ -72,11 +72,13 @@ def step_times(bp: np.ndarray, progress: np.ndarray, rate: np.ndarray, steps: np
     return out
 
 
-def computing_share(bp: np.ndarray, rate: np.ndarray, end: float) -> float:
-    """Share of [0, end] during which the elastic job computes (the sim's goodput is also time
-    computing over time booked, whatever the batch)."""
+def computing_share(bp: np.ndarray, rate: np.ndarray, end: float, step_s: float | None = None) -> float:
+    """Share of [0, end] during which the elastic job computes: its uptime. Given step_s, each
+    second counts by the share of slices computing (rate x step_s), as the sim's goodput counts a
+    learner's step on some of its slices (timeline state "degraded"): its goodput."""
     edges = np.minimum(np.append(bp, max(end, bp[-1])), end)
-    return float(np.sum(np.diff(edges) * (rate > 0))) / end if end > 0 else NAN
+    weight = (rate > 0) if step_s is None else rate * step_s
+    return float(np.sum(np.diff(edges) * weight)) / end if end > 0 else NAN
 
 
 def contributions(run_dir: Path) -> tuple[set[int], dict[tuple, float]]:
@@ -158,11 +160,12 @@ def dp_row(cfg: TrainConfig, summary: dict, records: list[dict]) -> dict:
         events, delta, slices = tape_slice_events(cfg)
         bp, progress, rate = elastic_progress(events, delta, slices, cfg.runtime.restart_s, step_s)
         times = step_times(bp, progress, rate, at)
-        share = computing_share(bp, rate, float(times[-1]))
+        end = float(times[-1])
+        goodput, uptime = computing_share(bp, rate, end, step_s), computing_share(bp, rate, end)
     else:
-        times, share = at * step_s, 1.0
+        times, goodput, uptime = at * step_s, 1.0, 1.0
     return {
-        "tokens": summary["tokens"], "clock_s": float(times[-1]), "goodput": share, "uptime": share,
+        "tokens": summary["tokens"], "clock_s": float(times[-1]), "goodput": goodput, "uptime": uptime,
         "up_per_step": b, "down_per_step": b, "peak_up_per_step": M * b, "peak_over_mean": 1.0,
         "merges": NAN, "quarantined": NAN, "quorum_mean": NAN, "grace_mean_s": NAN, "stalls": NAN,
         "tokens_merged_share": NAN, "norm_full": NAN, "norm_single": NAN, "norm_ratio": NAN,
