@@ -131,6 +131,10 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     check(e, r.step_period_s == 0 or r.kind != "sim",
           f"runtime.step_period_s={r.step_period_s} paces the wall-clock runtimes (threads, procs); "
           f"sim steps take runtime.step_time={r.step_time} virtual seconds")
+    check(e, r.rejoin_at in ("own", "schedule"), f"runtime.rejoin_at={r.rejoin_at!r} must be own or schedule")
+    check(e, r.rejoin_at != "schedule" or r.step_period_s > 0,
+          f"runtime.rejoin_at=schedule needs runtime.step_period_s > 0 (got {r.step_period_s}): "
+          "without a paced schedule there is no step the other learners are at")
     check(e, r.learner_checkpoint_every >= 0,
            f"runtime.learner_checkpoint_every={r.learner_checkpoint_every} must be >= 0")
     check(e, r.learners >= 1, f"runtime.learners={r.learners} must be >= 1")

@@ -175,6 +175,10 @@ class RuntimeConfig:
     # threads/procs: a learner's steps end at least this many wall seconds apart, on a schedule from
     # its first step (diloco/runtime/unit.py Pace); keeps learners in phase on a shared machine
     step_period_s: float = 0.0
+    # threads/procs: where a restarted learner resumes. own: its checkpoint's step (or where it
+    # stopped), redoing the steps since; schedule (needs step_period_s): the step the run's paced
+    # schedule is at, in phase with the other learners, skipping the steps it missed while down
+    rejoin_at: str = "own"
     bandwidth: float = 1e8  # bytes/s per learner link, each direction (sim)
     latency: float = 0.01  # seconds per message (sim)
     stall_limit_steps: float = 8.0  # a learner waits at most this many step times for a fragment

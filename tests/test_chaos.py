@@ -181,13 +181,15 @@ def test_wall_clock_chaos_configs_are_checked(runtime, chaos, message):
         load(raw)
 
 
-@pytest.mark.parametrize("runtime, period, message", [
-    ("threads", -1.0, "runtime.step_period_s=-1.0 must be >= 0"),
-    ("sim", 0.5, "runtime.step_period_s=0.5 paces the wall-clock runtimes"),
+@pytest.mark.parametrize("runtime, period, rejoin_at, message", [
+    ("threads", -1.0, "own", "runtime.step_period_s=-1.0 must be >= 0"),
+    ("sim", 0.5, "own", "runtime.step_period_s=0.5 paces the wall-clock runtimes"),
+    ("procs", 0.0, "schedule", "runtime.rejoin_at=schedule needs runtime.step_period_s > 0"),
+    ("procs", 0.5, "peer", "runtime.rejoin_at='peer' must be own or schedule"),
 ])
-def test_step_period_is_checked(runtime, period, message):
+def test_step_period_and_rejoin_at_are_checked(runtime, period, rejoin_at, message):
     raw = to_dict(TrainConfig())
     raw.update(algo="diloco")
-    raw["runtime"].update(kind=runtime, step_period_s=period)
+    raw["runtime"].update(kind=runtime, step_period_s=period, rejoin_at=rejoin_at)
     with pytest.raises(ConfigError, match=message):
         load(raw)

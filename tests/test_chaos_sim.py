@@ -11,7 +11,7 @@ from diloco.algo import timeline
 from diloco.chaos import tapes
 from diloco.chaos.tapes import Event, Tape
 from diloco.config import ChaosConfig, validate
-from diloco.runtime.rejoin import LearnerCheckpoints
+from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
 from diloco.runtime.sim import Sim
 from diloco.runtime.walltape import chaos_tape
 from test_sim import build, corpus, make_cfg, model  # noqa: F401  (fixtures)
@@ -91,6 +91,13 @@ def test_rejoin_keeps_its_checkpointed_optimizer_state_only_when_fresh(tmp_path,
         assert how.restored_from == restored, how
         assert how.staleness > 0  # the syncer merged learner 0's work meanwhile
         assert how.step == (8 if restored else 10)
+        # rejoin_at=schedule: a rejoin (now, after the run) moved forward to the step the others
+        # are at, whatever it restored; never moved back from its own
+        setup = build(cfg)
+        for at_least in (40, 3):
+            unit, again = rejoin_unit(setup, 1, 9, sim.host.state, ckpts, stale, 10, at_least)
+            own = 10 if again.restored_from is None else again.restored_from
+            assert again.step == unit.ls.step == int(unit.state.step) == max(own, at_least)
 
 
 def test_a_scavenged_learner_joins_for_its_window_only(tmp_path, build):

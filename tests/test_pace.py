@@ -26,3 +26,13 @@ def test_a_slow_learner_follows_a_stretched_schedule():
     pace = Pace(0.5)
     ends = [pace.end(s, 0.1, 2.0) for s in (0.0, 1.0, 2.0)]
     assert ends == [1.0, 2.0, 3.0]  # factor 2 x period 0.5
+
+
+def test_the_run_grid_puts_a_resumed_learner_in_phase():
+    """rejoin_at=schedule: a learner back at clock 10.3 s with period 0.5 takes up step 20 and
+    then ends its steps on the grid (10.5, 11.0, ...) as the learners that never stopped do."""
+    assert Pace.grid_step(0.5, 10.3, 1.0) == 20 and Pace.grid_step(0.5, 10.3, 2.0) == 10
+    pace = Pace.on_grid(0.5, 20, 1.0)
+    assert [pace.end(s, 0.1, 1.0) for s in (10.3, 10.5, 11.0)] == [10.5, 11.0, 11.5]
+    never_stopped = Pace.on_grid(0.5, 0, 1.0)
+    assert [never_stopped.end(k * 0.5, 0.1, 1.0) for k in range(22)][-2:] == [10.5, 11.0]

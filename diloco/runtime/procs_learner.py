@@ -167,6 +167,9 @@ class ProcLearner:
         self.t0 = 0.0
         self.nap_until = float("inf")
         self.poller = bs.Poller(POLL_MIN, POLL_MAX, sleep=self._nap)
+        # steps end on a schedule (runtime.step_period_s); on the run's grid from the start, so that
+        # an incarnation resuming at the grid's step (runtime.rejoin_at=schedule) is in phase
+        self.pace = Pace.on_grid(r.step_period_s, 0, self.speed) if r.rejoin_at == "schedule" else Pace(r.step_period_s)
 
     def clock(self) -> float:
         return time.time() - self.t0  # wall time: every process (and host) shares the syncer's t0
@@ -204,8 +207,13 @@ class ProcLearner:
         view, fetched = store_view(self.store, s)
         now = self.clock()
         self.fetched += [[now, p, n, "fp32"] for p, n in fetched.items()]
-        unit, how = rejoin_unit(s, m, self.inc, view, self.checkpoints, self.cfg.runtime.max_rejoin_staleness,
-                                before["step"])
+        r = self.cfg.runtime
+        grid = r.rejoin_at == "schedule"
+        at_least = min(Pace.grid_step(r.step_period_s, now, self.speed), self.cfg.run.steps) if grid else 0
+        unit, how = rejoin_unit(s, m, self.inc, view, self.checkpoints, r.max_rejoin_staleness,
+                                before["step"], at_least)
+        if grid:
+            self.pace = Pace.on_grid(r.step_period_s, unit.ls.step, self.speed)
         self.emit("join", at=now, rejoin=how._asdict(), down_until=down_until)
         return unit
 
@@ -215,7 +223,7 @@ class ProcLearner:
             return
         cfg, r, m, steps = self.cfg, self.cfg.runtime, self.m, self.cfg.run.steps
         rng = np.random.default_rng([r.seed, 7, m, self.inc])
-        watch, pace = StallWatch(m, r.stall_limit_steps), Pace(r.step_period_s)
+        watch, pace = StallWatch(m, r.stall_limit_steps), self.pace
         while not self.terminating:
             self.receive(unit)
             ready = unit.apply_due()

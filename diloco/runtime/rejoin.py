@@ -91,18 +91,23 @@ def staleness(syncer_state: sync.SyncerState, versions: list[int]) -> int:
 
 
 def rejoin_unit(setup: Setup, m: int, incarnation: int, syncer_state: sync.SyncerState,
-                checkpoints: LearnerCheckpoints, max_staleness: int, fallback_step: int) -> tuple[LearnerUnit, Rejoin]:
+                checkpoints: LearnerCheckpoints, max_staleness: int, fallback_step: int,
+                at_least: int = 0) -> tuple[LearnerUnit, Rejoin]:
     """A restarted learner m under `incarnation`: parameters from the syncer's current Theta; the
     inner optimizer state and step from its newest checkpoint if fresh enough, else a fresh
-    optimizer at `fallback_step` (where the dead incarnation stopped)."""
+    optimizer at `fallback_step` (where the dead incarnation stopped). `at_least` moves the step
+    forward (runtime.rejoin_at=schedule: take up the step the other learners are at, skipping the
+    steps missed while down, so the fragment schedule is in phase with theirs again)."""
     found = checkpoints.latest(m, setup.compiled[m % len(setup.compiled)].abstract_state)
     if found is not None:
         step, state, meta = found
         stale = staleness(syncer_state, meta["versions"])
         if stale <= max_staleness:
-            unit = new_unit(setup, m, incarnation, syncer_state, step)
+            unit = new_unit(setup, m, incarnation, syncer_state, max(step, at_least))
             unit.state = state.replace(params=unit.state.params, step=unit.state.step)
-            return unit, Rejoin(m, incarnation, step, step, stale)
-        return new_unit(setup, m, incarnation, syncer_state, fallback_step), Rejoin(m, incarnation, fallback_step, None, stale)
-    return new_unit(setup, m, incarnation, syncer_state, fallback_step), Rejoin(m, incarnation, fallback_step, None, -1)
+            return unit, Rejoin(m, incarnation, unit.ls.step, step, stale)
+    else:
+        stale = -1
+    step = max(fallback_step, at_least)
+    return new_unit(setup, m, incarnation, syncer_state, step), Rejoin(m, incarnation, step, None, stale)
 

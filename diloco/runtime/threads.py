@@ -166,8 +166,11 @@ class Threads(HostedRuntime):
         if self.tape is not None:  # down until the tape gives a slice back
             restart_at = self._sleep(self.tape.back_at(m, died_at))
         self._sleep(restart_at + self.cfg.runtime.restart_s)
+        r = self.cfg.runtime
+        at_least = 0 if r.rejoin_at == "own" else min(  # the paced grid's step (rejoin_at=schedule)
+            Pace.grid_step(r.step_period_s, self.clock(), self.speeds[m]), self.cfg.run.steps)
         unit, how = rejoin_unit(self.setup, m, dead.ls.incarnation + 1, self.host.state, ckpts,
-                                self.cfg.runtime.max_rejoin_staleness, dead.ls.step)
+                                r.max_rejoin_staleness, dead.ls.step, at_least)
         self.units[m] = unit
         self.rejoins.append(how)
         self._emit(m, ("rejoin", m, how.incarnation, died_at, restart_at, self.clock()))
@@ -183,7 +186,9 @@ class Threads(HostedRuntime):
     def _incarnation(self, m: int, unit: LearnerUnit, ckpts: LearnerCheckpoints) -> None:
         r, steps = self.cfg.runtime, self.cfg.run.steps
         rng = np.random.default_rng([r.seed, 7, m, unit.ls.incarnation])
-        watch, pace = StallWatch(m, r.stall_limit_steps), Pace(r.step_period_s)
+        watch = StallWatch(m, r.stall_limit_steps)
+        pace = (Pace.on_grid(r.step_period_s, unit.ls.step, self.speeds[m]) if r.rejoin_at == "schedule"
+                else Pace(r.step_period_s))
         while True:
             if m in self.kills or (self.tape is not None and not self.tape.alive(m, self.clock())):
                 raise _Killed(watch.take(self.clock()))

@@ -236,9 +236,20 @@ class Pace:
     merges them one at a time, and a step that ran late is made up by not idling after the next
     ones, keeping equal-speed learners in phase as they are on hardware of their own."""
 
-    def __init__(self, period: float):
+    def __init__(self, period: float, due: float | None = None):
         self.period = period
-        self.due: float | None = None  # when the schedule says the last step should have ended
+        self.due = due  # when the schedule says the last step should have ended (None: at the next start)
+
+    @classmethod
+    def on_grid(cls, period: float, step: int, speed: float) -> "Pace":
+        """The schedule of a learner at `step` on the run's grid (step k ends at k x speed x
+        period on the clock that starts with the run), as if it had never stopped."""
+        return cls(period, step * speed * period)
+
+    @staticmethod
+    def grid_step(period: float, now: float, speed: float) -> int:
+        """The step a learner on the run's grid is at, at `now`."""
+        return int(now // (speed * period))
 
     def end(self, start: float, compute: float, factor: float) -> float:
         natural = start + factor * compute
