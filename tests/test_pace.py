@@ -36,3 +36,11 @@ def test_the_run_grid_puts_a_resumed_learner_in_phase():
     assert [pace.end(s, 0.1, 1.0) for s in (10.3, 10.5, 11.0)] == [10.5, 11.0, 11.5]
     never_stopped = Pace.on_grid(0.5, 0, 1.0)
     assert [never_stopped.end(k * 0.5, 0.1, 1.0) for k in range(22)][-2:] == [10.5, 11.0]
+
+
+def test_rejoin_at_own_keeps_the_learners_own_step_and_schedule():
+    assert Pace.rejoin_step(0.5, "own", 10.3, 1.0, 300) == 0
+    assert Pace.rejoin_step(0.5, "schedule", 10.3, 1.0, 300) == 20
+    assert Pace.rejoin_step(0.5, "schedule", 1e6, 1.0, 300) == 300  # never past the run's last step
+    assert Pace.of(0.5, "own", 20, 1.0).due is None
+    assert Pace.of(0.5, "schedule", 20, 1.0).due == 10.0

@@ -167,9 +167,7 @@ class ProcLearner:
         self.t0 = 0.0
         self.nap_until = float("inf")
         self.poller = bs.Poller(POLL_MIN, POLL_MAX, sleep=self._nap)
-        # steps end on a schedule (runtime.step_period_s); on the run's grid from the start, so that
-        # an incarnation resuming at the grid's step (runtime.rejoin_at=schedule) is in phase
-        self.pace = Pace.on_grid(r.step_period_s, 0, self.speed) if r.rejoin_at == "schedule" else Pace(r.step_period_s)
+        self.pace = Pace.of(r.step_period_s, r.rejoin_at, 0, self.speed)  # a rejoin replaces it
 
     def clock(self) -> float:
         return time.time() - self.t0  # wall time: every process (and host) shares the syncer's t0
@@ -208,12 +206,10 @@ class ProcLearner:
         now = self.clock()
         self.fetched += [[now, p, n, "fp32"] for p, n in fetched.items()]
         r = self.cfg.runtime
-        grid = r.rejoin_at == "schedule"
-        at_least = min(Pace.grid_step(r.step_period_s, now, self.speed), self.cfg.run.steps) if grid else 0
+        at_least = Pace.rejoin_step(r.step_period_s, r.rejoin_at, now, self.speed, self.cfg.run.steps)
         unit, how = rejoin_unit(s, m, self.inc, view, self.checkpoints, r.max_rejoin_staleness,
                                 before["step"], at_least)
-        if grid:
-            self.pace = Pace.on_grid(r.step_period_s, unit.ls.step, self.speed)
+        self.pace = Pace.of(r.step_period_s, r.rejoin_at, unit.ls.step, self.speed)
         self.emit("join", at=now, rejoin=how._asdict(), down_until=down_until)
         return unit
 

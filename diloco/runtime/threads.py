@@ -167,8 +167,7 @@ class Threads(HostedRuntime):
             restart_at = self._sleep(self.tape.back_at(m, died_at))
         self._sleep(restart_at + self.cfg.runtime.restart_s)
         r = self.cfg.runtime
-        at_least = 0 if r.rejoin_at == "own" else min(  # the paced grid's step (rejoin_at=schedule)
-            Pace.grid_step(r.step_period_s, self.clock(), self.speeds[m]), self.cfg.run.steps)
+        at_least = Pace.rejoin_step(r.step_period_s, r.rejoin_at, self.clock(), self.speeds[m], self.cfg.run.steps)
         unit, how = rejoin_unit(self.setup, m, dead.ls.incarnation + 1, self.host.state, ckpts,
                                 r.max_rejoin_staleness, dead.ls.step, at_least)
         self.units[m] = unit
@@ -187,8 +186,7 @@ class Threads(HostedRuntime):
         r, steps = self.cfg.runtime, self.cfg.run.steps
         rng = np.random.default_rng([r.seed, 7, m, unit.ls.incarnation])
         watch = StallWatch(m, r.stall_limit_steps)
-        pace = (Pace.on_grid(r.step_period_s, unit.ls.step, self.speeds[m]) if r.rejoin_at == "schedule"
-                else Pace(r.step_period_s))
+        pace = Pace.of(r.step_period_s, r.rejoin_at, unit.ls.step, self.speeds[m])
         while True:
             if m in self.kills or (self.tape is not None and not self.tape.alive(m, self.clock())):
                 raise _Killed(watch.take(self.clock()))

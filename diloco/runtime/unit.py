@@ -251,6 +251,18 @@ class Pace:
         """The step a learner on the run's grid is at, at `now`."""
         return int(now // (speed * period))
 
+    @classmethod
+    def of(cls, period: float, rejoin_at: str, step: int, speed: float) -> "Pace":
+        """A learner's schedule from `step`: on the run's grid with runtime.rejoin_at=schedule
+        (every incarnation in phase), else from its first step."""
+        return cls.on_grid(period, step, speed) if rejoin_at == "schedule" else cls(period)
+
+    @classmethod
+    def rejoin_step(cls, period: float, rejoin_at: str, now: float, speed: float, steps: int) -> int:
+        """The least step a learner restarting at `now` resumes at: the grid's with
+        rejoin_at=schedule, else 0 (its own checkpoint's or stopping step decides)."""
+        return min(cls.grid_step(period, now, speed), steps) if rejoin_at == "schedule" else 0
+
     def end(self, start: float, compute: float, factor: float) -> float:
         natural = start + factor * compute
         if self.period <= 0:
