@@ -258,6 +258,32 @@ def test_a_killed_learner_rejoins_from_its_checkpoint_under_a_new_incarnation(wo
         assert versions == list(range(1, fs.version + 1))
 
 
+def test_rejoin_at_schedule_takes_up_the_paced_step_and_skips_the_missed_ones(world, tmp_path, monkeypatch,
+                                                                               no_leftover_threads):
+    """Paced at 0.1 s per step, learner 1 killed after its 13th step (about 1.3 s) and back 0.5 s
+    later: it keeps its step-10 checkpoint's optimizer state but resumes at the schedule's step
+    (about 18, or more on a loaded machine), not 10, and skips the steps in between."""
+    period = 0.1
+    cfg, setup = variant(world, restart_s=0.5, learner_checkpoint_every=5, max_rejoin_staleness=1000,
+                         step_period_s=period, rejoin_at="schedule")
+    rt = threads.Threads(cfg, setup, None, None, None, tmp_path / "learners")
+    plain_step = LearnerUnit.step
+
+    def step(unit, *args, **kwargs):
+        if unit.learner == 1 and unit.ls.incarnation == 0 and unit.ls.step == 12:
+            rt.kill(1)
+        return plain_step(unit, *args, **kwargs)
+    monkeypatch.setattr(LearnerUnit, "step", step)
+    summary = rt.run()
+
+    (how,) = rt.rejoins
+    assert how.restored_from == 10 and how.step >= int((13 * period + 0.5) / period) - 1, how
+    assert [u.ls.step for u in rt.units] == [STEPS] * M
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    assert rt.tokens.processed == ((STEPS + 13 + STEPS - how.step) * tokens_per_step,) * P
+    assert summary["token_ledger_imbalance"] == 0
+
+
 def test_a_chaos_tape_on_the_wall_clock_shrinks_the_batch_then_kills_and_restarts(world, tmp_path, monkeypatch,
                                                                                    no_leftover_threads):
     """A hand-written tape replayed at wall_scale 1: learner 1 loses one of its 2 slices at once
