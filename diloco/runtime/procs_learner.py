@@ -167,7 +167,6 @@ class ProcLearner:
         self.t0 = 0.0
         self.nap_until = float("inf")
         self.poller = bs.Poller(POLL_MIN, POLL_MAX, sleep=self._nap)
-        self.pace = Pace.of(r.step_period_s, r.rejoin_at, 0, self.speed)  # a rejoin replaces it
 
     def clock(self) -> float:
         return time.time() - self.t0  # wall time: every process (and host) shares the syncer's t0
@@ -209,7 +208,6 @@ class ProcLearner:
         at_least = Pace.rejoin_step(r.step_period_s, r.rejoin_at, now, self.speed, self.cfg.run.steps)
         unit, how = rejoin_unit(s, m, self.inc, view, self.checkpoints, r.max_rejoin_staleness,
                                 before["step"], at_least)
-        self.pace = Pace.of(r.step_period_s, r.rejoin_at, unit.ls.step, self.speed)
         self.emit("join", at=now, rejoin=how._asdict(), down_until=down_until)
         return unit
 
@@ -219,7 +217,8 @@ class ProcLearner:
             return
         cfg, r, m, steps = self.cfg, self.cfg.runtime, self.m, self.cfg.run.steps
         rng = np.random.default_rng([r.seed, 7, m, self.inc])
-        watch, pace = StallWatch(m, r.stall_limit_steps), self.pace
+        watch = StallWatch(m, r.stall_limit_steps)
+        pace = Pace.of(r.step_period_s, r.rejoin_at, unit.ls.step, self.speed)  # as in threads
         while not self.terminating:
             self.receive(unit)
             ready = unit.apply_due()
