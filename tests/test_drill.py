@@ -11,7 +11,7 @@ from diloco.algo.codecs import make_codec
 from diloco.algo.fragments import make_fragments
 from diloco.algo.replay import Input
 from diloco.config import OuterConfig, TrainConfig
-from diloco.runtime import drill
+from diloco.runtime import drill, drill_report
 from diloco.runtime.setup import policy
 
 
@@ -96,3 +96,40 @@ def test_recovery_times_come_from_the_tape_on_the_syncer_clock():
              {"t": 8.0, "target": "learner-0", "incarnation": 0}]
     got = [k["recovered_s"] for k in drill.recovery(tape, kills)]
     assert got == [7.0, 1.0, None]  # 9.0 - 2.0; 6.0 - 5.0; learner 0's successor never sent
+
+
+def test_partial_merges_are_the_merges_that_left_a_learner_out():
+    tape = [{"event": "arrival", "at": 1.0, "fragment": 0, "admitted": [0]},
+            {"event": "merge", "at": 1.5, "fragment": 0, "admitted": [0, 1, 2]},
+            {"event": "merge", "at": 2.25, "fragment": 1, "admitted": [2]},
+            {"event": "merge", "at": 3.0, "fragment": 1, "admitted": [0, 1]}]
+    got = drill.partial_merges(tape, learners=3)
+    assert got == [{"at": 2.25, "fragment": 1, "admitted": [2]}, {"at": 3.0, "fragment": 1, "admitted": [0, 1]}]
+    assert drill.partial_merges(tape, learners=1) == []
+
+
+def _observed(eval_loss: float, partial: int) -> dict:
+    return {"wall_s": 1.0, "summary": {"merges": 10, "eval_loss": eval_loss}, "token_ledger_imbalance": 0,
+            "versions_consecutive": True, "merged_tokens_rebuilt": 5, "merged_tokens_ledger": 5,
+            "final_eval_rebuilt": eval_loss, "learner_restarts": {"0": 1}, "syncer_restarts": 1,
+            "rejoins": [[0, 1, 4]], "partial_merges": [{"at": 1.0, "fragment": 0, "admitted": [1]}] * partial}
+
+
+def test_the_report_judges_the_chaos_run_against_each_failure_free_run():
+    cmp = lambda free, other: {"tokens": 100.0, "eval_loss_free": free, "eval_loss": other, "relative": other / free - 1}
+    result = {"free": _observed(2.2, 2), "free2": _observed(2.4, 0), "chaos": _observed(2.4, 3)}
+    result["chaos"]["kills"] = [{"t": 1.0, "target": "learner-0", "incarnation": 0, "published_versions": 1,
+                                 "recovered_s": 2.0}, {"t": 2.0, "target": "syncer", "incarnation": 0,
+                                                       "published_versions": 2, "recovered_s": None}]
+    result["compare"] = {a: cmp(2.2, 2.4) for a in ("merged", "processed", "final")}
+    result["noise"] = {a: cmp(2.2, 2.4) for a in ("merged", "processed")}
+    result["compare_free2"] = {a: cmp(2.4, 2.41) for a in ("merged", "processed")}
+    result["checks"] = drill_report.checks(result, ["free", "free2", "chaos"])
+    assert not result["checks"]["within_3pct"] and result["checks"]["within_3pct_of_free2"]
+    assert result["checks"]["learner_kills"] == 1 and result["checks"]["syncer_kills"] == 1
+    rows = dict(drill_report.rows(result))
+    assert rows["merges of fewer than M learners (free / chaos)"] == "2 / 3"
+    assert rows["merges of fewer than M learners (free2)"] == 0
+    assert rows["chaos vs free2, equal merged tokens"] == "2.4000 / 2.4100 (+0.42%)"
+    assert rows["equal merged tokens: within 3% of free2"] == "yes"
+    assert "learner-0 incarnation 0 (1 versions), recovered in 2.0 s" in drill_report.markdown(result, "cmd")

@@ -161,6 +161,13 @@ def merge_versions(tape: list[dict]) -> dict[int, list[int]]:
     return dict(versions)
 
 
+def partial_merges(tape: list[dict], learners: int) -> list[dict]:
+    """Merges that admitted fewer than all learners: where a round split (or a learner was down).
+    RDA keeps each merge's norm, so a split round moves Theta about twice as far as a whole one."""
+    return [{"at": round(e["at"], 2), "fragment": e["fragment"], "admitted": e["admitted"]}
+            for e in tape if e["event"] == "merge" and len(e["admitted"]) < learners]
+
+
 def versions_consecutive(versions: dict[int, list[int]]) -> bool:
     """Every fragment's merges made versions 1..n in order: none skipped, none made twice."""
     return all(vs == list(range(1, len(vs) + 1)) for vs in versions.values())
@@ -266,13 +273,15 @@ def observe(run_dir: Path, store_url: str) -> dict:
     """Ledger, versions and restarts of a finished run, from its outputs and its store's control."""
     summary = json.loads((run_dir / "summary.json").read_text())
     records = report.read_metrics(run_dir / "metrics.jsonl")
-    versions = merge_versions(read_decisions(run_dir / "tape.jsonl"))
+    tape = read_decisions(run_dir / "tape.jsonl")
+    versions = merge_versions(tape)
     procs = bs.read_control(bs.BlobStore(store_url), "procs")
     return {
         "summary": summary,
         "token_ledger_imbalance": summary["token_ledger_imbalance"],
         "versions_consecutive": versions_consecutive(versions),
         "versions": {str(p): len(vs) for p, vs in sorted(versions.items())},
+        "partial_merges": partial_merges(tape, summary["learners"]),
         "learner_restarts": {m: x["incarnation"] for m, x in sorted(procs["learners"].items())},
         "syncer_restarts": procs["syncer_incarnation"],
         "rejoins": [[r["learner"], r["incarnation"], r["step"]] for r in records if r["kind"] == "rejoin"],
@@ -344,8 +353,10 @@ def analyse(cfg: TrainConfig, out: Path, result: dict, names: list[str]) -> dict
                          for axis in AXES}
     result["compare"]["final"] = compare([(1, result["free"]["summary"]["eval_loss"])],
                                          [(1, result["chaos"]["summary"]["eval_loss"])])
-    if "free2" in names:
+    if "free2" in names:  # two failure-free runs differ by wall-clock timing alone: the chaos run against each
         result["noise"] = {axis: compare(curve_points(curves["free"], axis, P),
                                          curve_points(curves["free2"], axis, P)) for axis in AXES}
+        result["compare_free2"] = {axis: compare(curve_points(curves["free2"], axis, P),
+                                                 curve_points(curves["chaos"], axis, P)) for axis in AXES}
     result["checks"] = checks(result, names)
     return result

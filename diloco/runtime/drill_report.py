@@ -54,6 +54,8 @@ def checks(result: dict, names: list[str]) -> dict:
         "syncer_restarts": c["syncer_restarts"],
         "within_3pct": abs(result["compare"]["merged"]["relative"]) <= TARGET,
         "not_worse_by_3pct": result["compare"]["merged"]["relative"] <= TARGET,
+        **({"within_3pct_of_free2": abs(result["compare_free2"]["merged"]["relative"]) <= TARGET}
+           if "compare_free2" in result else {}),
     }
 
 
@@ -70,6 +72,8 @@ def rows(result: dict) -> list[tuple[str, object]]:
         ("merged tokens rebuilt = ledger", k["merged_tokens_rebuilt_match_ledger"]),
         ("final eval rebuilt = run's", k["final_eval_rebuilt_matches_run"]),
         ("merges (free / chaos)", f"{f['summary']['merges']} / {c['summary']['merges']}"),
+        ("merges of fewer than M learners (free / chaos)",
+         f"{len(f.get('partial_merges', []))} / {len(c.get('partial_merges', []))}"),
     ]
     for axis, label in (("merged", "merged tokens"), ("processed", "processed tokens"), ("final", "final")):
         x = cmp[axis]
@@ -78,7 +82,14 @@ def rows(result: dict) -> list[tuple[str, object]]:
                     f"{x['eval_loss_free']:.4f} / {x['eval_loss']:.4f} ({100 * x['relative']:+.2f}%)"))
     for axis, x in result.get("noise", {}).items():
         out.append((f"noise: free2 vs free, {axis}", f"{100 * x['relative']:+.2f}%"))
+    if "compare_free2" in result:
+        out.append(("merges of fewer than M learners (free2)", len(result["free2"].get("partial_merges", []))))
+        for axis, x in result["compare_free2"].items():
+            out.append((f"chaos vs free2, equal {axis} tokens",
+                        f"{x['eval_loss_free']:.4f} / {x['eval_loss']:.4f} ({100 * x['relative']:+.2f}%)"))
     out.append(("equal merged tokens: within 3% / not worse by 3%", f"{k['within_3pct']} / {k['not_worse_by_3pct']}"))
+    if "within_3pct_of_free2" in k:
+        out.append(("equal merged tokens: within 3% of free2", k["within_3pct_of_free2"]))
     out.append(("learner kill -> first merge of its successor", _recovery_row(c["kills"], True)))
     out.append(("syncer kill -> first merge of its successor", _recovery_row(c["kills"], False)))
     return out
