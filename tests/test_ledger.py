@@ -165,3 +165,20 @@ def test_summary_is_plain_numbers():
     assert s["goodput"] == 0.75 and s["uptime"] == 0.75  # both up in [0, 3) of [0, 4)
     assert s["learner1_down_s"] == 3.0
     assert all(isinstance(v, (int, float)) for v in s.values())
+
+
+def test_training_peak_leaves_out_each_learners_final_sync():
+    led = traffic.byte_ledger()
+    for t in range(6):  # two learners, one 100-byte fragment every step, out of phase by half a step
+        led = traffic.add_bytes(led, t, 100, "up", 0, t % 4, "int4")
+        led = traffic.add_bytes(led, t + 0.5, 100, "up", 1, t % 4, "int4")
+    for p in range(4):  # the final sync: every fragment at once, learner 1 a step later
+        led = traffic.add_bytes(led, 6.0, 100, "up", 0, p, "int4")
+        led = traffic.add_bytes(led, 7.0, 100, "up", 1, p, "int4")
+    assert traffic.peak_rate(led, 1.0, direction="up") == 500.0  # learner 1's last send + learner 0's sync
+    assert traffic.peak_rate(led, 1.0, skip_last=True, direction="up") == 200.0
+    kept = traffic.without_last_sends(traffic.byte_events(led))
+    assert len(kept) == 12 and kept["time"].max() == 5.5
+    assert len(traffic.without_last_sends(traffic.byte_events(traffic.byte_ledger()))) == 0
+    s = L.summary(run_tokens(), led, time_ledger(), start=0.0, end=8.0, window=1.0)
+    assert s["peak_rate_up_training"] == 200.0 and s["peak_rate_up"] == 500.0

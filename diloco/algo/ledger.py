@@ -213,6 +213,7 @@ def summary(tokens: TokenLedger, bytes_: ByteLedger, time: TimeLedger, *, start:
         out[f"bytes_{d}"] = int(byte_events(bytes_, direction=d)["nbytes"].sum())
         out[f"mean_rate_{d}"] = mean_rate(bytes_, start, end, direction=d) if end > start else 0.0
         out[f"peak_rate_{d}"] = peak_rate(bytes_, window, direction=d)
+    out["peak_rate_up_training"] = peak_rate(bytes_, window, skip_last=True, direction="up")
     out["goodput"] = goodput(time)
     out["uptime"] = uptime(time, quorum, start, end) if end > start else 0.0
     for m, secs in seconds(time).items():

@@ -88,14 +88,24 @@ def mean_rate(led: ByteLedger, start: float, end: float, **filters: Any) -> floa
     return float(ev["nbytes"][inside].sum()) / (end - start)
 
 
-def peak_rate(led: ByteLedger, window: float, **filters: Any) -> float:
-    """Most bytes in any interval [t, t + window), over the window: a sliding, not a binned, peak.
+def without_last_sends(ev: np.ndarray) -> np.ndarray:
+    """The events before each learner's last one in time. A learner's final sync sends every
+    fragment at once, as its last messages: leaving them out gives the rate while training."""
+    last = np.full(int(ev["learner"].max()) + 1 if len(ev) else 0, -np.inf)
+    np.maximum.at(last, ev["learner"], ev["time"])
+    return ev[ev["time"] < last[ev["learner"]]]
+
+
+def peak_rate(led: ByteLedger, window: float, skip_last: bool = False, **filters: Any) -> float:
+    """Most bytes in any interval [t, t + window), over the window: a sliding, not a binned, peak;
+    `skip_last` leaves out each learner's last send (without_last_sends).
 
     Some busiest interval starts at an event, so trying every event's time as a start is exact.
     """
     if window <= 0:
         raise LedgerError(f"window must be > 0 seconds, got {window}")
-    ev = np.sort(byte_events(led, **filters), order="time")
+    ev = byte_events(led, **filters)
+    ev = np.sort(without_last_sends(ev) if skip_last else ev, order="time")
     if not len(ev):
         return 0.0
     cum = np.concatenate([[0], np.cumsum(ev["nbytes"])])

@@ -17,8 +17,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 # Columns an experiment may add to the always-reported ones (diloco/experiments/tables.py).
 EXTRA_METRICS = ("time_to_target", "clock_s", "tokens", "quorum_mean", "grace_mean_s", "stalls",
-                 "norm_full", "norm_single", "norm_ratio", "tokens_merged_share", "peak_over_mean",
-                 "throughput")
+                 "norm_full", "norm_single", "norm_ratio", "tokens_merged_share", "peak_up_training",
+                 "peak_over_mean", "throughput")
 
 # quick=true: a tiny model, 24 steps of 32-token sequences, one seed: about a minute per experiment
 # on a laptop CPU once JAX's compilation cache is warm (compiling dominates such short runs).

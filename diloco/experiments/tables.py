@@ -18,7 +18,7 @@ from diloco.experiments.spec import ExperimentSpec, Settings
 
 NAN = float("nan")
 SCALARS = ("eval_loss", "tokens", "clock_s", "goodput", "uptime", "up_per_step", "down_per_step",
-           "peak_up_per_step", "peak_over_mean", "merges", "quarantined", "quorum_mean", "grace_mean_s", "stalls",
+           "peak_up_per_step", "peak_up_training", "peak_over_mean", "merges", "quarantined", "quorum_mean", "grace_mean_s", "stalls",
            "tokens_merged_share", "norm_full", "norm_single", "norm_ratio", "throughput", "wall_s")
 CSV_FIELDS = ("experiment", "variant", "seed", "algo", "learners", "steps", "params", *SCALARS, "run_dir")
 
@@ -106,7 +106,8 @@ EXTRA = {"time_to_target": ("time to target (s)", _num(1), False), "clock_s": ("
          "norm_full": ("merged-delta norm, all M", _num(4), True),
          "norm_single": ("delta norm, 1 learner", _num(4), True),
          "norm_ratio": ("ratio all M / 1", _num(3), True), "tokens_merged_share": ("merged share", _pct, False),
-         "peak_over_mean": ("peak / mean up", _num(2), True),
+         "peak_up_training": ("peak up / step while training", _bytes, False),
+         "peak_over_mean": ("peak / mean up while training", _num(2), True),
          "throughput": ("throughput vs nominal", _pct, False)}
 
 

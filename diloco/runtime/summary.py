@@ -26,6 +26,7 @@ def run_summary(st: sync.SyncerState, tokens: ledger.TokenLedger, bytes_: traffi
         "bytes_up": int(sums["bytes_up"]),
         "bytes_down": int(sums["bytes_down"]),
         "peak_rate_up": sums["peak_rate_up"],
+        "peak_rate_up_training": sums["peak_rate_up_training"],  # without the final sync
         "goodput": sums["goodput"],
         "uptime": sums["uptime"],
         "quorum_mean": float(np.mean(quorum_sizes)) if quorum_sizes else 0.0,
