@@ -1,5 +1,5 @@
 """The syncer state machine driven by hand-built frames: sign, exact averaging, token weights, RDA vs
-averaging, quorum and grace, quarantine, and broadcasts as quantized deltas against references."""
+averaging, quorum and grace, and broadcasts as quantized deltas against references."""
 
 import math
 
@@ -9,57 +9,9 @@ import pytest
 from diloco.algo import messages, quorum
 from diloco.algo import syncer as sync
 from diloco.algo.codecs import make_codec
-from diloco.algo.fragments import Fragment
 from diloco.algo.outer import make_outer
 
-FP32 = make_codec("fp32")
-W, B, E = ("layer", "w"), ("layer", "b"), ("embed",)
-FRAGS = (Fragment(0, (B, W), 8, False), Fragment(1, (E,), 4, True))
-THETA0 = (
-    {W: np.linspace(-1.0, 1.0, 6, dtype=np.float32).reshape(2, 3), B: np.array([0.5, -0.25], np.float32)},
-    {E: np.array([1.0, 2.0, 3.0, 4.0], np.float32)},
-)
-
-
-def policy(K=1, gamma=0.0, tau=0, cap=1.0, outer=None, merge="average", **kw):
-    grace = quorum.GraceConfig(K=K, gamma=gamma, cap_steps=cap, tau=tau)
-    return sync.Policy(grace, outer or make_outer("average"), merge, "average", **kw)
-
-
-def start(pol, M=2, frags=FRAGS, theta0=THETA0):
-    return sync.init(pol, frags, theta0, {m: 0 for m in range(M)})
-
-
-def frame(local, ref, *, learner=0, inc=0, seq=1, fragment=0, base_version=0, c_steps=1, c_tokens=8,
-          codec=FP32, spec="fp32"):
-    """A contribution as a learner unit writes it: the fragment's anchor - local, encoded."""
-    diff = {p: np.asarray(ref[p], np.float32) - np.asarray(local[p], np.float32) for p in local}
-    tensors, payload, _ = messages.pack_fragment(diff, codec)
-    return raw_frame(tensors, payload, learner=learner, inc=inc, seq=seq, fragment=fragment,
-                     base_version=base_version, c_steps=c_steps, c_tokens=c_tokens, spec=spec)
-
-
-def raw_frame(tensors, payload, *, learner=0, inc=0, seq=1, fragment=0, base_version=0, c_steps=1,
-              c_tokens=8, spec="fp32"):
-    header = {"kind": "contribution", "learner": learner, "incarnation": inc, "seq": seq,
-              "fragment": fragment, "base_version": base_version, "version": base_version,
-              "c_steps": c_steps, "c_tokens": c_tokens, "codec": spec, "delta_against": None,
-              "tensors": tensors}
-    return messages.encode(header, payload)
-
-
-def shifted(values, by):
-    """values + by * (1, 2, 3, ...): a distinct, exactly known move per tensor entry."""
-    return {p: np.asarray(v, np.float32) + np.float32(by) * np.arange(1, v.size + 1, dtype=np.float32).reshape(v.shape)
-            for p, v in values.items()}
-
-
-def publishes(actions):
-    return [a for a in actions if isinstance(a, sync.Publish)]
-
-
-def merges(st):
-    return [r for r in st.tape if r["event"] == "merge"]
+from syncer_frames import B, E, THETA0, W, frame, merges, policy, publishes, shifted, start
 
 
 def test_sign_learner_moved_by_minus_d_gives_merged_delta_plus_d():
@@ -251,92 +203,6 @@ def test_max_staleness_drops_old_bases():
     assert actions == (sync.Outcome((1, 0, 1), "stale"),)
     assert st.fragments[0].theta is theta and st.quarantined == {"stale": 1}
 
-
-# --- quarantine ---------------------------------------------------------------------------------
-
-
-def _payload_with(value):
-    """An fp32 payload for fragment 0 whose first value is `value` (encode refuses non-finite)."""
-    tensors, payload, _ = messages.pack_fragment({B: np.zeros(2, np.float32), W: np.zeros((2, 3), np.float32)}, FP32)
-    return tensors, np.float32(value).tobytes() + payload[4:]
-
-
-def _bad_frame(case):
-    """(frame, key of the frame or None, reason)."""
-    local = shifted(THETA0[0], 0.5)
-    key = (1, 0, 1)
-    if case in ("nan", "inf"):
-        tensors, payload = _payload_with(np.nan if case == "nan" else -np.inf)
-        return raw_frame(tensors, payload, learner=1), key, "non_finite"
-    if case == "wrong_shape":
-        bad = {**local, W: np.zeros((3, 2), np.float32)}
-        return frame(bad, {**THETA0[0], W: np.zeros((3, 2), np.float32)}, learner=1), key, "wrong_shape"
-    if case == "wrong_dtype":
-        tensors, payload, _ = messages.pack_fragment(local, FP32)
-        tensors[0]["dtype"] = "bfloat16"
-        return raw_frame(tensors, payload, learner=1), key, "wrong_dtype"
-    if case == "checksum":
-        good = bytearray(frame(local, THETA0[0], learner=1))
-        good[-3] ^= 0x40  # one payload bit
-        return bytes(good), None, "checksum"
-    if case == "truncated_zstd":
-        codec = make_codec("fp32", zstd_level=1)
-        tensors, payload, _ = messages.pack_fragment(local, codec)
-        tensors[-1]["nbytes"] -= 5  # header consistent with the cut payload: only zstd can tell
-        return raw_frame(tensors, payload[:-5], learner=1, spec="fp32+zstd1"), key, "codec_error"
-    if case == "duplicate":
-        return frame(local, THETA0[0], learner=0, seq=1), (0, 0, 1), "duplicate"
-    if case == "dead_incarnation":
-        return frame(local, THETA0[0], learner=0, inc=0, seq=9), (0, 0, 9), "dead_incarnation"
-    if case == "unknown_learner":
-        return frame(local, THETA0[0], learner=7), (7, 0, 1), "unknown_learner"
-    if case == "future_version":
-        return frame(local, THETA0[0], learner=1, base_version=3), key, "future_version"
-    raise AssertionError(case)
-
-
-CASES = ["nan", "inf", "wrong_shape", "wrong_dtype", "checksum", "truncated_zstd", "duplicate",
-         "dead_incarnation", "unknown_learner", "future_version"]
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_quarantine_leaves_theta_bit_identical(case):
-    pol = policy(K=2)
-    st = start(pol)
-    good0 = shifted(THETA0[0], 1)
-    # learner 0 is already in the open round (incarnation 1 for the dead-incarnation case)
-    inc = 1 if case == "dead_incarnation" else 0
-    st, _ = sync.on_contribution(pol, st, frame(good0, THETA0[0], learner=0, inc=inc, seq=1), 0.0)
-    before = st
-    snapshot = {p: x.tobytes() for p, x in sync.theta(st).items()}
-    bad, key, reason = _bad_frame(case)
-    st, actions = sync.on_contribution(pol, st, bad, 1.0)
-    assert actions == (sync.Outcome(key, f"quarantined:{reason}"),)
-    assert st.quarantined == {reason: 1}
-    rec = st.tape[-1]
-    assert (rec["event"], rec["reason"], rec["key"], rec["at"]) == ("quarantine", reason, key, 1.0)
-    assert st.tape[:-1] == before.tape
-    assert {p: x.tobytes() for p, x in sync.theta(st).items()} == snapshot
-    assert st.fragments is before.fragments and st.merges == 0
-    assert st.last_seq == before.last_seq and st.live == before.live
-    # the round still merges exactly the good contributions
-    good1 = shifted(THETA0[0], -3)
-    st, _ = sync.on_contribution(pol, st, frame(good1, THETA0[0], learner=1, seq=2), 2.0)
-    (rec,) = merges(st)
-    assert rec["learners"] == [0, 1]
-    for p in (W, B):
-        np.testing.assert_allclose(st.fragments[0].theta[p], (good0[p] + good1[p]) / 2, rtol=1e-6)
-
-
-def test_higher_incarnation_makes_the_older_one_dead():
-    pol = policy(K=2)
-    st = start(pol)
-    st, _ = sync.on_contribution(pol, st, frame(THETA0[0], THETA0[0], learner=1, inc=2, seq=1), 0.0)
-    assert st.live == {0: 0, 1: 2} and st.last_seq == {(1, 2): 1}
-    st, actions = sync.on_contribution(pol, st, frame(THETA0[0], THETA0[0], learner=1, inc=1, seq=5), 0.0)
-    assert actions == (sync.Outcome((1, 1, 5), "quarantined:dead_incarnation"),)
-
-
 # --- publish ------------------------------------------------------------------------------------
 
 
@@ -429,46 +295,3 @@ def test_scale_live_counts_absent_learners_as_zero_deltas():
     for p in local:
         np.testing.assert_allclose(st.fragments[0].theta[p], THETA0[0][p] + 0.25 * (local[p] - THETA0[0][p]),
                                    rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("spec", ["topk+k1.0", "topk+zstd1+k1.0", "fp32+zstd1"])
-def test_the_payload_bound_admits_every_codec_at_its_largest(spec):
-    """Top-k at fraction 1 sends 8 bytes per value, twice fp32; zstd adds its frame on top. A legitimate
-    contribution of a large fragment must not be refused as too large; a bigger payload is."""
-    big = (Fragment(0, (W,), 4096, False),)
-    theta0 = ({W: np.zeros((64, 64), np.float32)},)
-    pol = policy(K=1)
-    st = start(pol, frags=big, theta0=theta0)
-    local = {W: np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)}
-    kw = messages.parse_spec(spec)
-    codec = make_codec(kw.pop("name"), **kw)
-    st, actions = sync.on_contribution(pol, st, frame(local, theta0[0], codec=codec, spec=spec), 0.0)
-    assert st.quarantined == {} and st.merges == 1
-    np.testing.assert_allclose(st.fragments[0].theta[W], local[W], rtol=1e-6, atol=1e-6)
-    tensors = [{"path": list(W), "shape": [64, 64], "dtype": "float32", "nbytes": 9 * 4096}]
-    st, actions = sync.on_contribution(pol, st, raw_frame(tensors, bytes(9 * 4096), seq=2, base_version=1), 1.0)
-    assert actions == (sync.Outcome(None, "quarantined:too_large"),)
-
-
-def test_a_pseudo_gradient_far_above_the_running_median_is_quarantined():
-    """norm_bound x the median of the fragment's last admitted norms: a 100x contribution (a
-    diverged or poisoned learner) is counted and never merged; normal ones keep flowing."""
-    pol = policy(K=1, norm_bound=10.0, norm_window=8)
-    st = start(pol)
-    for seq in range(1, 9):  # eight normal contributions set the median (norm of a shift by 1)
-        st, _ = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 1), THETA0[0], seq=seq,
-                                                    base_version=st.fragments[0].version), float(seq))
-    theta, version = st.fragments[0].theta, st.fragments[0].version
-    st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 100), THETA0[0], seq=9,
-                                                      base_version=version), 9.0)
-    assert actions == (sync.Outcome((0, 0, 9), "quarantined:exploding_norm"),)
-    assert st.quarantined == {"exploding_norm": 1} and st.fragments[0].theta is theta
-    assert st.tape[-1]["reason"] == "exploding_norm" and "median" in st.tape[-1]["detail"]
-    st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 3), THETA0[0], seq=10,
-                                                      base_version=version), 10.0)
-    assert sync.Outcome((0, 0, 10), "merged") in actions  # 3x the median is within the bound
-    assert len(st.fragments[0].norms) == 8  # the window; the quarantined norm never entered it
-    # per inner step: the same 100x move over 100 steps is an ordinary contribution
-    st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 100), THETA0[0], seq=11, c_steps=100,
-                                                      c_tokens=800, base_version=st.fragments[0].version), 11.0)
-    assert sync.Outcome((0, 0, 11), "merged") in actions
