@@ -18,8 +18,9 @@ from diloco.experiments.spec import ExperimentSpec, Settings
 
 NAN = float("nan")
 SCALARS = ("eval_loss", "tokens", "clock_s", "goodput", "uptime", "up_per_step", "down_per_step",
-           "peak_up_per_step", "peak_up_training", "peak_over_mean", "merges", "quarantined", "quorum_mean", "grace_mean_s", "stalls",
-           "tokens_merged_share", "norm_full", "norm_single", "norm_ratio", "throughput", "wall_s")
+           "peak_up_per_step", "peak_up_training", "peak_over_mean", "merges", "quarantined", "quorum_mean",
+           "grace_mean_s", "stalls", "tokens_merged_share", "norm_full", "norm_single", "norm_ratio", "throughput",
+           "wall_s")
 CSV_FIELDS = ("experiment", "variant", "seed", "algo", "learners", "steps", "params", *SCALARS, "run_dir")
 
 

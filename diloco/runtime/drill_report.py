@@ -59,6 +59,11 @@ def checks(result: dict, names: list[str]) -> dict:
     }
 
 
+def _pair(x: dict) -> str:
+    """One comparison: the reference's loss / the other's (relative difference)."""
+    return f"{x['eval_loss_free']:.4f} / {x['eval_loss']:.4f} ({100 * x['relative']:+.2f}%)"
+
+
 def rows(result: dict) -> list[tuple[str, object]]:
     f, c, cmp = result["free"], result["chaos"], result["compare"]
     k = {n: ("yes" if v else "NO") if isinstance(v, bool) else v for n, v in result["checks"].items()}
@@ -78,15 +83,13 @@ def rows(result: dict) -> list[tuple[str, object]]:
     for axis, label in (("merged", "merged tokens"), ("processed", "processed tokens"), ("final", "final")):
         x = cmp[axis]
         at = "" if axis == "final" else f" at {int(x['tokens']):,}"
-        out.append((f"eval loss, equal {label}{at}",
-                    f"{x['eval_loss_free']:.4f} / {x['eval_loss']:.4f} ({100 * x['relative']:+.2f}%)"))
+        out.append((f"eval loss, equal {label}{at}", _pair(x)))
     for axis, x in result.get("noise", {}).items():
         out.append((f"noise: free2 vs free, {axis}", f"{100 * x['relative']:+.2f}%"))
     if "compare_free2" in result:
         out.append(("merges of fewer than M learners (free2)", len(result["free2"].get("partial_merges", []))))
         for axis, x in result["compare_free2"].items():
-            out.append((f"chaos vs free2, equal {axis} tokens",
-                        f"{x['eval_loss_free']:.4f} / {x['eval_loss']:.4f} ({100 * x['relative']:+.2f}%)"))
+            out.append((f"chaos vs free2, equal {axis} tokens", _pair(x)))
     out.append(("equal merged tokens: within 3% / not worse by 3%", f"{k['within_3pct']} / {k['not_worse_by_3pct']}"))
     if "within_3pct_of_free2" in k:
         out.append(("equal merged tokens: within 3% of free2", k["within_3pct_of_free2"]))
