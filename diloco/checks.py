@@ -48,6 +48,8 @@ def data_errors(d: DataConfig) -> list[str]:
     check(e, d.seq_len > 0, f"data.seq_len={d.seq_len} must be > 0")
     check(e, d.batch_size > 0, f"data.batch_size={d.batch_size} must be > 0")
     check(e, 0.0 < d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
+    check(e, d.shard_block == 0 or d.shard_block > d.seq_len,
+           f"data.shard_block={d.shard_block} must be 0 (contiguous shards) or > data.seq_len={d.seq_len}")
     check(e, d.data_dir != "", "data.data_dir must not be empty (use '.' for the working directory)")
     check(e, d.text_field != "", "data.text_field must not be empty")
     if d.source == "synthetic":

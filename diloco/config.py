@@ -50,6 +50,7 @@ class DataConfig:
     seq_len: int = 128
     batch_size: int = 32  # sequences per step of one trainer (or one learner)
     val_fraction: float = 0.05
+    shard_block: int = 0  # 0: each learner a contiguous shard; N: blocks of N tokens dealt round-robin
     data_dir: str = "data"  # downloads, extracted text and tokenized stores are cached here
     synthetic_vocab: int = 16
     synthetic_tokens: int = 200_000

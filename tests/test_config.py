@@ -49,6 +49,7 @@ def test_wrong_types_are_named(section, key, value, expected):
     ({"data": {"seq_len": 512}}, "data.seq_len=512 exceeds model.max_seq_len=256"),
     ({"data": {"source": "wiki"}}, "data.source='wiki'"),
     ({"data": {"source": "files"}}, "data.source=files needs data.paths"),
+    ({"data": {"shard_block": 100}}, "data.shard_block=100 must be 0 (contiguous shards) or > data.seq_len=128"),
     ({"inner": {"warmup_steps": 900}}, "inner.warmup_steps=900 must be in [0, run.steps=300]"),
     ({"run": {"steps": 0}}, "run.steps=0 must be > 0"),
 ])

@@ -117,6 +117,33 @@ def test_learners_draw_only_from_their_own_disjoint_shard():
         assert seen.min() < lo + 200 and seen.max() >= hi - 200
 
 
+def test_block_shards_are_disjoint_dealt_round_robin_and_cover_every_block():
+    n, learners, block = 10_050, 3, 500  # 20 whole blocks and a 50-token tail left out
+    tokens = np.arange(n, dtype=np.int32)
+    owners: dict[int, set[int]] = {}
+    for m in range(learners):
+        seen = np.concatenate([batch_at(tokens, seed=0, learner=m, num_learners=learners, step=s,
+                                        batch_size=16, seq_len=31, shard_block=block) for s in range(60)])
+        # A window never crosses a block boundary, so no token of another learner's block is read.
+        assert np.all(seen[:, 0] // block == seen[:, -1] // block)
+        assert np.all(np.diff(seen, axis=1) == 1)
+        owners[m] = set(np.unique(seen // block).tolist())
+        assert owners[m] == set(range(m, 20, learners)), (m, sorted(owners[m]))
+    assert max(max(b) for b in owners.values()) < 20  # the tail is never drawn
+    # The same (seed, learner, step) gives the same batch; blocks change which windows, not how.
+    args = dict(seed=5, learner=1, num_learners=learners, step=3, batch_size=4, seq_len=31, shard_block=block)
+    assert np.array_equal(batch_at(tokens, **args), batch_at(tokens, **args))
+
+
+def test_block_shards_reject_blocks_too_short_or_too_few():
+    with pytest.raises(DataError, match="shard_block=20 must hold a window"):
+        batch_at(np.arange(1_000), seed=0, learner=0, num_learners=2, step=0, batch_size=2, seq_len=31,
+                 shard_block=20)
+    with pytest.raises(DataError, match=r"at least num_learners=4 blocks; use a block in \[32, 250\]"):
+        batch_at(np.arange(1_000), seed=0, learner=0, num_learners=4, step=0, batch_size=2, seq_len=31,
+                 shard_block=400)
+
+
 def test_batch_at_rejects_a_shard_shorter_than_one_window():
     with pytest.raises(DataError, match="shard 2 of 4 has 25 tokens"):
         batch_at(np.arange(100), seed=0, learner=2, num_learners=4, step=0, batch_size=2, seq_len=25)

@@ -20,8 +20,14 @@ def shard_bounds(n_tokens: int, num_learners: int) -> list[tuple[int, int]]:
 
 
 def batch_at(tokens: np.ndarray, *, seed: int, learner: int, num_learners: int, step: int,
-             batch_size: int, seq_len: int) -> np.ndarray:
+             batch_size: int, seq_len: int, shard_block: int = 0) -> np.ndarray:
     """int32 [batch_size, seq_len + 1]: windows drawn uniformly from inside learner's shard.
+
+    shard_block = 0: the shard is one contiguous quarter (for 4 learners) of the stream.
+    shard_block = N > 0: the stream is cut into blocks of N tokens dealt round-robin, block b to
+    learner b mod num_learners, and every window lies inside one of the learner's blocks. Both
+    keep the shards disjoint; blocks spread each shard over the whole corpus, so on a corpus whose
+    parts differ (Shakespeare's plays follow one another) every learner sees the same mixture.
 
     The generator is keyed by (seed, learner, step) through numpy's SeedSequence, so a step's
     batch is the same whenever it is asked for, and learners never share a stream.
@@ -31,15 +37,32 @@ def batch_at(tokens: np.ndarray, *, seed: int, learner: int, num_learners: int, 
     if seed < 0 or step < 0 or batch_size < 1 or seq_len < 1:
         raise DataError(f"need seed >= 0, step >= 0, batch_size >= 1, seq_len >= 1; got seed={seed}, "
                         f"step={step}, batch_size={batch_size}, seq_len={seq_len}")
-    lo, hi = shard_bounds(len(tokens), num_learners)[learner]
     width = seq_len + 1
-    if hi - lo < width:
-        raise DataError(f"shard {learner} of {num_learners} has {hi - lo} tokens "
-                        f"({len(tokens)} train tokens in all), fewer than seq_len+1={width}; "
-                        f"use fewer learners, a shorter seq_len or more data")
     rng = np.random.default_rng([seed, learner, step])
-    starts = lo + rng.integers(0, hi - lo - width + 1, size=batch_size)
+    if shard_block > 0:
+        starts = _block_starts(rng, len(tokens), learner, num_learners, shard_block, width, batch_size)
+    else:
+        lo, hi = shard_bounds(len(tokens), num_learners)[learner]
+        if hi - lo < width:
+            raise DataError(f"shard {learner} of {num_learners} has {hi - lo} tokens "
+                            f"({len(tokens)} train tokens in all), fewer than seq_len+1={width}; "
+                            f"use fewer learners, a shorter seq_len or more data")
+        starts = lo + rng.integers(0, hi - lo - width + 1, size=batch_size)
     return np.asarray(tokens[starts[:, None] + np.arange(width)], dtype=np.int32)
+
+
+def _block_starts(rng: np.random.Generator, n_tokens: int, learner: int, num_learners: int,
+                  block: int, width: int, batch_size: int) -> np.ndarray:
+    """Window starts inside learner's blocks (b = learner, learner + M, ...); the tail shorter
+    than one block is left out, so every block is equally likely and holds whole windows."""
+    n_blocks = n_tokens // block
+    if block < width or n_blocks < num_learners:
+        raise DataError(f"data.shard_block={block} must hold a window (seq_len+1={width}) and cut "
+                        f"the {n_tokens} train tokens into at least num_learners={num_learners} "
+                        f"blocks; use a block in [{width}, {n_tokens // num_learners}] or 0")
+    mine = np.arange(learner, n_blocks, num_learners)
+    blocks = mine[rng.integers(0, len(mine), size=batch_size)]
+    return blocks * block + rng.integers(0, block - width + 1, size=batch_size)
 
 
 def eval_batches(tokens: np.ndarray, *, batch_size: int, seq_len: int, n: int) -> list[np.ndarray]:

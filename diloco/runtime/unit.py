@@ -39,6 +39,7 @@ class UnitSpec(NamedTuple):
     schedule: Schedule
     up_codec: Codec
     up_spec: str
+    shard_block: int = 0  # data.shard_block: 0 = contiguous shards
 
 
 class LearnerUnit:
@@ -123,7 +124,7 @@ class LearnerUnit:
         for rows in (s.batch_size, *smaller):
             state = jax.device_put(self.state, c.state_sharding, may_alias=False)
             batch = batch_at(s.train_tokens, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
-                             step=0, batch_size=rows, seq_len=s.seq_len)
+                             step=0, batch_size=rows, seq_len=s.seq_len, shard_block=s.shard_block)
             jax.block_until_ready(c.train_step(state, jax.device_put(batch, c.batch_sharding)))
 
     def step(self, fetch_loss: bool = False, rows: int | None = None) -> StepResult:
@@ -132,7 +133,7 @@ class LearnerUnit:
         s = self.spec
         rows = s.batch_size if rows is None else rows
         batch = batch_at(s.train_tokens, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
-                         step=self.ls.step, batch_size=rows, seq_len=s.seq_len)
+                         step=self.ls.step, batch_size=rows, seq_len=s.seq_len, shard_block=s.shard_block)
         self.state, metrics = self.compiled.train_step(
             self.state, jax.device_put(batch, self.compiled.batch_sharding))
         tokens = rows * s.seq_len
