@@ -138,14 +138,18 @@ def _row(variant, seed, loss, curve):
 
 def test_relative_loss_is_paired_by_seed_and_time_to_target_interpolates():
     exp = ExperimentSpec(name="x", variants=(Variant("a"), Variant("b")), seeds=(0, 1))
-    rows = [_row("a", 0, 2.0, [[1, 10, 4.0], [2, 20, 3.0]]), _row("a", 1, 4.0, [[1, 10, 4.0], [2, 20, 3.0]]),
-            _row("b", 0, 2.2, [[1, 10, 2.0], [2, 20, 1.5]]), _row("b", 1, 4.0, [[1, 10, 2.0], [2, 20, 1.5]])]
+    rows = [_row("a", 0, 3.0, [[1, 10, 4.0], [2, 20, 3.0]]), _row("a", 1, 3.2, [[1, 10, 4.0], [2, 20, 3.2]]),
+            _row("b", 0, 3.15, [[1, 10, 3.5], [2, 20, 3.15]]), _row("b", 1, 3.2, [[1, 10, 3.3], [2, 20, 3.2]])]
     result = tables.aggregate(exp, Settings(experiment=exp), rows)
     a, b = result["variants"]
-    assert b["rel_loss"][0] == pytest.approx(0.05) and b["rel_loss"][1] == pytest.approx(np.std([0.1, 0], ddof=1))
-    assert a["mean"]["eval_loss"] == 3.0 and math.isnan(a["mean"]["merges"])
-    assert result["target_loss"] == 3.1  # the worse variant's final mean
-    assert b["time_to_target"] == 10 and a["time_to_target"] == pytest.approx(19)
+    assert b["rel_loss"][0] == pytest.approx(0.025) and b["rel_loss"][1] == pytest.approx(np.std([0.05, 0], ddof=1))
+    assert a["mean"]["eval_loss"] == pytest.approx(3.1) and math.isnan(a["mean"]["merges"])
+    # Each run is timed on its own curve to its seed's worst final loss (seed 0: b's 3.15, seed 1: 3.2).
+    assert result["seed_targets"] == {"0": 3.15, "1": 3.2} and result["target_loss"] == pytest.approx(3.175)
+    times = {(r["variant"], r["seed"]): r["time_to_target"] for r in result["runs"]}
+    assert times == {("a", 0): pytest.approx(18.5), ("a", 1): 20, ("b", 0): 20, ("b", 1): 20}
+    assert a["mean"]["time_to_target"] == pytest.approx(19.25) and b["mean"]["time_to_target"] == 20
+    assert a["std"]["time_to_target"] == pytest.approx(np.std([18.5, 20], ddof=1))
     assert tables.time_to({"time": [10, 20], "loss": [3.0, 2.0]}, 2.5) == 15
     assert tables.time_to({"time": [10, 20], "loss": [3.0, 2.0]}, 1.0) == math.inf
 

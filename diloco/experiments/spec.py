@@ -56,7 +56,7 @@ class ExperimentSpec:
     # Every run evaluates the same val windows: run.eval_batches = eval_sequences / data.batch_size,
     # since the eval set is cut into windows of the run's own batch size (diloco.data.eval_batches).
     eval_sequences: int = 256
-    target_loss: float = 0.0  # for time_to_target; 0: the worst variant's final mean eval loss
+    target_loss: float = 0.0  # for time_to_target; 0: per seed, the worst variant's final eval loss
     suite: tuple[str, ...] = ()
 
 

@@ -17,10 +17,10 @@ import numpy as np
 from diloco.experiments.spec import ExperimentSpec, Settings
 
 NAN = float("nan")
-SCALARS = ("eval_loss", "tokens", "clock_s", "goodput", "uptime", "up_per_step", "down_per_step",
-           "peak_up_per_step", "peak_up_training", "peak_over_mean", "merges", "quarantined", "quorum_mean",
-           "grace_mean_s", "stalls", "tokens_merged_share", "norm_full", "norm_single", "norm_ratio", "throughput",
-           "wall_s")
+SCALARS = ("eval_loss", "time_to_target", "tokens", "clock_s", "goodput", "uptime", "up_per_step",
+           "down_per_step", "peak_up_per_step", "peak_up_training", "peak_over_mean", "merges", "quarantined",
+           "quorum_mean", "grace_mean_s", "stalls", "tokens_merged_share", "norm_full", "norm_single",
+           "norm_ratio", "throughput", "wall_s")
 CSV_FIELDS = ("experiment", "variant", "seed", "algo", "learners", "steps", "params", *SCALARS, "run_dir")
 
 
@@ -55,8 +55,27 @@ def time_to(curve: dict, target: float) -> float:
     return math.inf
 
 
+def seed_targets(spec: ExperimentSpec, rows: list[dict]) -> dict[int, float]:
+    """Per seed, the loss every run of that seed is timed to: spec.target_loss, or else the worst
+    variant's final eval loss in that seed, which every variant reaches by its end."""
+    finals: dict[int, list[float]] = {}
+    for r in rows:
+        if math.isfinite(r["eval_loss"]):
+            finals.setdefault(r["seed"], []).append(r["eval_loss"])
+    return {seed: spec.target_loss or max(losses) for seed, losses in finals.items()}
+
+
+def _timed(row: dict, targets: dict[int, float]) -> dict:
+    """The row with time_to_target on its own eval curve, against its seed's target."""
+    curve = {"time": [p[1] for p in row["curve"]], "loss": [p[2] for p in row["curve"]]}
+    target = targets.get(row["seed"], NAN)
+    return {**row, "time_to_target": time_to(curve, target) if math.isfinite(target) else NAN}
+
+
 def aggregate(spec: ExperimentSpec, settings: Settings, rows: list[dict]) -> dict:
     """The JSON result of one experiment: per-variant statistics, and every run's row."""
+    targets = seed_targets(spec, rows)
+    rows = [_timed(r, targets) for r in rows]
     by = {v.label: [r for r in rows if r["variant"] == v.label] for v in spec.variants}
     ref_of = {v.label: v.reference or spec.variants[0].label for v in spec.variants}
     variants = []
@@ -69,12 +88,9 @@ def aggregate(spec: ExperimentSpec, settings: Settings, rows: list[dict]) -> dic
                          "seeds": [r["seed"] for r in mine],
                          "mean": {k: s[0] for k, s in stats.items()}, "std": {k: s[1] for k, s in stats.items()},
                          "rel_loss": list(_stats(rel)), "curve": mean_curve([r["curve"] for r in mine])})
-    finals = [x["mean"]["eval_loss"] for x in variants if math.isfinite(x["mean"]["eval_loss"])]
-    target = spec.target_loss or (max(finals) if finals else NAN)
-    for x in variants:
-        x["time_to_target"] = time_to(x["curve"], target)
     return {"experiment": dataclasses.asdict(spec), "quick": settings.quick,
-            "overrides": list(settings.overrides), "target_loss": target,
+            "overrides": list(settings.overrides), "target_loss": _stats(list(targets.values()))[0],
+            "seed_targets": {str(k): v for k, v in sorted(targets.items())},
             "variants": variants, "runs": rows}
 
 
@@ -101,7 +117,7 @@ STANDARD = {"eval_loss": ("eval loss", _num(4), True), "goodput": ("goodput", _p
             "down_per_step": ("down / learner-step", _bytes, False),
             "peak_up_per_step": ("peak up / step", _bytes, False), "merges": ("merges", _num(0), False),
             "quarantined": ("quarantined", _num(0), False)}
-EXTRA = {"time_to_target": ("time to target (s)", _num(1), False), "clock_s": ("clock (s)", _num(1), False),
+EXTRA = {"time_to_target": ("time to target (s)", _num(1), True), "clock_s": ("clock (s)", _num(1), False),
          "tokens": ("tokens", _num(0), False), "quorum_mean": ("mean quorum", _num(2), False),
          "grace_mean_s": ("mean grace (s)", _num(3), False), "stalls": ("stalls", _num(1), False),
          "norm_full": ("merged-delta norm, all M", _num(4), True),
@@ -113,10 +129,12 @@ EXTRA = {"time_to_target": ("time to target (s)", _num(1), False), "clock_s": ("
 
 
 def _cell(x: dict, key: str, fmt, spread: bool) -> str:
-    if key == "time_to_target":
-        return fmt(x["time_to_target"]) if math.isfinite(x["time_to_target"]) else "not reached"
     m, s = x["mean"][key], x["std"][key]
     return f"{fmt(m)} ± {fmt(s)}" if spread and len(x["seeds"]) > 1 and math.isfinite(m) else fmt(m)
+
+
+def _targets(result: dict) -> str:
+    return ", ".join(f"seed {k}: {v:.4f}" for k, v in result["seed_targets"].items())
 
 
 def command(result: dict) -> str:
@@ -143,7 +161,8 @@ def markdown(result: dict, figures: list[str]) -> str:
               f"(M base learners); peak up is the most bytes all learners send in any window of one "
               f"step time; goodput and uptime are the sim's time ledger (diloco/experiments/measure.py "
               f"for data parallel).",
-              f"* target loss for time to target: {result['target_loss']:.4f}", "",
+              f"* time to target: per seed, the first time a run's eval loss reaches that seed's "
+              f"target ({_targets(result)}), interpolated between eval points", "",
               "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for x in result["variants"]:
         cells = [_cell(x, k, fmt, spread) for k, (_, fmt, spread) in columns.items()]
