@@ -224,13 +224,14 @@ def test_a_finished_run_is_reused_when_its_config_only_lacks_newer_fields(tmp_pa
 def test_a_run_equal_to_a_finished_run_of_another_experiment_is_copied(tmp_path):
     """T5's int4 and T6's balanced are T1's decoupled: the runner copies the finished directory
     (sim runs are deterministic given the config) and records the new place; a different value is
-    not a twin, nor is an unfinished run."""
+    not a twin, nor is an unfinished run or one whose summary predates a key today's runs write."""
     import yaml
 
     from diloco.config import from_dict, to_dict
 
     def cfg_at(path, **codec):
         raw = to_dict(TrainConfig())
+        raw["algo"] = "diloco"
         raw["run"].update(steps=7, out_dir=str(path))
         raw["codec"].update(codec)
         return from_dict(TrainConfig, raw)
@@ -243,10 +244,14 @@ def test_a_run_equal_to_a_finished_run_of_another_experiment_is_copied(tmp_path)
     assert runner._twin(cfg_at(target), tmp_path) is None  # no summary yet: unfinished
     (done / "summary.json").write_text('{"eval_loss": 2.0}')
     (done / "timing.json").write_text('{"wall_s": 3.0}')
+    assert runner._twin(cfg_at(target), tmp_path) is None  # older summary: retrain, not copy
+    assert runner._finished(cfg_at(done), done) is not None  # though it is still read in place
+    (done / "summary.json").write_text('{"eval_loss": 2.0, "peak_rate_up_training": 1.0}')
     assert runner._twin(cfg_at(target), tmp_path) == done
     assert runner._twin(cfg_at(target, up="bf16"), tmp_path) is None
     assert runner._twin(cfg_at(done), tmp_path) is None  # a run is not its own twin
 
     runner._copy_twin(cfg_at(target), done, target)
     assert (target / "tape.jsonl").read_text() == "{}\n"
-    assert runner._finished(cfg_at(target), target) == {"eval_loss": 2.0, "wall_s": 3.0}
+    assert runner._finished(cfg_at(target), target) == {"eval_loss": 2.0, "peak_rate_up_training": 1.0,
+                                                        "wall_s": 3.0}

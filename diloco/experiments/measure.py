@@ -23,6 +23,9 @@ from diloco.config import TrainConfig
 from diloco.run import dp_bytes_per_step
 
 NAN = float("nan")
+# Summary keys added after some stored runs were made: such a run is still read (the row gets NaN)
+# but is not copied into another experiment as a twin, where retraining gives the full row.
+LATE_KEYS = ("peak_rate_up_training",)
 
 
 def dp_step_s(cfg: TrainConfig, params: int) -> float:
@@ -137,7 +140,7 @@ def diloco_row(cfg: TrainConfig, summary: dict, records: list[dict], decisions: 
     peak = summary["peak_rate_up"] * r.step_time
     # The final sync sends every fragment at once and sets the run's peak whatever the fragments;
     # how flat the strategy keeps the traffic shows in the peak while training (older runs lack it).
-    training = summary.get("peak_rate_up_training", NAN) * r.step_time
+    training = summary.get(LATE_KEYS[0], NAN) * r.step_time
     mean = summary["bytes_up"] / summary["clock_s"] * r.step_time if summary["clock_s"] > 0 else NAN
     evals = [rec for rec in records if rec.get("kind") == "eval"]
     return {

@@ -76,7 +76,8 @@ def _same_run(cfg: TrainConfig) -> dict:
 
 def _twin(cfg: TrainConfig, out_dir: Path) -> Path | None:
     """Another run directory under out_dir (results/<experiment>/<variant>/seed<k>) holding a
-    finished run of the same config written elsewhere."""
+    finished run of the same config written elsewhere, with every summary key today's runs have
+    (measure.LATE_KEYS) when it is a DiLoCo run."""
     want = _same_run(cfg)
     here = Path(cfg.run.out_dir).resolve()
     for path in sorted(out_dir.glob("*/*/seed*/config.yaml")):
@@ -87,7 +88,11 @@ def _twin(cfg: TrainConfig, out_dir: Path) -> Path | None:
             saved = from_dict(TrainConfig, yaml.safe_load(path.read_text()))
         except (ConfigError, yaml.YAMLError):
             continue
-        if _same_run(saved) == want and _finished(saved, d) is not None:
+        if _same_run(saved) != want:
+            continue
+        summary = _finished(saved, d)
+        late = measure.LATE_KEYS if saved.algo != "dp" else ()
+        if summary is not None and all(k in summary for k in late):
             return d
     return None
 
