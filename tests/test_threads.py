@@ -205,7 +205,9 @@ def test_keyboard_interrupt_in_the_main_thread_stops_all(world, no_leftover_thre
 def test_sigint_while_running_stops_all(world, tmp_path, no_leftover_threads):
     """A real Ctrl-C (SIGINT to the process) lands in the main thread while the learners run; each
     learner writes a final checkpoint of where it stopped."""
-    cfg, setup = variant(world, speeds=(1.0, 20.0))  # learner 1 keeps the run going for seconds
+    # Learner 1 keeps the run going for seconds: paced at 20 x 5 ms a step whatever the machine's
+    # speed (unpaced, a fast idle machine can finish the run before the Ctrl-C lands).
+    cfg, setup = variant(world, speeds=(1.0, 20.0), step_period_s=0.005)
     timers, sent = [], []
 
     def evaluate_then_sigint(theta):
