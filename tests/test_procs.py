@@ -220,7 +220,9 @@ def test_kill_9_syncer_restarts_from_its_checkpoint_and_skips_or_repeats_no_vers
 def test_sigterm_stops_every_process_and_prints_a_partial_summary(world, tmp_path, capsys):
     """SIGTERM to the supervisor (as from a process manager) mid-run: the learners checkpoint and
     exit, the syncer finishes with what it booked, its summary is printed, KeyboardInterrupt is raised."""
-    cfg, setup, run_dir = variant(world, tmp_path, speeds=(1.0, 20.0))  # learner 1 keeps it going
+    # Learner 1 keeps it going for seconds: paced (20 x 5 ms a step), so however fast the machine,
+    # the run cannot end before the SIGTERM lands.
+    cfg, setup, run_dir = variant(world, tmp_path, speeds=(1.0, 20.0), step_period_s=0.005)
     store, sent, stop = None, [], threading.Event()
 
     def terminate_once_started():
