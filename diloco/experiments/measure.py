@@ -140,7 +140,7 @@ def diloco_row(cfg: TrainConfig, summary: dict, records: list[dict], decisions: 
     peak = summary["peak_rate_up"] * r.step_time
     # The final sync sends every fragment at once and sets the run's peak whatever the fragments;
     # how flat the strategy keeps the traffic shows in the peak while training (older runs lack it).
-    training = summary.get(LATE_KEYS[0], NAN) * r.step_time
+    training = summary.get("peak_rate_up_training", NAN) * r.step_time
     mean = summary["bytes_up"] / summary["clock_s"] * r.step_time if summary["clock_s"] > 0 else NAN
     evals = [rec for rec in records if rec.get("kind") == "eval"]
     return {
