@@ -24,16 +24,31 @@ def model_errors(m: ModelConfig) -> list[str]:
     e: list[str] = []
     for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
         check(e, getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be > 0")
+    check(e, m.head_dim >= 0, f"model.head_dim={m.head_dim} must be >= 0 (0: d_model / n_heads)")
     if m.n_heads > 0 and m.n_kv_heads > 0:
-        check(e, m.d_model % m.n_heads == 0,
-               f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+        if m.head_dim == 0:
+            check(e, m.d_model % m.n_heads == 0,
+                   f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
         check(e, m.n_heads % m.n_kv_heads == 0,
                f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
-        if m.d_model % m.n_heads == 0:
-            head_dim = m.d_model // m.n_heads
-            check(e, head_dim % 2 == 0,
-                   f"head dim model.d_model/model.n_heads={head_dim} must be even for RoPE")
+        head_dim = m.head_dim or m.d_model // m.n_heads
+        if m.positions == "rope" and (m.head_dim or m.d_model % m.n_heads == 0):
+            where = f"model.head_dim={head_dim}" if m.head_dim else f"head dim model.d_model/model.n_heads={head_dim}"
+            check(e, head_dim % 2 == 0, f"{where} must be even for RoPE")
     check(e, m.dtype in ("float32", "bfloat16"), f"model.dtype={m.dtype!r} not in float32|bfloat16")
+    check(e, m.family in ("", "llama", "mistral", "qwen2", "qwen3", "gpt2"),
+           f"model.family={m.family!r} not in ''|llama|mistral|qwen2|qwen3|gpt2")
+    check(e, m.norm in ("rms", "layer"), f"model.norm={m.norm!r} not in rms|layer")
+    check(e, m.mlp in ("swiglu", "gelu"), f"model.mlp={m.mlp!r} not in swiglu|gelu")
+    check(e, m.positions in ("rope", "learned"), f"model.positions={m.positions!r} not in rope|learned")
+    check(e, m.rope_scaling in ("none", "llama3"), f"model.rope_scaling={m.rope_scaling!r} not in none|llama3")
+    check(e, m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0")
+    if m.rope_scaling == "llama3":
+        check(e, m.rope_factor >= 1, f"model.rope_factor={m.rope_factor} must be >= 1")
+        check(e, m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
+               f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+               f"model.rope_low_freq_factor={m.rope_low_freq_factor} > 0")
+        check(e, m.rope_original_max_len > 0, f"model.rope_original_max_len={m.rope_original_max_len} must be > 0")
     return e
 
 

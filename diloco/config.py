@@ -36,6 +36,22 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     dtype: str = "float32"  # activation dtype; parameters are always float32
+    # Architecture variants of the one decoder, for imported checkpoints (docs/models.md). The
+    # defaults are our own Llama-style model; each family sets what it needs.
+    family: str = ""  # the Hugging Face family a checkpoint came from (llama, mistral, qwen2, qwen3, gpt2); "" = ours
+    head_dim: int = 0  # 0: d_model // n_heads (Qwen3 sets it independently)
+    norm: str = "rms"  # rms: RMSNorm | layer: LayerNorm with bias (GPT-2)
+    mlp: str = "swiglu"  # swiglu: silu(gate) * up | gelu: tanh-approximate GELU of one up projection (GPT-2)
+    positions: str = "rope"  # rope: rotary | learned: an absolute position table added to the embedding (GPT-2)
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2, GPT-2)
+    o_bias: bool = False  # bias on the attention output projection (GPT-2)
+    mlp_bias: bool = False  # biases on the MLP projections (GPT-2)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
+    rope_scaling: str = "none"  # none | llama3 (Llama 3.1+ frequency-dependent context extension)
+    rope_factor: float = 8.0  # llama3 scaling: long wavelengths are divided by this
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192  # the context length the frequencies were trained for
 
 
 @dataclass(frozen=True)

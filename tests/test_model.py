@@ -109,7 +109,7 @@ def test_attention_matches_reference_mha_and_gqa(n_kv_heads):
     # Large inputs give peaked attention, so RoPE and masking errors cannot hide in near-uniform
     # probabilities (with std-0.02 weights and unit inputs the scores would all be ~0).
     x_BxLxD = 10.0 * jax.random.normal(jax.random.key(4), (2, 12, cfg.d_model))
-    out = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x_BxLxD)
+    out, _ = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, jnp.arange(x.shape[1])))(state, x_BxLxD)
     weights = jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(state))
     expected = _reference_attention(weights, np.asarray(x_BxLxD, np.float64), cfg.n_heads, n_kv_heads,
                                     cfg.rope_theta)

@@ -25,6 +25,9 @@ _EMBEDDING_KEYS = ("embed", "lm_head")
 class Model(NamedTuple):
     apply: Callable[[Params, jax.Array], jax.Array]  # (params, tokens_BxL int32) -> logits_BxLxV f32
     params: Params
+    # (params, tokens_BxL, mask_BxL, cache) -> (logits_BxLxV, cache): incremental decoding with a
+    # KV cache (diloco/model/generate.py)
+    decode: Callable | None = None
 
 
 def _split(cfg: ModelConfig, vocab_size: int, seed: int) -> tuple[nnx.GraphDef, Params]:
@@ -46,12 +49,28 @@ def build(cfg: ModelConfig, vocab_size: int, seed: int) -> Model:
     # Initialised op by op rather than under jit: XLA compiles each random draw slowly on CPU, and
     # eager kernels are cached per shape, so later builds (other seeds, dtypes) reuse them.
     graphdef, params = _split(cfg, vocab_size, seed)
+    return _model(graphdef, params)
 
+
+def _model(graphdef: nnx.GraphDef, params: Params) -> Model:
     def apply(params: Params, tokens_BxL: jax.Array) -> jax.Array:
         # A fresh module per call: nothing is mutated, so apply is pure under jit, grad and sharding.
         return nnx.merge(graphdef, params)(tokens_BxL)
 
-    return Model(apply=apply, params=params)
+    def decode(params: Params, tokens_BxL: jax.Array, mask_BxL: jax.Array, cache: dict):
+        return nnx.merge(graphdef, params).decode(tokens_BxL, mask_BxL, cache)
+
+    return Model(apply=apply, params=params, decode=decode)
+
+
+def with_params(cfg: ModelConfig, vocab_size: int, params: Params) -> Model:
+    """The model of `cfg` around given params (an imported checkpoint), nothing initialised.
+
+    The params must have exactly the tree of `abstract_params(cfg, vocab_size)`.
+    """
+    _check(cfg, vocab_size)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, vocab_size, nnx.Rngs(0))))
+    return _model(graphdef, params)
 
 
 def abstract_params(cfg: ModelConfig, vocab_size: int) -> Params:

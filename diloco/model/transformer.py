@@ -1,8 +1,9 @@
-"""Decoder-only pre-norm transformer (RMSNorm, RoPE, grouped-query attention, SwiGLU) in Flax NNX.
+"""One decoder-only pre-norm transformer in Flax NNX, configured into Llama, Mistral, Qwen2/3 or GPT-2.
 
 Reference: the Llama architecture, Touvron et al., "LLaMA: Open and Efficient Foundation Language
 Models" (2023), arXiv:2302.13971; RoPE from Su et al. (2021), arXiv:2104.09864; GQA from Ainslie
-et al. (2023), arXiv:2305.13245; SwiGLU from Shazeer (2020), arXiv:2002.05202.
+et al. (2023), arXiv:2305.13245; SwiGLU from Shazeer (2020), arXiv:2002.05202; GPT-2 from Radford
+et al. (2019). The variants each family needs are ModelConfig fields (docs/models.md).
 
 Shape suffixes: B batch, L query positions, S key positions, D d_model, H query heads, K key/value
 heads, G query heads per key/value head (H = K * G), E head dim, F d_ff, V vocabulary.
@@ -21,23 +22,57 @@ from diloco.config import ModelConfig
 INIT_STD = 0.02  # GPT-2 / Llama convention for embeddings and hidden projections
 _MASKED = -1e30  # large negative rather than -inf, so fully masked rows cannot produce NaN
 
+# A KV cache (diloco/model/generate.py) is a dict: "layers" {str(i): {"k", "v": BxSxKxE}}, "valid_BxS"
+# (which slots hold a real token), "pos_B" (real tokens so far per row) and "end" (next free slot).
+Cache = dict
 
-def rotary(x_BxLxHxE: jax.Array, positions_L: jax.Array, theta: float) -> jax.Array:
-    """Rotate channel pairs (i, i + E/2) by position * theta^(-2i/E), the half-split RoPE layout."""
+
+def head_dim(cfg: ModelConfig) -> int:
+    return cfg.head_dim or cfg.d_model // cfg.n_heads
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """Angular frequency of each rotated channel pair, [E/2] float32, after any context scaling."""
+    half = head_dim(cfg) // 2
+    inv_freq_half = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if cfg.rope_scaling == "none":
+        return inv_freq_half
+    # Llama 3.1's extension (Meta's reference code, `apply_scaling`): wavelengths shorter than
+    # original/high_freq_factor are kept, longer than original/low_freq_factor divided by the
+    # factor, and the band between interpolated linearly in original/wavelength.
+    wavelen = 2 * math.pi / inv_freq_half
+    low_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
+    high_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+    smooth = ((cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor)
+              / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+    smoothed = (1 - smooth) * inv_freq_half / cfg.rope_factor + smooth * inv_freq_half
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq_half / cfg.rope_factor, inv_freq_half)
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rotary(x_BxLxHxE: jax.Array, positions: jax.Array, theta: float = 10000.0,
+           inv_freq_half: jax.Array | None = None) -> jax.Array:
+    """Rotate channel pairs (i, i + E/2) by position * inv_freq[i] (theta^(-2i/E) unless given),
+    the half-split RoPE layout; positions are [L] (every row alike) or [B, L]."""
     half = x_BxLxHxE.shape[-1] // 2
-    inv_freq_half = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_LxE2 = positions_L.astype(jnp.float32)[:, None] * inv_freq_half[None, :]
-    # Broadcast over batch and heads; the rotation is done in float32 so bf16 keeps exact angles.
-    cos_1xLx1xE2 = jnp.cos(angle_LxE2)[None, :, None, :]
-    sin_1xLx1xE2 = jnp.sin(angle_LxE2)[None, :, None, :]
+    if inv_freq_half is None:
+        inv_freq_half = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[..., None] * inv_freq_half
+    angle_BxLxE2 = angle if angle.ndim == 3 else angle[None]
+    # Broadcast over heads; the rotation is done in float32 so bf16 keeps exact angles.
+    cos_Bx1xLx1xE2 = jnp.cos(angle_BxLxE2)[:, :, None, :]
+    sin_Bx1xLx1xE2 = jnp.sin(angle_BxLxE2)[:, :, None, :]
     x1, x2 = jnp.split(x_BxLxHxE.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos_1xLx1xE2 - x2 * sin_1xLx1xE2,
-                           x2 * cos_1xLx1xE2 + x1 * sin_1xLx1xE2], axis=-1)
+    out = jnp.concatenate([x1 * cos_Bx1xLx1xE2 - x2 * sin_Bx1xLx1xE2,
+                           x2 * cos_Bx1xLx1xE2 + x1 * sin_Bx1xLx1xE2], axis=-1)
     return out.astype(x_BxLxHxE.dtype)
 
 
-def causal_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: jax.Array) -> jax.Array:
-    """Softmax attention where query head h reads key/value head h // G; position l sees s <= l."""
+def causal_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: jax.Array,
+                     allowed_BxLxS: jax.Array | None = None) -> jax.Array:
+    """Softmax attention where query head h reads key/value head h // G; position l sees s <= l,
+    or, with a KV cache, exactly the key slots `allowed_BxLxS` marks."""
     B, L, H, E = q_BxLxHxE.shape
     K = k_BxSxKxE.shape[2]
     S = k_BxSxKxE.shape[1]
@@ -48,72 +83,108 @@ def causal_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: jax.
     # differences that decide attention at long range.
     scores_BxKxGxLxS = jnp.einsum("blkge,bske->bkgls", q_BxLxKxGxE, k_BxSxKxE,
                                   preferred_element_type=jnp.float32) / math.sqrt(E)
-    # Query l sits at key position l + S - L, so with S == L this is the plain lower triangle.
-    causal_LxS = jnp.tril(jnp.ones((L, S), dtype=bool), k=S - L)
-    scores_BxKxGxLxS = jnp.where(causal_LxS, scores_BxKxGxLxS, _MASKED)
+    if allowed_BxLxS is None:
+        # Query l sits at key position l + S - L, so with S == L this is the plain lower triangle.
+        allowed = jnp.tril(jnp.ones((L, S), dtype=bool), k=S - L)
+    else:
+        allowed = allowed_BxLxS[:, None, None, :, :]
+    scores_BxKxGxLxS = jnp.where(allowed, scores_BxKxGxLxS, _MASKED)
     probs_BxKxGxLxS = jax.nn.softmax(scores_BxKxGxLxS, axis=-1).astype(v_BxSxKxE.dtype)
     out_BxLxKxGxE = jnp.einsum("bkgls,bske->blkge", probs_BxKxGxLxS, v_BxSxKxE)
     return out_BxLxKxGxE.reshape(B, L, H, E)
 
 
-def _linear(d_in: int, d_out: int, std: float, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
+def _linear(d_in: int, d_out: int, std: float, dtype, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=jnp.float32,
                       kernel_init=nnx.initializers.normal(std), rngs=rngs)
+
+
+def _norm(cfg: ModelConfig, width: int, rngs: nnx.Rngs) -> nnx.Module:
+    if cfg.norm == "layer":
+        # Two-pass variance, as PyTorch's LayerNorm computes it.
+        return nnx.LayerNorm(width, epsilon=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype),
+                             param_dtype=jnp.float32, use_fast_variance=False, rngs=rngs)
+    return nnx.RMSNorm(width, epsilon=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype),
+                       param_dtype=jnp.float32, rngs=rngs)
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
-        self.head_dim = cfg.d_model // cfg.n_heads
+        self.head_dim = head_dim(cfg)
         self.rope_theta = cfg.rope_theta
+        self.use_rope = cfg.positions == "rope"
+        self.scaled_rope = cfg.rope_scaling != "none"
+        self.cfg = cfg  # static: rope_inv_freq reads the scaling fields at trace time
         # Residual-branch outputs are scaled down so the residual stream's variance does not grow
         # with depth (GPT-2, Radford et al. 2019, section 2.3).
         out_std = INIT_STD / math.sqrt(2 * cfg.n_layers)
-        self.wq = _linear(cfg.d_model, self.n_heads * self.head_dim, INIT_STD, dtype, rngs)
-        self.wk = _linear(cfg.d_model, self.n_kv_heads * self.head_dim, INIT_STD, dtype, rngs)
-        self.wv = _linear(cfg.d_model, self.n_kv_heads * self.head_dim, INIT_STD, dtype, rngs)
-        self.wo = _linear(self.n_heads * self.head_dim, cfg.d_model, out_std, dtype, rngs)
+        E = self.head_dim
+        self.wq = _linear(cfg.d_model, self.n_heads * E, INIT_STD, dtype, rngs, cfg.qkv_bias)
+        self.wk = _linear(cfg.d_model, self.n_kv_heads * E, INIT_STD, dtype, rngs, cfg.qkv_bias)
+        self.wv = _linear(cfg.d_model, self.n_kv_heads * E, INIT_STD, dtype, rngs, cfg.qkv_bias)
+        self.wo = _linear(self.n_heads * E, cfg.d_model, out_std, dtype, rngs, cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = _norm(cfg, E, rngs)
+            self.k_norm = _norm(cfg, E, rngs)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, positions: jax.Array, cache: Cache | None = None,
+                 allowed_BxLxS: jax.Array | None = None) -> tuple[jax.Array, Cache | None]:
+        """positions: [L] or [B, L]. With `cache` ({"k", "v"} of this layer, written at slot
+        `cache["end"]`), the new keys join the cached ones and `allowed_BxLxS` says who sees whom."""
         B, L, _ = x_BxLxD.shape
         E = self.head_dim
-        positions_L = jnp.arange(L)
-        q_BxLxHxE = rotary(self.wq(x_BxLxD).reshape(B, L, self.n_heads, E), positions_L, self.rope_theta)
-        k_BxLxKxE = rotary(self.wk(x_BxLxD).reshape(B, L, self.n_kv_heads, E), positions_L, self.rope_theta)
+        q_BxLxHxE = self.wq(x_BxLxD).reshape(B, L, self.n_heads, E)
+        k_BxLxKxE = self.wk(x_BxLxD).reshape(B, L, self.n_kv_heads, E)
         v_BxLxKxE = self.wv(x_BxLxD).reshape(B, L, self.n_kv_heads, E)
-        out_BxLxHxE = causal_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE)
-        return self.wo(out_BxLxHxE.reshape(B, L, self.n_heads * E))
+        if hasattr(self, "q_norm"):
+            q_BxLxHxE, k_BxLxKxE = self.q_norm(q_BxLxHxE), self.k_norm(k_BxLxKxE)
+        if self.use_rope:
+            inv_freq = rope_inv_freq(self.cfg) if self.scaled_rope else None
+            q_BxLxHxE = rotary(q_BxLxHxE, positions, self.rope_theta, inv_freq)
+            k_BxLxKxE = rotary(k_BxLxKxE, positions, self.rope_theta, inv_freq)
+        if cache is not None:
+            start = (0, cache["end"], 0, 0)
+            cache = {"k": jax.lax.dynamic_update_slice(cache["k"], k_BxLxKxE.astype(cache["k"].dtype), start),
+                     "v": jax.lax.dynamic_update_slice(cache["v"], v_BxLxKxE.astype(cache["v"].dtype), start),
+                     "end": cache["end"]}
+            k_BxLxKxE, v_BxLxKxE = cache["k"], cache["v"]
+        out_BxLxHxE = causal_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, allowed_BxLxS)
+        return self.wo(out_BxLxHxE.reshape(B, L, self.n_heads * E)), cache
 
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         out_std = INIT_STD / math.sqrt(2 * cfg.n_layers)
-        self.w_gate = _linear(cfg.d_model, cfg.d_ff, INIT_STD, dtype, rngs)
-        self.w_up = _linear(cfg.d_model, cfg.d_ff, INIT_STD, dtype, rngs)
-        self.w_down = _linear(cfg.d_ff, cfg.d_model, out_std, dtype, rngs)
+        self.gated = cfg.mlp == "swiglu"
+        if self.gated:
+            self.w_gate = _linear(cfg.d_model, cfg.d_ff, INIT_STD, dtype, rngs, cfg.mlp_bias)
+        self.w_up = _linear(cfg.d_model, cfg.d_ff, INIT_STD, dtype, rngs, cfg.mlp_bias)
+        self.w_down = _linear(cfg.d_ff, cfg.d_model, out_std, dtype, rngs, cfg.mlp_bias)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        h_BxLxF = jax.nn.silu(self.w_gate(x_BxLxD)) * self.w_up(x_BxLxD)
+        if self.gated:
+            h_BxLxF = jax.nn.silu(self.w_gate(x_BxLxD)) * self.w_up(x_BxLxD)
+        else:
+            # GPT-2's "gelu_new" is the tanh approximation.
+            h_BxLxF = jax.nn.gelu(self.w_up(x_BxLxD), approximate=True)
         return self.w_down(h_BxLxF)
-
-
-def _rms_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
-    return nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype),
-                       param_dtype=jnp.float32, rngs=rngs)
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.attn_norm = _rms_norm(cfg, rngs)
+        self.attn_norm = _norm(cfg, cfg.d_model, rngs)
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = _rms_norm(cfg, rngs)
+        self.mlp_norm = _norm(cfg, cfg.d_model, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD))
-        return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
+    def __call__(self, x_BxLxD: jax.Array, positions: jax.Array, cache: Cache | None = None,
+                 allowed_BxLxS: jax.Array | None = None) -> tuple[jax.Array, Cache | None]:
+        h_BxLxD, cache = self.attn(self.attn_norm(x_BxLxD), positions, cache, allowed_BxLxS)
+        x_BxLxD = x_BxLxD + h_BxLxD
+        return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD)), cache
 
 
 class Transformer(nnx.Module):
@@ -126,19 +197,51 @@ class Transformer(nnx.Module):
         # String keys "0", "1", ... make the params a plain dict of str keys with no conversion at
         # the split boundary (nnx.List would give integer keys).
         self.blocks = nnx.Dict({str(i): Block(cfg, rngs) for i in range(cfg.n_layers)})
-        self.final_norm = _rms_norm(cfg, rngs)
+        self.final_norm = _norm(cfg, cfg.d_model, rngs)
         self.lm_head = None if cfg.tie_embeddings else _linear(cfg.d_model, vocab_size, INIT_STD, dtype, rngs)
+        if cfg.positions == "learned":
+            self.pos_embed = nnx.Embed(cfg.max_seq_len, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
+                                       embedding_init=nnx.initializers.normal(INIT_STD / 2), rngs=rngs)
 
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-        L = tokens_BxL.shape[1]
-        if L > self.max_seq_len:
-            raise ValueError(f"sequence length {L} exceeds model.max_seq_len={self.max_seq_len}")
+    def _forward(self, tokens_BxL: jax.Array, positions: jax.Array, cache: Cache | None,
+                 allowed_BxLxS: jax.Array | None) -> tuple[jax.Array, dict | None]:
         x_BxLxD = self.embed(tokens_BxL)
+        if hasattr(self, "pos_embed"):
+            x_BxLxD = x_BxLxD + self.pos_embed(positions)
+        layers = {}
         for i in range(self.n_layers):
-            x_BxLxD = self.blocks[str(i)](x_BxLxD)
+            layer = None if cache is None else {**cache["layers"][str(i)], "end": cache["end"]}
+            x_BxLxD, layer = self.blocks[str(i)](x_BxLxD, positions, layer, allowed_BxLxS)
+            if layer is not None:
+                layers[str(i)] = {"k": layer["k"], "v": layer["v"]}
         x_BxLxD = self.final_norm(x_BxLxD)
         if self.lm_head is None:
             logits_BxLxV = self.embed.attend(x_BxLxD)
         else:
             logits_BxLxV = self.lm_head(x_BxLxD)
-        return logits_BxLxV.astype(jnp.float32)
+        return logits_BxLxV.astype(jnp.float32), layers
+
+    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+        L = tokens_BxL.shape[1]
+        if L > self.max_seq_len:
+            raise ValueError(f"sequence length {L} exceeds model.max_seq_len={self.max_seq_len}")
+        return self._forward(tokens_BxL, jnp.arange(L), None, None)[0]
+
+    def decode(self, tokens_BxL: jax.Array, mask_BxL: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        """Logits of L new tokens per row given everything in `cache`, and the cache with them.
+
+        mask_BxL marks real tokens; a left-padded prompt's pads take no slot anyone attends to and
+        no position, so each row's positions count its own real tokens from 0.
+        """
+        L = tokens_BxL.shape[1]
+        S = cache["valid_BxS"].shape[1]
+        mask_BxL = mask_BxL.astype(bool)
+        end = cache["end"]
+        positions_BxL = jnp.maximum(cache["pos_B"][:, None] + jnp.cumsum(mask_BxL, axis=1) - 1, 0)
+        valid_BxS = jax.lax.dynamic_update_slice(cache["valid_BxS"], mask_BxL, (0, end))
+        slot_L = end + jnp.arange(L)
+        allowed_BxLxS = (jnp.arange(S)[None, None, :] <= slot_L[None, :, None]) & valid_BxS[:, None, :]
+        logits_BxLxV, layers = self._forward(tokens_BxL, positions_BxL, cache, allowed_BxLxS)
+        new = {"layers": layers, "valid_BxS": valid_BxS,
+               "pos_B": cache["pos_B"] + jnp.sum(mask_BxL, axis=1, dtype=jnp.int32), "end": end + L}
+        return logits_BxLxV, new
