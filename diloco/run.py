@@ -10,6 +10,7 @@ import jax
 import yaml
 
 from diloco import report
+from diloco.algo import syncer as sync
 from diloco.config import ConfigError, TrainConfig, to_dict
 from diloco.data import Corpus, eval_batches, load_corpus
 from diloco.model import Model, build, count_params
@@ -57,17 +58,39 @@ def global_evaluator(cfg: TrainConfig, corpus: Corpus, model: Model, setup) -> C
     compiled = setup.compiled[0]
 
     def evaluate_global(theta_by_path: dict) -> float:
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, _: theta_by_path[tuple(k.key for k in path)], model.params)
+        params = params_of(model, theta_by_path)
         return evaluate(compiled, jax.device_put(params, compiled.state_sharding.params), val)
 
     return evaluate_global
 
 
+def params_of(model: Model, theta_by_path: dict) -> dict:
+    """A global model given as {path tuple: array} in the params tree of `model`."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: theta_by_path[tuple(k.key for k in path)],
+                                            model.params)
+
+
+def export_model(run_dir: Path, cfg: TrainConfig, corpus: Corpus, params: dict) -> Path:
+    """The trained global model as a Hugging Face folder `run_dir/model`, with the run's
+    tokenizer, so scripts/generate.py, diloco.hf.load and transformers read it (docs/models.md)."""
+    from diloco import hf
+    from diloco.hf.tokenizer import from_parts
+
+    source = corpus.tokenizer.hf if corpus.tokenizer is not None else None
+    tokenizer = None if source is None else from_parts(source, {})
+    return hf.save(run_dir / "model", cfg.model, params, tokenizer)
+
+
+def _final_theta(rt) -> dict:
+    # procs keeps the syncer process's final report; sim and threads hold the syncer in-process.
+    return rt.theta if getattr(rt, "theta", None) is not None else sync.theta(rt.host.state)
+
+
 def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path) -> dict:
     setup = build_setup.build(cfg, corpus, model)
     runtime = {"sim": sim.run, "threads": threads.run, "procs": procs.run}[cfg.runtime.kind]
-    _, summary = runtime(cfg, setup, run_dir, global_evaluator(cfg, corpus, model, setup))
+    rt, summary = runtime(cfg, setup, run_dir, global_evaluator(cfg, corpus, model, setup))
+    summary["model_dir"] = str(export_model(run_dir, cfg, corpus, params_of(model, _final_theta(rt))))
     M, steps = cfg.runtime.learners, cfg.run.steps
     # Through the M learners' links, both directions, for the same number of steps.
     dp = 2 * M * steps * dp_bytes_per_step(count_params(model.params), M)
@@ -87,8 +110,9 @@ def run(cfg: TrainConfig) -> dict:
         summary = {**head, "learners": cfg.runtime.learners, **run_diloco(cfg, corpus, model, run_dir)}
     else:
         mesh = make_mesh(cfg.mesh, cfg.data.batch_size)
-        _, result = train_dp(cfg, corpus, model, mesh, run_dir)
-        summary = {**head, "devices": f"{mesh.devices.size} x {jax.devices()[0].platform}", **result}
+        state, result = train_dp(cfg, corpus, model, mesh, run_dir)
+        summary = {**head, "devices": f"{mesh.devices.size} x {jax.devices()[0].platform}", **result,
+                   "model_dir": str(export_model(run_dir, cfg, corpus, state.params))}
     summary["unigram_loss"] = corpus.unigram_loss
     if corpus.entropy_floor is not None:
         summary["entropy_floor"] = corpus.entropy_floor

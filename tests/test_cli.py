@@ -35,6 +35,10 @@ def test_run_writes_config_metrics_checkpoints_summary_and_plot(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["3", "6"]
     assert (out / "loss.png").stat().st_size > 10_000
     assert "eval_loss" in proc.stdout  # the summary table
+    # The trained model is exported as a Hugging Face folder (docs/models.md).
+    from diloco.hf import load
+    exported = load(out / "model")
+    assert exported.config.d_model == saved["model"]["d_model"] and summary["model_dir"] == str(out / "model")
 
 
 def test_unknown_key_and_bad_value_fail_before_training(tmp_path):

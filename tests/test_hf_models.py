@@ -209,3 +209,12 @@ def test_unsupported_activation_and_rope_type(tmp_path):
     (d / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}))
     with pytest.raises(CheckpointError, match="RoPE type 'yarn' is not supported"):
         load(d)
+
+
+def test_tokenizer_larger_than_the_embedding(tmp_path):
+    d = _copy("llama3", tmp_path)
+    for f in (FIXTURES / "tokenizer").iterdir():
+        if f.name != "reference.json":
+            shutil.copy(f, d / f.name)
+    with pytest.raises(CheckpointError, match="the tokenizer has 300 ids but the model's embedding only 96 rows"):
+        load(d)

@@ -32,6 +32,8 @@ class Tokenizer(NamedTuple):
     vocab_size: int
     encode: Callable[[str], np.ndarray]  # text -> int32 [n]
     decode: Callable[[np.ndarray], str]  # ids -> text (invalid UTF-8 becomes U+FFFD)
+    # The same ids as a Hugging Face tokenizer, written beside an exported model (diloco/hf).
+    hf: hf.Tokenizer | None = None
 
 
 def byte_tokenizer() -> Tokenizer:
@@ -43,7 +45,23 @@ def byte_tokenizer() -> Tokenizer:
     def decode(ids) -> str:
         return np.asarray(ids, dtype=np.uint8).tobytes().decode("utf-8", errors="replace")
 
-    return Tokenizer("byte", 256, encode, decode)
+    return Tokenizer("byte", 256, encode, decode, _byte_level_hf())
+
+
+def _gpt2_byte_chars() -> list[str]:
+    """GPT-2's printable stand-in for each byte: printable Latin-1 bytes are themselves, the rest
+    are shifted past U+0100 in byte order (Radford et al. 2019, the released encoder)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(shifted)) for b in range(256)]
+
+
+def _byte_level_hf() -> hf.Tokenizer:
+    """The byte tokenizer as an HF tokenizer: a byte-level BPE without merges, id = byte value."""
+    tok = hf.Tokenizer(hf.models.BPE({c: b for b, c in enumerate(_gpt2_byte_chars())}, []))
+    tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = hf.decoders.ByteLevel()
+    return tok
 
 
 def _new_bpe() -> hf.Tokenizer:
@@ -91,7 +109,7 @@ def bpe_tokenizer(tok: hf.Tokenizer, vocab_size: int) -> Tokenizer:
     def decode(ids) -> str:
         return tok.decode([int(i) for i in np.asarray(ids).reshape(-1)])
 
-    return Tokenizer("bpe", vocab_size, encode, decode)
+    return Tokenizer("bpe", vocab_size, encode, decode, tok)
 
 
 def save_bpe(tok: hf.Tokenizer, path: Path) -> None:

@@ -79,6 +79,10 @@ def load(path: str | Path, shardings: Any = None, dtype: str | None = None) -> P
     cfg, vocab = family.from_hf(hf_config)
     if dtype is not None:
         cfg = dataclasses.replace(cfg, dtype=dtype)
+    if tokenizer is not None and tokenizer.vocab_size > vocab:
+        # Embedding lookups clamp out-of-range ids silently, so this would generate garbage.
+        raise CheckpointError(f"{path}: the tokenizer has {tokenizer.vocab_size} ids but the model's "
+                              f"embedding only {vocab} rows")
     params = load_params(source, family, cfg, vocab, shardings)
     return Pretrained(with_params(cfg, vocab, params), cfg, vocab, tokenizer, str(path))
 
