@@ -69,3 +69,18 @@ def test_folder_without_tokenizer_and_run_without_model(tmp_path):
     (run / "config.yaml").write_text("algo: dp\n")
     proc = generate(tmp_path, f"checkpoint={run}", 'prompt=["x"]')
     assert proc.returncode == 2 and "run directory without an exported model" in proc.stderr
+
+
+def test_convert_writes_a_folder_generate_reads(folder, tmp_path):
+    env = {**os.environ, "XLA_FLAGS": ""}
+    out = tmp_path / "converted"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert.py"), f"checkpoint={folder}",
+                           f"out={out}", "dtype=float32", "max_shard_bytes=20000"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "model.safetensors.index.json").exists() and (out / "chat_template.jinja").exists()
+    proc = generate(tmp_path, f"checkpoint={out}", 'chat=["Hi"]', "max_new_tokens=3")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert.py"), f"checkpoint={folder}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "out=<path>" in proc.stderr and "Traceback" not in proc.stderr
