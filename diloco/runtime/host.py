@@ -1,6 +1,7 @@
-"""The syncer's side of every runtime: its state, the token, byte and time ledgers and the input log,
-with one method per thing a runtime reports. Sim calls it from its event loop, threads from the
-syncer thread (its only owner), so the booking rules are written once.
+"""The syncer's side of every runtime: its state, the token, byte and time ledgers and the input log.
+Every runtime reports what its learners did as typed events (diloco/runtime/events.py) through
+`on_event`, so the booking rules are written once: sim calls it from its event loop, threads
+from the syncer thread (its only owner), procs from the syncer process.
 
 Reference: DESIGN.md "Ledgers" and "The two state machines".
 """
@@ -12,6 +13,7 @@ from typing import Callable
 from diloco.algo import ledger, timeline, traffic
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input, apply as deliver
+from diloco.runtime import events as ev
 from diloco.runtime.setup import Setup
 from diloco.runtime.summary import run_summary
 
@@ -23,8 +25,19 @@ class SyncerHost:
     """Not thread-safe: exactly one owner (the sim loop, or the threads runtime's syncer thread)."""
 
     def __init__(self, setup: Setup, learners: dict[int, int], inputs=None,
-                 on_deadline: Callable[[int, float], None] | None = None, transport: Transport | None = None):
+                 on_deadline: Callable[[int, float], None] | None = None, transport: Transport | None = None,
+                 on_publish: Callable[[sync.Publish], None] | None = None, learners_fetch: bool = False,
+                 on_step: Callable[[ev.StepDone], None] | None = None):
+        """learners_fetch: learners pull broadcasts themselves and report what they fetched (procs),
+        so down bytes are booked from their events, not per Publish; their clocks are several
+        processes' wall clocks, so an interval starting a hair before the previous one ended is
+        clipped rather than an error. on_publish sees every whole Publish (procs stores it).
+        on_step sees each step once it is booked and before its contributions are delivered: the
+        global model as it stood when the learner finished the step (evals, reports)."""
         self.setup, self.policy = setup, setup.policy
+        self.learners_fetch = learners_fetch
+        self.on_publish = on_publish or (lambda action: None)
+        self.on_step = on_step or (lambda event: None)
         self.inputs = inputs  # every syncer input, in delivery order: the replayable tape
         self.state = sync.init(setup.policy, setup.fragments, setup.theta0, dict(learners))
         self.tokens = ledger.token_ledger(len(setup.fragments))
@@ -36,29 +49,76 @@ class SyncerHost:
         self.incarnations = dict(learners)  # every learner ever started -> its newest incarnation
         self.alive = set(learners)
         self.inputs_seen = 0  # syncer inputs delivered: where a resumed run's input log continues
+        self.done: set[int] = set()  # learners whose Done was booked
+        self.finished_at: dict[int, float] = {}  # learner -> time of its Done
+
+    def adopt(self, state: sync.SyncerState) -> None:
+        """Take a restored syncer state (procs restart), the live set with it."""
+        self.state = state
+        self.incarnations.update(state.live)
+        self.alive = set(state.live)
+
+    # --- one booking rule per event -------------------------------------------------------------
+    def on_event(self, e: ev.Event, now: float, deliver: bool = True) -> None:
+        """Book learner event `e`, which the syncer takes at time `now`. deliver=False: the runtime
+        delivers the contributions itself, later (sim's modelled link)."""
+        m, inc = e.learner, e.incarnation
+        for at, p, nbytes, codec in getattr(e, "fetched", ()):
+            self.bytes = traffic.add_bytes(self.bytes, at, nbytes, "down", m, p, codec)
+        for start, end in getattr(e, "stalls", ()):
+            self.stalled(m, start, end)
+        if isinstance(e, (ev.StepDone, ev.Flushed)):
+            if isinstance(e, ev.StepDone):
+                self.step(m, inc, e.start, e.end, e.tokens, now)
+                self.on_step(e)
+            self.sent(m, inc, e.end if isinstance(e, ev.StepDone) else e.at, e.sends, e.frames)
+            for frame in e.frames if deliver else ():
+                if frame is not None:
+                    self.deliver(Input("contribution", now, bytes(frame)))
+        elif isinstance(e, ev.Applied):
+            self.applied(m, inc, e.fragments)
+        elif isinstance(e, ev.Died):
+            self.died(m, inc, e.at)
+        elif isinstance(e, ev.Rejoined):
+            self.book_time(m, "down", e.died_at, e.down_until)
+            self.book_time(m, "restarting", e.down_until, e.at)
+            self.rejoined(m, inc, e.at)
+        elif isinstance(e, ev.Done):
+            self.done.add(m)
+            self.finished_at[m] = e.at
+        else:
+            raise TypeError(f"not a learner event: {e!r}")
 
     # --- what learners did ----------------------------------------------------------------------
     def step(self, m: int, inc: int, start: float, end: float, tokens: int, now: float) -> None:
         """A step of `tokens`: fewer than a full batch means slices were down, and that share of
         the step's chip time is booked "degraded", not compute (goodput counts live chips)."""
         share = tokens / (self.setup.spec.batch_size * self.setup.spec.seq_len)
-        self.time = timeline.add_step(self.time, m, start, end, share)
+        if self.learners_fetch:
+            split = timeline.step_split(start, end, share)
+            self.book_time(m, "compute", start, split)
+            self.book_time(m, "degraded", split, end)
+        else:
+            self.time = timeline.add_step(self.time, m, start, end, share)
         self.tokens = ledger.process(self.tokens, m, inc, tokens)
         self.deliver(Input("step_time", now, (m, end - start)))
 
     def sent(self, m: int, inc: int, at: float, sends, frames) -> None:
-        """Book contributions as they leave learner m (the runtime delivers them, maybe later)."""
-        for send, frame in zip(sends, frames):
-            self.tokens = ledger.send(self.tokens, m, inc, send.fragment, send.seq)
-            self.bytes = traffic.add_bytes(self.bytes, at, len(frame), "up", m, send.fragment,
-                                           self.setup.spec.up_spec)
+        """Book contributions, (fragment, seq) pairs, as they leave learner m (the runtime delivers
+        them, maybe later); a frame None was lost before the syncer could read it."""
+        for (p, seq), frame in zip(sends, frames):
+            self.tokens = ledger.send(self.tokens, m, inc, p, seq)
+            if frame is None:
+                self.tokens = ledger.resolve(self.tokens, (m, inc, seq), "lost")
+            else:
+                self.bytes = traffic.add_bytes(self.bytes, at, len(frame), "up", m, p, self.setup.spec.up_spec)
 
     def applied(self, m: int, inc: int, fragments) -> None:
         for p in fragments:
             self.tokens = ledger.apply(self.tokens, m, inc, p)
 
     def stalled(self, m: int, start: float, end: float) -> None:
-        self.time = timeline.add_time(self.time, m, "stall", start, end)
+        self.book_time(m, "stall", start, end)
         self.stalls += 1
 
     def died(self, m: int, inc: int, now: float) -> None:
@@ -72,11 +132,17 @@ class SyncerHost:
         fragment, booked here as the bytes it fetched)."""
         self.incarnations[m] = inc
         self.alive.add(m)
-        for p, frame in sync.full_frames(self.state).items():
-            self.bytes = traffic.add_bytes(self.bytes, now, len(frame), "down", m, p, "fp32")
+        if not self.learners_fetch:  # else the learner reported what it fetched
+            for p, frame in sync.full_frames(self.state).items():
+                self.bytes = traffic.add_bytes(self.bytes, now, len(frame), "down", m, p, "fp32")
         self.deliver(Input("live", now, self.live()))
 
     def book_time(self, m: int, state: str, start: float, end: float) -> None:
+        if self.learners_fetch:
+            last = self.time.open.get(m)
+            start = start if last is None else max(start, last[2])
+            if end <= start:
+                return
         self.time = timeline.add_time(self.time, m, state, start, end)
 
     def live(self) -> tuple[tuple[int, int], ...]:
@@ -94,6 +160,9 @@ class SyncerHost:
             elif isinstance(a, sync.Outcome) and a.key is not None:
                 self.tokens = ledger.resolve(self.tokens, a.key, a.outcome, a.into)
             elif isinstance(a, sync.Publish):
+                self.on_publish(a)
+                if self.learners_fetch:
+                    continue
                 for m, frame in sorted(a.frames.items()):
                     full = m in a.full
                     codec = "fp32" if full else self.policy.down_spec

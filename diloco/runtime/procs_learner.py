@@ -42,6 +42,7 @@ from diloco.config import TrainConfig
 from diloco.data import load_corpus
 from diloco.model import build
 from diloco.runtime import blobstore as bs
+from diloco.runtime import events as ev
 from diloco.runtime import setup as build_setup
 from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
@@ -176,9 +177,10 @@ class ProcLearner:
             raise SystemExit(f"supervisor {self.parent} is gone")
         time.sleep(max(0.0, min(dt, self.nap_until - self.clock())))
 
-    def emit(self, kind: str, **fields: Any) -> None:
-        event = {"kind": kind, "fetched": self.fetched, **fields}
-        self.store.put(event_key(self.m, self.inc, self.n), json.dumps(event).encode())
+    def emit(self, event: ev.Event) -> None:
+        """Write the next event of this incarnation, with what was fetched since the previous one."""
+        data = ev.to_json(event._replace(fetched=tuple(map(tuple, self.fetched))))
+        self.store.put(event_key(self.m, self.inc, self.n), json.dumps(data).encode())
         self.n += 1
         self.fetched = []
 
@@ -208,7 +210,8 @@ class ProcLearner:
         at_least = Pace.rejoin_step(r.step_period_s, r.rejoin_at, now, self.speed, self.cfg.run.steps)
         unit, how = rejoin_unit(s, m, self.inc, view, self.checkpoints, r.max_rejoin_staleness,
                                 before["step"], at_least)
-        self.emit("join", at=now, rejoin=how._asdict(), down_until=down_until)
+        # died_at is the syncer's to fill in: it booked the predecessor's death
+        self.emit(ev.Rejoined(m, self.inc, now, down_until, now, how._asdict()))
         return unit
 
     def run(self) -> None:
@@ -223,7 +226,7 @@ class ProcLearner:
             self.receive(unit)
             ready = unit.apply_due()
             if ready:
-                self.emit("apply", fragments=[q.fragment for q in ready])
+                self.emit(ev.Applied(m, self.inc, tuple(q.fragment for q in ready)))
             blocked = unit.blocking()
             if blocked is not None:
                 now = self.clock()
@@ -248,8 +251,8 @@ class ProcLearner:
             self.idle(unit, pace.end(start, compute, factor))  # speed factor and step_period_s
             end = self.clock()
             watch.observe(end - start)
-            self.emit("step", step=unit.ls.step, start=start, end=end, tokens=result.tokens,
-                      sends=self.ship(result), stalls=[list(x) for x in watch.take()], loss=result.loss)
+            self.emit(ev.StepDone(m, self.inc, unit.ls.step, start, end, result.tokens, self.ship(result),
+                                  stalls=watch.take(), loss=result.loss))
             self.checkpoints.maybe_save(unit)
         if self.terminating:  # a final checkpoint between steps; what is unsent is lost
             self.checkpoints.maybe_save(unit, final=True)
@@ -257,15 +260,15 @@ class ProcLearner:
             return
         if cfg.fragments.final_sync:
             result = unit.flush()
-            self.emit("flush", at=self.clock(), sends=self.ship(result))
+            self.emit(ev.Flushed(m, self.inc, self.clock(), self.ship(result)))
         self.checkpoints.close()
-        self.emit("done", at=self.clock(), stalls=[list(x) for x in watch.take()])
+        self.emit(ev.Done(m, self.inc, self.clock(), watch.take()))
 
-    def ship(self, result) -> list[list[int]]:
+    def ship(self, result) -> tuple[tuple[int, int], ...]:
         """Write the contributions of a step (or the flush); the event that names them follows."""
         for send, frame in zip(result.sends, result.frames):
             bs.send_contribution(self.store, self.m, self.inc, send.seq, frame)
-        return [[send.fragment, send.seq] for send in result.sends]
+        return ev.pairs(result.sends)
 
     def receive(self, unit: LearnerUnit) -> bool:
         """Fetch every published version newer than the one held, in order; True if any arrived."""

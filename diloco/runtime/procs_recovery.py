@@ -90,27 +90,29 @@ def _pairs(d: dict) -> list:
 
 def bookkeeping_out(rt) -> tuple[dict, dict]:
     """(arrays, meta) of a ProcSyncer's ledgers and loop state at an entry boundary."""
-    arrays, ledgers = ledger_ckpt.ledgers_out(rt.tokens, rt.bytes, rt.time)
+    host = rt.host
+    arrays, ledgers = ledger_ckpt.ledgers_out(host.tokens, host.bytes, host.time)
     meta = {
-        "ledgers": ledgers, "stalls": rt.stalls, "current": _pairs(rt.current), "cursor": _pairs(rt.cursor),
-        "steps": _pairs(rt.steps), "died_at": _pairs(rt.died_at), "done": sorted(rt.done),
-        "finished_at": _pairs(rt.finished_at), "delivered": sorted([m, i, s] for (m, i), s in rt.delivered.items()),
+        "ledgers": ledgers, "stalls": host.stalls, "current": _pairs(rt.current), "cursor": _pairs(rt.cursor),
+        "steps": _pairs(rt.steps), "died_at": _pairs(rt.died_at), "done": sorted(host.done),
+        "finished_at": _pairs(host.finished_at), "delivered": sorted([m, i, s] for (m, i), s in rt.delivered.items()),
         "graves": sorted(list(g) for g in rt.graves), "deadlines": [list(d) for d in rt.deadlines],
-        "order": rt.order, "reports": rt.reports, "inputs_seen": rt.inputs_seen,
+        "order": rt.order, "reports": rt.reports, "inputs_seen": host.inputs_seen,
     }
     return {"ledgers": arrays}, meta
 
 
 def bookkeeping_in(rt, arrays: dict, meta: dict) -> None:
-    rt.tokens, rt.bytes, rt.time = ledger_ckpt.ledgers_in(arrays.get("ledgers", {}), meta["ledgers"])
-    rt.stalls = meta["stalls"]
+    host = rt.host
+    host.tokens, host.bytes, host.time = ledger_ckpt.ledgers_in(arrays.get("ledgers", {}), meta["ledgers"])
+    host.stalls = meta["stalls"]
     rt.current, rt.cursor, rt.steps = (dict(meta[k]) for k in ("current", "cursor", "steps"))
-    rt.died_at, rt.finished_at = dict(meta["died_at"]), dict(meta["finished_at"])
-    rt.done = set(meta["done"])
+    rt.died_at, host.finished_at = dict(meta["died_at"]), dict(meta["finished_at"])
+    host.done = set(meta["done"])
     rt.delivered = {(m, i): s for m, i, s in meta["delivered"]}
     rt.graves = {tuple(g) for g in meta["graves"]}
     rt.deadlines = [tuple(d) for d in meta["deadlines"]]  # saved in heap order: still a heap
-    rt.order, rt.reports, rt.inputs_seen = meta["order"], meta["reports"], meta["inputs_seen"]
+    rt.order, rt.reports, host.inputs_seen = meta["order"], meta["reports"], meta["inputs_seen"]
 
 
 class Recovery:
@@ -134,25 +136,26 @@ class Recovery:
         if self.run_dir is None:
             return []
         if not self.enabled:
-            rt.inputs = InputLog(self.run_dir / INPUTS)
+            rt.host.inputs = InputLog(self.run_dir / INPUTS)
             return []
         directory = self.run_dir / CHECKPOINTS
         if not restart:  # a run into a used directory must never restore the earlier run's syncer
             shutil.rmtree(directory, ignore_errors=True)
         self.ckpts = SyncerCheckpoints(directory, self.every, self.keep)
         if not restart:
-            rt.inputs, self.journal = InputLog(self.run_dir / INPUTS), Journal(self.run_dir / JOURNAL)
+            rt.host.inputs, self.journal = InputLog(self.run_dir / INPUTS), Journal(self.run_dir / JOURNAL)
             return []
         found = self.ckpts.latest_raw(rt.setup.policy, rt.setup.fragments)
         offsets = {"journal": 0, "inputs": 0}  # no checkpoint yet: Theta_0 and the whole journal
         if found is not None:
-            rt.syncer, arrays, meta = found
+            state, arrays, meta = found
+            rt.host.adopt(state)
             bookkeeping_in(rt, arrays.get("extra", {}), meta["extra"])
             offsets = meta["extra"]["offsets"]
-            self.saved_merges = rt.syncer.merges
+            self.saved_merges = state.merges
             self.done = covered_now(rt)
         entries, end = read_journal(self.run_dir / JOURNAL, offsets["journal"])
-        rt.inputs = InputLog(self.run_dir / INPUTS, keep=offsets["inputs"])
+        rt.host.inputs = InputLog(self.run_dir / INPUTS, keep=offsets["inputs"])
         self.journal = Journal(self.run_dir / JOURNAL, keep=end)
         return entries
 
@@ -163,16 +166,16 @@ class Recovery:
     def maybe_save(self, rt, final: bool = False) -> None:
         """At an entry boundary, every `every` merges (or at any new merge if `final`: a syncer
         stopped by SIGTERM): an async checkpoint of everything."""
-        due = rt.syncer.merges - self.saved_merges >= (1 if final else self.every)
+        due = rt.host.state.merges - self.saved_merges >= (1 if final else self.every)
         if self.ckpts is None or not due:
             return
         self._promote()  # Orbax finishes the previous save before it starts this one
         arrays, meta = bookkeeping_out(rt)
-        meta["offsets"] = {"journal": self.journal.offset(), "inputs": rt.inputs.offset()}
+        meta["offsets"] = {"journal": self.journal.offset(), "inputs": rt.host.inputs.offset()}
         step = meta["offsets"]["journal"]  # grows with every entry, so never a step used before
-        if self.ckpts.save(rt.syncer, rt.inputs_seen, step=step, extra=(arrays, meta)):
+        if self.ckpts.save(rt.host.state, rt.host.inputs_seen, step=step, extra=(arrays, meta)):
             self.pending = (step, covered_now(rt))
-        self.saved_merges = rt.syncer.merges
+        self.saved_merges = rt.host.state.merges
 
     def covered(self, rt, final: bool = False) -> Covered:
         """What the store may forget: all that is booked when recovery is off or the run's result
@@ -187,7 +190,7 @@ class Recovery:
             self.done, self.pending = self.pending[1], None
 
     def close(self, rt) -> None:
-        for f in (rt.inputs, self.journal):
+        for f in (rt.host.inputs, self.journal):
             if f is not None:
                 f.close()
         if self.ckpts is not None:

@@ -39,14 +39,15 @@ from pathlib import Path
 import numpy as np
 
 from diloco import report
-from diloco.algo import ledger, quorum, timeline, traffic
+from diloco.algo import ledger, quorum
 from diloco.algo import syncer as sync
-from diloco.algo.replay import Input, apply as deliver
+from diloco.algo.replay import Input
 from diloco.config import TrainConfig
 from diloco.runtime import blobstore as bs
+from diloco.runtime import events as ev
+from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.procs_learner import POLL_MAX, POLL_MIN, buried, child_main, child_setup, died, event_key
 from diloco.runtime.procs_recovery import Recovery
-from diloco.runtime.summary import run_summary
 from diloco.runtime.tape import write_decisions
 
 GC_EVERY = 1.0  # seconds between acks + garbage collection of old versions and booked events
@@ -69,10 +70,10 @@ def unpack_theta(paths: list, blob: bytes) -> dict:
         return {tuple(p): z[f"arr_{i}"] for i, p in enumerate(paths)}
 
 
-class ProcSyncer:
-    """Owns the SyncerState, the three ledgers, the deadlines and the event cursors. `restart`: a
-    predecessor died; restore its checkpoint and journal. `reports_read`: how many of the reports
-    the supervisor has read (they are not written again)."""
+class ProcSyncer(HostedRuntime):
+    """Owns the SyncerHost (state and ledgers, booked by the same rules as in sim and threads), the
+    deadlines and the event cursors. `restart`: a predecessor died; restore its checkpoint and
+    journal. `reports_read`: how many of the reports the supervisor has read (not written again)."""
 
     def __init__(self, store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, want_evals: bool,
                  restart: bool = False, reports_read: int = 0):
@@ -80,25 +81,19 @@ class ProcSyncer:
         self.restart, self.reports_read = restart, reports_read
         self.setup = s = child_setup(cfg, store)
         self.M = cfg.runtime.learners
-        self.syncer = sync.init(s.policy, s.fragments, s.theta0, {m: 0 for m in range(self.M)})
+        # Learners fetch broadcasts from the store and report what they fetched (learners_fetch).
+        self.host = SyncerHost(s, {m: 0 for m in range(self.M)}, on_deadline=self._arm,
+                               on_publish=self._publish, learners_fetch=True, on_step=self._on_step)
         self.current = dict.fromkeys(range(self.M), 0)  # incarnation booked now
         self.cursor = dict.fromkeys(range(self.M), 0)  # its next event number
         self.steps = dict.fromkeys(range(self.M), 0)  # last step booked per learner
         self.died_at: dict[int, float] = {}
-        self.done: set[int] = set()
-        self.finished_at: dict[int, float] = {}
         self.delivered: dict[tuple[int, int], int] = {}  # (learner, incarnation) -> last seq delivered
         self.graves: set[tuple[int, int]] = set()  # dead incarnations whose objects are still stored
-        self.tokens = ledger.token_ledger(len(s.fragments))
-        self.bytes = traffic.byte_ledger()
-        self.time = timeline.time_ledger()
-        self.stalls = 0
         self.deadlines: list[tuple[float, int, int]] = []  # grace timers (at, order, fragment), a heap
         self.order = 0  # tie-break of deadlines set at the same time
         self.reports = 0
         self.run_dir = run_dir
-        self.inputs = None  # the InputLog, opened by the recovery
-        self.inputs_seen = 0
         self.recovery = Recovery(cfg, run_dir)
         self.replaying = False  # executing the journal of a predecessor
         self.t0 = 0.0
@@ -128,7 +123,7 @@ class ProcSyncer:
                 while self.deadlines and self.deadlines[0][0] <= now:
                     self._do({"do": "deadline", "fragment": self.deadlines[0][2]})
                 active = [self._poll(m) for m in range(self.M)]
-                if len(self.done) == self.M and not self.deadlines:
+                if len(self.host.done) == self.M and not self.deadlines:
                     break  # `done` is each learner's last event, so everything has been booked
                 if now - last_gc >= GC_EVERY:
                     self.collect()
@@ -174,7 +169,7 @@ class ProcSyncer:
             _, _, p = heapq.heappop(self.deadlines)
             if p != entry["fragment"]:
                 raise RuntimeError(f"journal entry {entry}: the earliest deadline is fragment {p}'s")
-            self._deliver(Input("deadline", self.now, p))
+            self.host.deliver(Input("deadline", self.now, p))
         elif kind == "bury":
             self._bury(entry["m"], entry["inc"], entry["at"])
         else:
@@ -211,99 +206,44 @@ class ProcSyncer:
             got = True
         return got
 
-    def _on_event(self, m: int, inc: int, e: dict) -> None:
-        for at, p, nbytes, codec in e["fetched"]:
-            self.bytes = traffic.add_bytes(self.bytes, at, nbytes, "down", m, p, codec)
-        kind = e["kind"]
-        if kind == "step":
-            self._book_stalls(m, e["stalls"])
-            # a step on fewer slices (a chaos tape): the idle chips' share of it is degraded
-            share = e["tokens"] / (self.setup.spec.batch_size * self.setup.spec.seq_len)
-            split = timeline.step_split(e["start"], e["end"], share)
-            self._add_time(m, "compute", e["start"], split)
-            self._add_time(m, "degraded", split, e["end"])
-            self.tokens = ledger.process(self.tokens, m, inc, e["tokens"])
-            self.steps[m] = e["step"]
-            self._deliver(Input("step_time", self.now, (m, e["end"] - e["start"])))
-            if e["loss"] is not None:
-                self._report({"kind": "train", "learner": m, "step": e["step"], "time": e["end"],
-                              "tokens": e["step"] * e["tokens"], "loss": e["loss"]})
-            if m == 0 and self.want_evals and report.due(e["step"], self.cfg.run.eval_every, self.cfg.run.steps):
-                # As in sim and threads: the global model as it stood when learner 0 finished the step.
-                self._report({"kind": "eval", "step": e["step"], "time": e["end"],
-                              "tokens": int(self.tokens.processed[0]), "merges": self.syncer.merges},
-                             sync.theta(self.syncer))
-            self._ship(m, inc, e["end"], e["sends"])
-        elif kind == "flush":
-            self._ship(m, inc, e["at"], e["sends"])
-        elif kind == "apply":
-            for p in e["fragments"]:
-                self.tokens = ledger.apply(self.tokens, m, inc, p)
-        elif kind == "join":
-            died_at = self.died_at.pop(m, e["at"])
-            back = e.get("down_until", died_at)  # a chaos tape kept its slices down until then
-            self._add_time(m, "down", died_at, back)
-            self._add_time(m, "restarting", back, e["at"])
-            self.steps[m] = e["rejoin"]["step"]
-            self._deliver(Input("live", self.now, tuple(sorted({**self.syncer.live, m: inc}.items()))))
-            self._report({"kind": "rejoin", "time": e["at"], **e["rejoin"]})
-        elif kind == "done":
-            self._book_stalls(m, e["stalls"])
-            self.done.add(m)
-            self.finished_at[m] = e["at"]
-        else:
-            raise ValueError(f"unknown event {kind!r} from learner {m} incarnation {inc}")
+    def _on_event(self, m: int, inc: int, data: dict) -> None:
+        """Book one learner event (diloco/runtime/events.py), its contributions read from the store."""
+        frames = tuple(self.store.get(bs.contribution_key(m, inc, seq)) for _, seq in data.get("sends", ()))
+        e = ev.from_json(data, frames)
+        if isinstance(e, ev.Rejoined):  # the syncer, not the learner, knows when its predecessor died
+            e = e._replace(died_at=self.died_at.pop(m, e.at))
+            self.steps[m] = e.rejoin["step"]
+        self.host.on_event(e, self.now)
+        if isinstance(e, (ev.StepDone, ev.Flushed)) and e.sends:
+            self.delivered[(m, inc)] = e.sends[-1][1]
+        if isinstance(e, ev.Rejoined):
+            self._report({"kind": "rejoin", "time": e.at, **e.rejoin})
+
+    def _on_step(self, e: ev.StepDone) -> None:
+        """A step is booked; its contributions are not delivered yet."""
+        self.steps[e.learner] = e.step
+        if e.loss is not None:
+            self._report({"kind": "train", "learner": e.learner, "step": e.step, "time": e.end,
+                          "tokens": e.step * e.tokens, "loss": e.loss})
+        if e.learner == 0 and self.want_evals and report.due(e.step, self.cfg.run.eval_every, self.cfg.run.steps):
+            # As in sim and threads: the global model as it stood when learner 0 finished the step.
+            self._report({"kind": "eval", "step": e.step, "time": e.end,
+                          "tokens": int(self.host.tokens.processed[0]), "merges": self.host.state.merges},
+                         sync.theta(self.host.state))
 
     def _bury(self, m: int, inc: int, at: float) -> None:
         """Book the death of (m, inc): unsent tokens lost, out of the live set, successor told."""
-        self.tokens = ledger.die(self.tokens, m, inc)
-        last = self.time.open.get(m)
-        self._add_time(m, "down", at if last is None else last[2], at)  # the step it died in
+        last = self.host.time.open.get(m)
+        self.host.book_time(m, "down", at if last is None else last[2], at)  # the step it died in
+        self.host.on_event(ev.Died(m, inc, at), self.now)
         self.died_at[m] = at
         self.current[m], self.cursor[m] = inc + 1, 0
         self.graves.add((m, inc))  # its objects go once a checkpoint covers this (collect)
-        live = {k: v for k, v in self.syncer.live.items() if k != m}
-        self._deliver(Input("live", self.now, tuple(sorted(live.items()))))
-        bs.write_control(self.store, buried(m, inc), {"step": self.steps[m], "done": m in self.done})
+        bs.write_control(self.store, buried(m, inc), {"step": self.steps[m], "done": m in self.host.done})
 
-    def _ship(self, m: int, inc: int, at: float, sends: list) -> None:
-        for p, seq in sends:
-            self.tokens = ledger.send(self.tokens, m, inc, p, seq)
-            frame = self.store.get(bs.contribution_key(m, inc, seq))
-            if frame is None:  # written before its event, deleted only once acked: cannot happen
-                self.tokens = ledger.resolve(self.tokens, (m, inc, seq), "lost")
-                continue
-            self.bytes = traffic.add_bytes(self.bytes, at, len(frame), "up", m, p, self.setup.spec.up_spec)
-            self._deliver(Input("contribution", self.now, frame))
-            self.delivered[(m, inc)] = seq
-
-    def _book_stalls(self, m: int, stalls: list) -> None:
-        for start, end in stalls:
-            self._add_time(m, "stall", start, end)
-            self.stalls += 1
-
-    def _add_time(self, m: int, state: str, start: float, end: float) -> None:
-        # Times come from several processes' wall clocks (and, multi-host, machines): an interval
-        # starting a hair before the previous one ended is clipped rather than an error.
-        last = self.time.open.get(m)
-        start = start if last is None else max(start, last[2])
-        if end > start:
-            self.time = timeline.add_time(self.time, m, state, start, end)
-
-    # --- the syncer state machine -------------------------------------------------------------
-    def _deliver(self, event: Input) -> None:
-        if self.inputs is not None:
-            self.inputs.append(event)
-        self.inputs_seen += 1
-        self.syncer, actions = deliver(self.setup.policy, self.syncer, event)
-        for a in actions:
-            if isinstance(a, sync.SetDeadline):
-                heapq.heappush(self.deadlines, (a.at, self.order, a.fragment))
-                self.order += 1
-            elif isinstance(a, sync.Outcome) and a.key is not None:
-                self.tokens = ledger.resolve(self.tokens, a.key, a.outcome, a.into)
-            elif isinstance(a, sync.Publish):
-                self._publish(a)
+    def _arm(self, p: int, at: float) -> None:
+        heapq.heappush(self.deadlines, (at, self.order, p))
+        self.order += 1
 
     def _publish(self, a: sync.Publish) -> None:
         """The delta (what learners holding the previous version were sent) and the full copy.
@@ -314,7 +254,7 @@ class ProcSyncer:
             if pub is not None and a.version <= pub.version:
                 return
         delta = next((f for m, f in sorted(a.frames.items()) if m not in a.full), None)
-        full = a.frames[a.full[0]] if a.full else _full_frame(self.syncer, a.fragment, a.version, a.merged)
+        full = a.frames[a.full[0]] if a.full else _full_frame(self.host.state, a.fragment, a.version, a.merged)
         bs.publish(self.store, a.fragment, a.version, delta, full, a.merged)
 
     # --- outputs ------------------------------------------------------------------------------
@@ -348,14 +288,13 @@ class ProcSyncer:
     def finish(self) -> None:
         end = self.clock()
         window = quorum.slowest_step_time(self.syncer.step_times) or self.cfg.runtime.step_time
-        summary = run_summary(self.syncer, self.tokens, self.bytes, self.time, clock="wall", end=end,
-                              window=window, stalls=self.stalls)
+        summary = self.host.summary(clock="wall", end=end, window=window)
         if self.run_dir is not None:
             write_decisions(self.run_dir / "tape.jsonl", self.syncer.tape)
         self._report({"kind": "end", "time": end, "summary": summary, "steps": self.steps,
                       "tokens": ledger.token_totals(self.tokens), "dead": sorted(self.tokens.dead),
-                      "finished_at": self.finished_at, "merges": self.syncer.merges,
-                      "processed0": int(self.tokens.processed[0]), "complete": len(self.done) == self.M},
+                      "finished_at": self.host.finished_at, "merges": self.syncer.merges,
+                      "processed0": int(self.tokens.processed[0]), "complete": len(self.host.done) == self.M},
                      sync.theta(self.syncer))
         # The result is with the supervisor: nothing is replayed any more, so the store keeps only
         # the newest versions, acks and control.

@@ -33,6 +33,7 @@ from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
 from diloco.chaos import tapes
 from diloco.config import TrainConfig
+from diloco.runtime import events as ev
 from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
@@ -154,12 +155,11 @@ class Sim(HostedRuntime):
         unit = self.units[m]
         self.alive[m] = False
         self.died_at[m] = (self.now, unit.ls.step)
-        if m in self.stalled_since:
-            self.host.stalled(m, self.stalled_since.pop(m), self.now)
+        stalls = ((self.stalled_since.pop(m), self.now),) if m in self.stalled_since else ()
         self.stall_armed.pop(m, None)
         if _removed(self.tape, m, self.now):  # scavenging over: gone, not down
             self.removed.add(m)
-        self.host.died(m, unit.ls.incarnation, self.now)
+        self.host.on_event(ev.Died(m, unit.ls.incarnation, self.now, stalls), self.now)
 
     def _on_rejoin(self, m: int) -> None:
         self.restarting.discard(m)
@@ -197,7 +197,7 @@ class Sim(HostedRuntime):
             self._kill(m)
             return
         for q in unit.apply_due():
-            self.host.applied(m, unit.ls.incarnation, (q.fragment,))
+            self.host.on_event(ev.Applied(m, unit.ls.incarnation, (q.fragment,)), self.now)
         blocked = unit.blocking()
         if blocked is not None:
             if m not in self.stalled_since:
@@ -212,7 +212,10 @@ class Sim(HostedRuntime):
         if unit.ls.step >= self.cfg.run.steps:
             if self.cfg.fragments.final_sync and m not in self.flushed:
                 self.flushed.add(m)
-                self._send(m, self.now, unit.flush())
+                result = unit.flush()
+                self.host.on_event(ev.Flushed(m, unit.ls.incarnation, self.now, ev.pairs(result.sends),
+                                              result.frames), self.now, deliver=False)
+                self._send(m, self.now, result.frames)
             return
         log = report.due(unit.ls.step + 1, self.cfg.run.log_every, self.cfg.run.steps)
         result = unit.step(fetch_loss=log, rows=self._rows(m))
@@ -222,8 +225,10 @@ class Sim(HostedRuntime):
         speed = self.speeds[m % len(self.speeds)]
         duration = r.step_time * speed * max(0.1, 1.0 + self.jitter * self.rng.standard_normal())
         end = self.now + duration
-        self.host.step(m, inc, self.now, end, result.tokens, self.now)
-        self._send(m, end, result)
+        step = ev.StepDone(m, inc, unit.ls.step, self.now, end, result.tokens, ev.pairs(result.sends),
+                           result.frames, loss=result.loss)
+        self.host.on_event(step, self.now, deliver=False)  # the modelled link delivers them
+        self._send(m, end, result.frames)
         if log and self.writer is not None:
             self.writer.write({"kind": "train", "learner": m, "step": unit.ls.step, "time": end,
                                "tokens": unit.ls.step * result.tokens, "loss": result.loss})
@@ -232,11 +237,10 @@ class Sim(HostedRuntime):
             self._eval(end)
         self._wake(m, end)
 
-    def _send(self, m: int, end: float, result) -> None:
-        """Book and ship a step's (or the final flush's) contributions over learner m's link."""
-        r, inc = self.cfg.runtime, self.units[m].ls.incarnation
-        self.host.sent(m, inc, end, result.sends, result.frames)
-        for frame in result.frames:
+    def _send(self, m: int, end: float, frames) -> None:
+        """Ship a step's (or the final flush's) contributions over learner m's link."""
+        r = self.cfg.runtime
+        for frame in frames:
             start = max(end, self.link_up[m])
             self.link_up[m] = start + len(frame) / r.bandwidth
             self.push(self.link_up[m] + r.latency, "contribution", frame)

@@ -36,6 +36,7 @@ from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
 from diloco.chaos import tapes
 from diloco.config import TrainConfig
+from diloco.runtime import events as ev
 from diloco.runtime.crew import Crew, Stopped, sigterm_as_interrupt
 from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.mailbox import Mailbox
@@ -76,7 +77,7 @@ class Threads(HostedRuntime):
         if tape is not None:
             self.speeds = list(tape.speeds[:self.M])
         self.host = SyncerHost(setup, {m: 0 for m in range(self.M)}, inputs, on_deadline=self._arm,
-                               transport=self._transmit)
+                               transport=self._transmit, on_step=self._on_step)
         self.initial = self.host.state  # every learner starts from Theta_0, never from its own init
         # Each learner thread builds its own unit (device_put of its params) from this initial state.
         self.units: list[LearnerUnit | None] = [None] * self.M
@@ -161,7 +162,7 @@ class Threads(HostedRuntime):
         """The crash and the restart, as the syncer sees them: `died`, down, restarting, `rejoin`."""
         self.kills.discard(m)
         died_at = self.clock()
-        self._emit(m, ("died", m, dead.ls.incarnation, died_at, stalls))
+        self._emit(m, ev.Died(m, dead.ls.incarnation, died_at, stalls))
         restart_at = died_at  # in a kill drill the devices are back at once: restarting, never down
         if self.tape is not None:  # down until the tape gives a slice back
             restart_at = self._sleep(self.tape.back_at(m, died_at))
@@ -172,7 +173,7 @@ class Threads(HostedRuntime):
                                 r.max_rejoin_staleness, dead.ls.step, at_least)
         self.units[m] = unit
         self.rejoins.append(how)
-        self._emit(m, ("rejoin", m, how.incarnation, died_at, restart_at, self.clock()))
+        self._emit(m, ev.Rejoined(m, how.incarnation, died_at, restart_at, self.clock(), how._asdict()))
         self._write({"kind": "rejoin", "time": self.clock(), **how._asdict()})
         return unit
 
@@ -193,7 +194,7 @@ class Threads(HostedRuntime):
             self._drain(m)
             ready = unit.apply_due()
             if ready:
-                waited = self._emit(m, ("apply", m, unit.ls.incarnation, tuple(q.fragment for q in ready)))
+                waited = self._emit(m, ev.Applied(m, unit.ls.incarnation, tuple(q.fragment for q in ready)))
                 if waited is not None and watch.since is None:  # inside a stall it is part of it
                     watch.done.append(waited)
             blocked = unit.blocking()
@@ -219,8 +220,8 @@ class Threads(HostedRuntime):
             self._idle(m, pace.end(start, compute, factor))  # speed factor and step_period_s
             end = self.clock()
             watch.observe(end - start)
-            event = ("step", m, unit.ls.incarnation, unit.ls.step, start, end, result.tokens, result.sends,
-                     result.frames, watch.take())
+            event = ev.StepDone(m, unit.ls.incarnation, unit.ls.step, start, end, result.tokens,
+                                ev.pairs(result.sends), result.frames, watch.take(), result.loss)
             waited = self._emit(m, event)
             if waited is not None:
                 watch.done.append(waited)
@@ -229,8 +230,8 @@ class Threads(HostedRuntime):
                              "tokens": unit.ls.step * result.tokens, "loss": result.loss})
         if self.cfg.fragments.final_sync:
             result = unit.flush()
-            self._emit(m, ("flush", m, unit.ls.incarnation, self.clock(), result.sends, result.frames))
-        self._emit(m, ("done", m, self.clock(), watch.take()))
+            self._emit(m, ev.Flushed(m, unit.ls.incarnation, self.clock(), ev.pairs(result.sends), result.frames))
+        self._emit(m, ev.Done(m, unit.ls.incarnation, self.clock(), watch.take()))
         while self._receive(m, POLL):  # broadcasts keep coming until the syncer closes the inbox
             pass
 
@@ -258,7 +259,7 @@ class Threads(HostedRuntime):
         while (left := until - self.clock()) > 0:
             self._receive(m, min(POLL, left))
 
-    def _emit(self, m: int, event: tuple) -> tuple[float, float] | None:
+    def _emit(self, m: int, event: ev.Event) -> tuple[float, float] | None:
         """Put an event on the bounded `up` queue; returns the (start, end) of the wait if it was
         full, which the learner books as a stall (it cannot go on until the syncer catches up).
         While it waits it keeps taking broadcasts, so they do not pile up into catch-up copies."""
@@ -299,49 +300,19 @@ class Threads(HostedRuntime):
         for inbox in self.inboxes:
             inbox.close()
 
-    def _on_event(self, event: tuple, done: set[int]) -> None:
-        kind, host = event[0], self.host
-        if kind == "step":
-            _, m, inc, step, start, end, tokens, sends, frames, stalls = event
-            self._book_stalls(m, stalls)
-            host.step(m, inc, start, end, tokens, self.clock())
-            if m == 0 and self.evaluate is not None and report.due(step, self.cfg.run.eval_every,
-                                                                   self.cfg.run.steps):
-                # As in sim: the global model as it stood when learner 0 finished the step.
-                self._put(self.eval_requests, (end, step, sync.theta(host.state),
-                                               int(host.tokens.processed[0]), host.state.merges))
-            self._ship(m, inc, end, sends, frames)
-        elif kind == "flush":
-            _, m, inc, at, sends, frames = event
-            self._ship(m, inc, at, sends, frames)
-        elif kind == "apply":
-            _, m, inc, fragments = event
-            host.applied(m, inc, fragments)
-        elif kind == "died":
-            _, m, inc, at, stalls = event
-            self._book_stalls(m, stalls)
-            host.died(m, inc, at)
-        elif kind == "rejoin":
-            _, m, inc, died_at, restart_at, at = event
-            host.book_time(m, "down", died_at, restart_at)
-            host.book_time(m, "restarting", restart_at, at)
-            host.rejoined(m, inc, at)
-        elif kind == "done":
-            _, m, at, stalls = event
-            self._book_stalls(m, stalls)
-            done.add(m)
-            self.finished_at[m] = at
-        else:
-            raise ValueError(f"unknown event {kind!r} from a learner")
+    def _on_event(self, event: ev.Event, done: set[int]) -> None:
+        self.host.on_event(event, self.clock())
+        if isinstance(event, ev.Done):
+            done.add(event.learner)
+            self.finished_at[event.learner] = event.at
 
-    def _ship(self, m: int, inc: int, at: float, sends: tuple, frames: tuple) -> None:
-        self.host.sent(m, inc, at, sends, frames)
-        for frame in frames:
-            self.host.deliver(Input("contribution", self.clock(), bytes(frame)))
-
-    def _book_stalls(self, m: int, stalls: tuple[tuple[float, float], ...]) -> None:
-        for start, end in stalls:
-            self.host.stalled(m, start, end)
+    def _on_step(self, e: ev.StepDone) -> None:
+        if e.learner == 0 and self.evaluate is not None and report.due(e.step, self.cfg.run.eval_every,
+                                                                       self.cfg.run.steps):
+            # As in sim: the global model as it stood when learner 0 finished the step.
+            host = self.host
+            self._put(self.eval_requests, (e.end, e.step, sync.theta(host.state),
+                                           int(host.tokens.processed[0]), host.state.merges))
 
     def _arm(self, p: int, at: float) -> None:
         heapq.heappush(self.deadlines, (at, next(self._order), p))
