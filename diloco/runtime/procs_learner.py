@@ -1,10 +1,11 @@
 """The procs runtime's learner process, and what every procs process shares: how a spawned child
 rebuilds its Setup from the config, the event keys and the control names.
 
-Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); DESIGN.md "Runtimes" (procs).
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); docs/design.md#procs.
 
-The loop is threads' learner loop (apply_due, blocking with a stall limit, step, flush at the
-end) with the queues replaced by objects in the store (diloco/runtime/blobstore.py):
+The loop is the one threads runs too (diloco/runtime/learner_loop.py: apply_due, blocking with a
+stall limit, step, flush at the end); this process is its port, with the queues replaced by
+objects in the store (diloco/runtime/blobstore.py):
 
 * up: each contribution under its own key (send_contribution), then a small JSON event
   `ev/<learner>/<incarnation>/<n>` naming it. The syncer books each incarnation's events in n
@@ -35,7 +36,6 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from diloco import report
 from diloco.algo import messages
 from diloco.algo import syncer as sync
 from diloco.config import TrainConfig
@@ -46,7 +46,8 @@ from diloco.runtime import events as ev
 from diloco.runtime import setup as build_setup
 from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
-from diloco.runtime.unit import LearnerUnit, Pace, StallWatch
+from diloco.runtime.learner_loop import run_incarnation
+from diloco.runtime.unit import LearnerUnit, Pace
 from diloco.runtime.walltape import WallTape, chaos_tape
 
 POLL_MIN, POLL_MAX = 0.002, 0.05  # seconds: back-off bounds of every procs poll loop
@@ -178,7 +179,10 @@ class ProcLearner:
         time.sleep(max(0.0, min(dt, self.nap_until - self.clock())))
 
     def emit(self, event: ev.Event) -> None:
-        """Write the next event of this incarnation, with what was fetched since the previous one."""
+        """Write the next event of this incarnation, with what was fetched since the previous one;
+        its contributions go first, each under its own key, so the event can name them."""
+        for (_, seq), frame in zip(getattr(event, "sends", ()), getattr(event, "frames", ())):
+            bs.send_contribution(self.store, self.m, self.inc, seq, frame)
         data = ev.to_json(event._replace(fetched=tuple(map(tuple, self.fetched))))
         self.store.put(event_key(self.m, self.inc, self.n), json.dumps(data).encode())
         self.n += 1
@@ -218,57 +222,23 @@ class ProcLearner:
         unit = self.start()
         if unit is None:
             return
-        cfg, r, m, steps = self.cfg, self.cfg.runtime, self.m, self.cfg.run.steps
-        rng = np.random.default_rng([r.seed, 7, m, self.inc])
-        watch = StallWatch(m, r.stall_limit_steps)
-        pace = Pace.of(r.step_period_s, r.rejoin_at, unit.ls.step, self.speed)  # as in threads
-        while not self.terminating:
-            self.receive(unit)
-            ready = unit.apply_due()
-            if ready:
-                self.emit(ev.Applied(m, self.inc, tuple(q.fragment for q in ready)))
-            blocked = unit.blocking()
-            if blocked is not None:
-                now = self.clock()
-                give_up = watch.blocked(blocked.seq, now)
-                if now >= give_up:
-                    unit.give_up(blocked.fragment)
-                else:
-                    self.wait(unit, give_up)
-                continue
-            watch.unblocked(self.clock())
-            if unit.ls.step >= steps:
-                break
-            start = self.clock()
-            if self.tape is not None and not self.tape.alive(m, start):
-                self.checkpoints.close()
-                sys.exit(EXIT_DOWN)  # all its slices are down: the supervisor starts its successor
-            log = report.due(unit.ls.step + 1, cfg.run.log_every, steps)
-            result = unit.step(fetch_loss=log, rows=None if self.tape is None else self.tape.rows(m, start))
-            jax.block_until_ready(unit.state)  # dispatch is asynchronous: time the step, not its launch
-            compute = self.clock() - start
-            factor = self.speed * max(0.1, 1.0 + self.jitter * rng.standard_normal())
-            self.idle(unit, pace.end(start, compute, factor))  # speed factor and step_period_s
-            end = self.clock()
-            watch.observe(end - start)
-            self.emit(ev.StepDone(m, self.inc, unit.ls.step, start, end, result.tokens, self.ship(result),
-                                  stalls=watch.take(), loss=result.loss))
-            self.checkpoints.maybe_save(unit)
-        if self.terminating:  # a final checkpoint between steps; what is unsent is lost
+        finished = run_incarnation(self, unit, self.cfg, self.speed, self.jitter, self.tape, self.checkpoints)
+        if not finished:  # SIGTERM: a final checkpoint between steps; what is unsent is lost
             self.checkpoints.maybe_save(unit, final=True)
             self.checkpoints.close()
-            return
-        if cfg.fragments.final_sync:
-            result = unit.flush()
-            self.emit(ev.Flushed(m, self.inc, self.clock(), self.ship(result)))
-        self.checkpoints.close()
-        self.emit(ev.Done(m, self.inc, self.clock(), watch.take()))
 
-    def ship(self, result) -> tuple[tuple[int, int], ...]:
-        """Write the contributions of a step (or the flush); the event that names them follows."""
-        for send, frame in zip(result.sends, result.frames):
-            bs.send_contribution(self.store, self.m, self.inc, send.seq, frame)
-        return ev.pairs(result.sends)
+    # --- the port of the shared loop (diloco/runtime/learner_loop.py) ---------------------------
+    def check(self, unit: LearnerUnit, watch) -> bool:
+        if self.tape is not None and not self.tape.alive(self.m, self.clock()):
+            self.checkpoints.close()
+            sys.exit(EXIT_DOWN)  # all its slices are down: the supervisor starts its successor
+        return self.terminating
+
+    def poll(self, unit: LearnerUnit) -> None:
+        self.receive(unit)
+
+    def log(self, record: dict) -> None:
+        pass  # the loss rides on the StepDone event; the syncer reports it
 
     def receive(self, unit: LearnerUnit) -> bool:
         """Fetch every published version newer than the one held, in order; True if any arrived."""
@@ -298,11 +268,6 @@ class ProcLearner:
             return
         self.nap_until = until
         self.poller.wait(False)
-
-    def idle(self, unit: LearnerUnit, until: float) -> None:
-        """The artificial slowdown: wait until `until`, receiving broadcasts as they come."""
-        while self.clock() < until:
-            self.wait(unit, until)
 
 
 def learner_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m: int, incarnation: int,

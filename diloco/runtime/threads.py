@@ -1,7 +1,7 @@
 """The threads runtime: the wall clock, one thread per learner on its own device sub-mesh, a syncer
 thread and bounded in-memory queues, driving the learner and syncer state machines as sim does.
 
-Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); DESIGN.md "Runtimes".
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); docs/design.md#threads.
 
 Ownership, so that only the queues are shared: learner m's thread owns LearnerUnit m (its params,
 device_put/device_get, codec state); the syncer thread owns the SyncerState, the grace deadlines
@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import jax
 import numpy as np
 
 from diloco import report
@@ -43,6 +42,7 @@ from diloco.runtime.mailbox import Mailbox
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.setup import Setup, new_unit
 from diloco.runtime.tape import InputLog, run_outputs, write_decisions
+from diloco.runtime.learner_loop import run_incarnation
 from diloco.runtime.unit import LearnerUnit, Pace, StallWatch
 from diloco.runtime.walltape import WallTape, run_tape
 
@@ -184,54 +184,7 @@ class Threads(HostedRuntime):
         return self.clock()
 
     def _incarnation(self, m: int, unit: LearnerUnit, ckpts: LearnerCheckpoints) -> None:
-        r, steps = self.cfg.runtime, self.cfg.run.steps
-        rng = np.random.default_rng([r.seed, 7, m, unit.ls.incarnation])
-        watch = StallWatch(m, r.stall_limit_steps)
-        pace = Pace.of(r.step_period_s, r.rejoin_at, unit.ls.step, self.speeds[m])
-        while True:
-            if m in self.kills or (self.tape is not None and not self.tape.alive(m, self.clock())):
-                raise _Killed(watch.take(self.clock()))
-            self._drain(m)
-            ready = unit.apply_due()
-            if ready:
-                waited = self._emit(m, ev.Applied(m, unit.ls.incarnation, tuple(q.fragment for q in ready)))
-                if waited is not None and watch.since is None:  # inside a stall it is part of it
-                    watch.done.append(waited)
-            blocked = unit.blocking()
-            if blocked is not None:
-                now = self.clock()
-                give_up = watch.blocked(blocked.seq, now)
-                if now >= give_up:
-                    unit.give_up(blocked.fragment)
-                else:
-                    self._receive(m, min(POLL, give_up - now))
-                continue
-            watch.unblocked(self.clock())
-            if unit.ls.step >= steps:
-                break
-            start = self.clock()
-            log = report.due(unit.ls.step + 1, self.cfg.run.log_every, steps)
-            rows = None if self.tape is None else self.tape.rows(m, start)  # slices lost: a smaller batch
-            result = unit.step(fetch_loss=log, rows=rows)
-            jax.block_until_ready(unit.state)  # dispatch is asynchronous: time the step, not its launch
-            compute = self.clock() - start
-            ckpts.maybe_save(unit)
-            factor = self.speeds[m] * max(0.1, 1.0 + self.jitter * rng.standard_normal())
-            self._idle(m, pace.end(start, compute, factor))  # speed factor and step_period_s
-            end = self.clock()
-            watch.observe(end - start)
-            event = ev.StepDone(m, unit.ls.incarnation, unit.ls.step, start, end, result.tokens,
-                                ev.pairs(result.sends), result.frames, watch.take(), result.loss)
-            waited = self._emit(m, event)
-            if waited is not None:
-                watch.done.append(waited)
-            if log:
-                self._write({"kind": "train", "learner": m, "step": unit.ls.step, "time": end,
-                             "tokens": unit.ls.step * result.tokens, "loss": result.loss})
-        if self.cfg.fragments.final_sync:
-            result = unit.flush()
-            self._emit(m, ev.Flushed(m, unit.ls.incarnation, self.clock(), ev.pairs(result.sends), result.frames))
-        self._emit(m, ev.Done(m, unit.ls.incarnation, self.clock(), watch.take()))
+        run_incarnation(_ThreadPort(self, m), unit, self.cfg, self.speeds[m], self.jitter, self.tape, ckpts)
         while self._receive(m, POLL):  # broadcasts keep coming until the syncer closes the inbox
             pass
 
@@ -253,11 +206,6 @@ class Threads(HostedRuntime):
     def _drain(self, m: int) -> None:
         while not self.inboxes[m].empty():
             self._receive(m, 0.0)
-
-    def _idle(self, m: int, until: float) -> None:
-        """The artificial slowdown: wait until `until`, receiving broadcasts as they come."""
-        while (left := until - self.clock()) > 0:
-            self._receive(m, min(POLL, left))
 
     def _emit(self, m: int, event: ev.Event) -> tuple[float, float] | None:
         """Put an event on the bounded `up` queue; returns the (start, end) of the wait if it was
@@ -352,6 +300,32 @@ class Threads(HostedRuntime):
         # Peak rates over windows of one (slowest measured) step, as sim uses its modelled step time.
         window = quorum.slowest_step_time(self.syncer.step_times) or self.cfg.runtime.step_time
         return self.host.summary(clock="wall", end=self.end, window=window)
+
+
+class _ThreadPort:
+    """Learner m's side of the threads runtime, for the shared loop (diloco/runtime/learner_loop.py)."""
+
+    def __init__(self, rt: Threads, m: int):
+        self.rt, self.m = rt, m
+        self.clock = rt.clock
+
+    def poll(self, unit: LearnerUnit) -> None:
+        self.rt._drain(self.m)
+
+    def wait(self, unit: LearnerUnit, until: float) -> None:
+        self.rt._receive(self.m, max(0.0, min(POLL, until - self.clock())))
+
+    def emit(self, event: ev.Event) -> tuple[float, float] | None:
+        return self.rt._emit(self.m, event)
+
+    def check(self, unit: LearnerUnit, watch: StallWatch) -> bool:
+        rt, m = self.rt, self.m
+        if m in rt.kills or (rt.tape is not None and not rt.tape.alive(m, rt.clock())):
+            raise _Killed(watch.take(rt.clock()))
+        return False
+
+    def log(self, record: dict) -> None:
+        self.rt._write(record)
 
 
 def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,

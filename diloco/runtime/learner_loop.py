@@ -1,0 +1,104 @@
+"""The one wall-clock learner loop, shared by the threads and procs runtimes, over a small port.
+
+Each pass: take what has arrived, apply the fragments that are due, wait (or give up at the stall
+limit) while a fragment the schedule needs is overdue, step, pace the step, and report it as a
+typed event (diloco/runtime/events.py). A runtime supplies the port: how time is read, how
+broadcasts are taken, how events leave, and when the incarnation must end (docs/design.md).
+sim drives the same LearnerUnit from its event heap instead, on a virtual clock.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import numpy as np
+
+from diloco import report
+from diloco.config import TrainConfig
+from diloco.runtime import events as ev
+from diloco.runtime.rejoin import LearnerCheckpoints
+from diloco.runtime.unit import LearnerUnit, Pace, StallWatch
+from diloco.runtime.walltape import WallTape
+
+
+class LearnerPort(Protocol):
+    """What the loop needs from a runtime."""
+
+    def clock(self) -> float:
+        """Seconds on the run's shared wall clock."""
+
+    def poll(self, unit: LearnerUnit) -> None:
+        """Take every broadcast that has arrived, without waiting."""
+
+    def wait(self, unit: LearnerUnit, until: float) -> None:
+        """Take broadcasts as they arrive, returning by `until` (earlier once one came)."""
+
+    def emit(self, event: ev.Event) -> tuple[float, float] | None:
+        """Send an event to the syncer; the (start, end) of a wait for room, if it had to wait."""
+
+    def check(self, unit: LearnerUnit, watch: StallWatch) -> bool:
+        """Between steps: raise to end the incarnation at once (a kill, the chaos tape taking its
+        last slice); True to stop it gracefully (SIGTERM), False to go on."""
+
+    def log(self, record: dict) -> None:
+        """A train record for the run's metrics."""
+
+
+def run_incarnation(port: LearnerPort, unit: LearnerUnit, cfg: TrainConfig, speed: float, jitter: float,
+                    tape: WallTape | None, checkpoints: LearnerCheckpoints) -> bool:
+    """Train `unit` to run.steps, then the final sync and Done; False if `port.check` stopped it."""
+    r, steps = cfg.runtime, cfg.run.steps
+    m, inc = unit.learner, unit.ls.incarnation
+    rng = np.random.default_rng([r.seed, 7, m, inc])
+    watch = StallWatch(m, r.stall_limit_steps)
+    pace = Pace.of(r.step_period_s, r.rejoin_at, unit.ls.step, speed)
+
+    def emit(event: ev.Event) -> None:
+        waited = port.emit(event)
+        if waited is not None and watch.since is None:  # inside a stall it is part of the stall
+            watch.done.append(waited)
+
+    while True:
+        if port.check(unit, watch):
+            return False
+        port.poll(unit)
+        ready = unit.apply_due()
+        if ready:
+            emit(ev.Applied(m, inc, tuple(q.fragment for q in ready)))
+        blocked = unit.blocking()
+        if blocked is not None:
+            now = port.clock()
+            give_up = watch.blocked(blocked.seq, now)
+            if now >= give_up:
+                unit.give_up(blocked.fragment)
+            else:
+                port.wait(unit, give_up)
+            continue
+        watch.unblocked(port.clock())
+        if unit.ls.step >= steps:
+            break
+        start = port.clock()
+        log = report.due(unit.ls.step + 1, cfg.run.log_every, steps)
+        rows = None if tape is None else tape.rows(m, start)  # slices lost: a smaller batch
+        result = unit.step(fetch_loss=log, rows=rows)
+        jax.block_until_ready(unit.state)  # dispatch is asynchronous: time the step, not its launch
+        compute = port.clock() - start
+        checkpoints.maybe_save(unit)
+        factor = speed * max(0.1, 1.0 + jitter * rng.standard_normal())
+        until = pace.end(start, compute, factor)  # the speed factor and runtime.step_period_s
+        while port.clock() < until:  # the artificial slowdown, taking broadcasts as they come
+            port.wait(unit, until)
+        end = port.clock()
+        watch.observe(end - start)
+        emit(ev.StepDone(m, inc, unit.ls.step, start, end, result.tokens, ev.pairs(result.sends),
+                         result.frames, watch.take(), result.loss))
+        if log:
+            port.log({"kind": "train", "learner": m, "step": unit.ls.step, "time": end,
+                      "tokens": unit.ls.step * result.tokens, "loss": result.loss})
+    if cfg.fragments.final_sync:
+        result = unit.flush()
+        emit(ev.Flushed(m, inc, port.clock(), ev.pairs(result.sends), result.frames))
+    checkpoints.close()  # every checkpoint complete before the syncer hears the learner is done
+    emit(ev.Done(m, inc, port.clock(), watch.take()))
+    return True
