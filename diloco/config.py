@@ -160,7 +160,7 @@ class CodecConfig:
 
 @dataclass(frozen=True)
 class SyncerConfig:
-    """Quorum, grace window and merge rules (ALGORITHM.md section 4)."""
+    """Quorum, grace window and merge rules (docs/algorithm.md#syncer)."""
 
     quorum: int = 1  # K
     gamma: float = 0.8  # Eq. 3 safety factor [unsure]
@@ -201,7 +201,7 @@ class RuntimeConfig:
     stall_limit_steps: float = 8.0  # a learner waits at most this many step times for a fragment
     seed: int = 0  # jitter and other runtime randomness
     queue_size: int = 16  # threads: capacity of each bounded queue (learners -> syncer, syncer -> each learner)
-    # Rejoin after a failure (ALGORITHM.md section 6): a restarted learner keeps its own last
+    # Rejoin after a failure (docs/algorithm.md#failures-and-rejoin): a restarted learner keeps its own last
     # checkpoint's optimizer state if no fragment moved more than this many versions since, and
     # otherwise starts fresh; either way its parameters are the syncer's current Theta.
     max_rejoin_staleness: int = 4

@@ -1,4 +1,4 @@
-"""Write the bandwidth report (EXPERIMENTS.md section 2) as configs/bandwidth.yaml says.
+"""Write the bandwidth report (docs/experiments.md#bandwidth) as configs/bandwidth.yaml says.
 
     python scripts/bandwidth.py
     python scripts/bandwidth.py run_dir=runs/tau0 scenario.datacenters=4

@@ -1,4 +1,4 @@
-"""Run the small-scale training experiments of EXPERIMENTS.md section 3 (T1 to T8) on the sim runtime.
+"""Run the small-scale training experiments T1 to T8 (docs/experiments.md#training-experiments-t1-to-t8) on the sim runtime.
 
     python scripts/experiment.py experiment=t1               # results/t1.{md,csv,json}, t1_loss.png, t1_bars.png
     python scripts/experiment.py experiment=all              # every experiment, one after another

@@ -129,18 +129,19 @@ def test_a_generated_chaos_run_is_deterministic(tmp_path, build):
 
 @pytest.mark.slow
 def test_t9_a_killed_learner_rejoins_without_a_global_stall_and_the_loss_holds(tmp_path, build, corpus, model):
-    """EXPERIMENTS.md T9 at small scale: learner 1 of 2 dies for 20 of 120 steps and restarts from
+    """docs/experiments.md#t9-kill-and-rejoin at small scale: learner 1 of 2 dies for 20 of 120 steps and restarts from
     its checkpoint. Global downtime stays zero, its contributions after the rejoin are at most H
     versions stale, and the final loss is within seed noise of the failure-free runs (3 seeds)."""
     import jax
 
     from diloco.data import eval_batches
+    from diloco.run import params_of
     from diloco.train.trainer import evaluate
 
     def final_loss(cfg, setup, t):
         sim, _ = run(cfg, setup, t, LearnerCheckpoints(tmp_path / f"ck{cfg.run.seed}{len(t.events)}", every=10))
         theta = sync.theta(sim.syncer)
-        params = jax.tree_util.tree_map_with_path(lambda p, _: theta[tuple(k.key for k in p)], model.params)
+        params = params_of(model, theta)
         compiled = setup.compiled[0]
         val = eval_batches(corpus.val, batch_size=8, seq_len=cfg.data.seq_len, n=4)
         return sim, evaluate(compiled, jax.device_put(params, compiled.state_sharding.params), val)

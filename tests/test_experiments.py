@@ -1,4 +1,4 @@
-"""The experiments of EXPERIMENTS.md section 3: every file composes into valid runs that compare
+"""The experiments of docs/experiments.md#training-experiments-t1-to-t8: every file composes into valid runs that compare
 like with like, the accounting helpers are right on hand-computed cases, and a tiny two-variant
 experiment trains end to end into its Markdown, CSV, JSON and PNG reports."""
 

@@ -1,4 +1,4 @@
-"""Fragments of whole tensors, their packing strategies and the send schedule (ALGORITHM.md section 2)."""
+"""Fragments of whole tensors, their packing strategies and the send schedule (docs/algorithm.md#fragments)."""
 
 import itertools
 import random

@@ -1,4 +1,4 @@
-"""Pseudo-gradient sign, token weights, weighted averaging and RDA (ALGORITHM.md section 4)."""
+"""Pseudo-gradient sign, token weights, weighted averaging and RDA (docs/algorithm.md#merge)."""
 
 import jax.numpy as jnp
 import numpy as np

@@ -1,4 +1,4 @@
-"""Outer optimizers pinned against hand-computed trajectories (ALGORITHM.md section 4)."""
+"""Outer optimizers pinned against hand-computed trajectories (docs/algorithm.md#outer-optimizers)."""
 
 import functools
 

@@ -11,22 +11,18 @@ import time
 from collections import defaultdict
 from dataclasses import replace
 
-import jax
 import pytest
+from conftest import diloco_world
 
 from diloco.algo import syncer as sync
 from diloco.algo.replay import apply as deliver, replay
 from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig, RuntimeConfig,
                            SyncerConfig, TrainConfig, validate)
-from diloco.data import eval_batches, load_corpus
-from diloco.model import build
 from diloco.runtime import blobstore as bs
 from diloco.runtime import procs
-from diloco.runtime import setup as build_setup
 from diloco.runtime import procs_learner
 from diloco.runtime.procs_learner import store_view
 from diloco.runtime.tape import read_decisions, read_inputs
-from diloco.train.trainer import evaluate
 
 TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
 STEPS, M, P = 20, 2, 2
@@ -52,18 +48,7 @@ def world(tmp_path_factory, pytestconfig):
     cache = getattr(pytestconfig, "cache", None)  # None under -p no:cacheprovider
     xla_cache = root / "xla_cache" if cache is None else cache.mkdir("diloco-procs-xla")
     cfg = make_cfg(root)
-    corpus = load_corpus(cfg.data)
-    model = build(cfg.model, corpus.vocab_size, cfg.run.seed)
-    setup = build_setup.build(cfg, corpus, model)
-    val = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, n=2)
-    compiled = setup.compiled[0]
-
-    def evaluate_global(theta_by_path):
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, _: theta_by_path[tuple(k.key for k in path)], model.params)
-        return evaluate(compiled, jax.device_put(params, compiled.state_sharding.params), val)
-
-    initial = evaluate_global({path: x for frag in setup.theta0 for path, x in frag.items()})
+    corpus, model, setup, evaluate_global, initial = diloco_world(cfg)
     with pytest.MonkeyPatch.context() as mp:  # read by the spawned children's jax only
         mp.setenv("JAX_COMPILATION_CACHE_DIR", str(xla_cache))
         mp.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -1,4 +1,4 @@
-"""Quorum and adaptive grace on hand-built event sequences (ALGORITHM.md section 4, Eq. 3)."""
+"""Quorum and adaptive grace on hand-built event sequences (docs/algorithm.md#grace-window, Eq. 3)."""
 
 import pytest
 

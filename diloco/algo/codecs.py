@@ -1,4 +1,4 @@
-"""Wire codecs for pseudo-gradients: float32 arrays to bytes and back (ALGORITHM.md section 5).
+"""Wire codecs for pseudo-gradients: float32 arrays to bytes and back (docs/algorithm.md#codecs).
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 5.
 

@@ -1,4 +1,4 @@
-"""Split a params pytree into P fragments of whole tensors and schedule their sync (ALGORITHM.md section 2).
+"""Split a params pytree into P fragments of whole tensors and schedule their sync (docs/algorithm.md#fragments).
 
 Reference: Streaming DiLoCo (Douillard et al., arXiv 2501.18512), as used by Decoupled DiLoCo
 (arXiv 2604.21428).

@@ -1,5 +1,5 @@
 """The learner state machine: per-fragment counters, the send schedule, applying merged fragments tau
-steps after sending, and the stall rule (ALGORITHM.md section 3).
+steps after sending, and the stall rule (docs/algorithm.md#learner).
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); fragments and overlap from
 Streaming DiLoCo (arXiv 2501.18512).

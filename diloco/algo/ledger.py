@@ -1,4 +1,4 @@
-"""The token ledger, and the run summary over all three ledgers (DESIGN.md "Ledgers"): goodput and
+"""The token ledger, and the run summary over all three ledgers (docs/design.md#ledgers): goodput and
 bandwidth are outputs of a run. Bytes are in diloco.algo.traffic, time in diloco.algo.timeline.
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428): goodput, uptime and bandwidth are
@@ -21,7 +21,7 @@ Token ledger, per fragment p (every token a learner processes is processed once 
 * dropped_p[r]: "stale" (max_staleness cut-off), "excluded" (the syncer left it out, e.g. too
   late for any round), "quarantined:<reason>" (a messages.QUARANTINE_REASONS reason), and
   "overwritten": pending when the learner applied a global version of p. The learner resets
-  c_steps/c_tokens there (ALGORITHM.md section 3), so these tokens (the tau overlap steps after a
+  c_steps/c_tokens there (docs/algorithm.md#applying-merged-fragments), so these tokens (the tau overlap steps after a
   send, with alpha = 0 also their update to p) never reach the syncer. An apply that keeps the
   local progress (fragments.keep_overlap) leaves them pending: they ride in the next send.
 * lost_p: pending when the learner incarnation died, or in a contribution lost in transit.

@@ -1,4 +1,4 @@
-"""Pseudo-gradients and their token-weighted merge: averaging or RDA (ALGORITHM.md section 4).
+"""Pseudo-gradients and their token-weighted merge: averaging or RDA (docs/algorithm.md#merge).
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 4 and appendix D.2.
 

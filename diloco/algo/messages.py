@@ -1,6 +1,6 @@
-"""The wire format between learners and the syncer: a JSON header plus raw payload bytes (DESIGN.md "Messages").
+"""The wire format between learners and the syncer: a JSON header plus raw payload bytes (docs/design.md#messages).
 
-Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), sections 3-5 of ALGORITHM.md.
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); docs/algorithm.md#admission-and-quarantine.
 
 A frame is `b"DLC1" | uint32 LE header length | UTF-8 JSON header | payload`. Nothing is pickled:
 a frame from a crashed, buggy or hostile peer can at worst be rejected, never execute code. Every
@@ -9,7 +9,7 @@ quarantine the message and book its tokens under that reason in the ledger.
 
 The payload of a fragment is the concatenation, in header order, of each tensor's codec payload;
 `tensors[i].nbytes` says where one ends. Tensors are float32 on the wire whatever the codec:
-decoding and merging happen in FP32 (ALGORITHM.md section 5).
+decoding and merging happen in FP32 (docs/algorithm.md#codecs).
 """
 
 from __future__ import annotations
@@ -360,7 +360,7 @@ def check_admission(
     `known_learners` maps learner -> live incarnation, `last_seq` (learner, incarnation) -> highest
     seq admitted, `current_version` is the syncer's version of the header's fragment. A higher
     incarnation than the live one is admitted: the learner restarted, and the caller records it as
-    live, which makes every older incarnation dead (ALGORITHM.md section 6).
+    live, which makes every older incarnation dead (docs/algorithm.md#failures-and-rejoin).
     """
     if header["kind"] != "contribution":
         return "wrong_kind"

@@ -1,4 +1,4 @@
-"""Outer optimizers: optax transformations fed the merged pseudo-gradient as gradient (ALGORITHM.md section 4).
+"""Outer optimizers: optax transformations fed the merged pseudo-gradient as gradient (docs/algorithm.md#outer-optimizers).
 
 Reference: DiLoCo (Douillard et al., arXiv 2311.08105) for outer Nesterov SGD; Async Local-SGD
 (Liu et al., arXiv 2401.09135, Algorithm 3) for Delayed Nesterov.

@@ -1,4 +1,4 @@
-"""When the syncer merges a fragment round: quorum K plus the adaptive grace window (ALGORITHM.md section 4, Eq. 3).
+"""When the syncer merges a fragment round: quorum K plus the adaptive grace window (docs/algorithm.md#grace-window, Eq. 3).
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 4.
 

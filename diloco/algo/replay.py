@@ -1,4 +1,4 @@
-"""Deterministic replay of the syncer from its recorded inputs (DESIGN.md "The two state machines").
+"""Deterministic replay of the syncer from its recorded inputs (docs/design.md#replay).
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 6: the syncer's event
 tape allows deterministic replay of a run.

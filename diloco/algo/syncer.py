@@ -1,5 +1,5 @@
 """The syncer state machine: admit contributions, merge a quorum per fragment round with token
-weights, step the outer optimizer and publish the new version (ALGORITHM.md section 4).
+weights, step the outer optimizer and publish the new version (docs/algorithm.md#syncer).
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), sections 3-5.
 
@@ -48,7 +48,7 @@ class Policy(NamedTuple):
     # "slowest" = the slowest live learner, the literal reading of the paper's xi_step.
     grace_budget: str = "waiting"
     # What a contribution's pseudo-gradient is taken against [unsure]: "current" = the syncer's
-    # Theta at the merge (ALGORITHM.md section 4: a stale contribution also pulls Theta back towards
+    # Theta at the merge (docs/algorithm.md#merge: a stale contribution also pulls Theta back towards
     # the older copy it started from); "base" = the version it was computed from (what the learner
     # sent: only its own progress, as in asynchronous DiLoCo variants). A base that has left the
     # kept history by the merge falls back to "current".

@@ -1,5 +1,5 @@
 """The time ledger: per learner, intervals of compute, stall, down, restarting and degraded; goodput
-and uptime are computed from it, never estimated afterwards (DESIGN.md "Ledgers").
+and uptime are computed from it, never estimated afterwards (docs/design.md#ledgers).
 
 Goodput counts chips, not learners: a step computed on a fraction f of the learner's slices books
 f of its time as compute and the rest as "degraded" (up, so uptime counts it, but idle chips)."""

@@ -1,5 +1,5 @@
 """The byte ledger: every serialized message as an event, so bandwidth is an output of a run
-(DESIGN.md "Ledgers"); totals by learner, direction, fragment and codec, mean and peak rates."""
+(docs/design.md#ledgers); totals by learner, direction, fragment and codec, mean and peak rates."""
 
 from __future__ import annotations
 

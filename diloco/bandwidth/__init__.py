@@ -1,6 +1,6 @@
 """Analytic and compute-utilisation bandwidth model of data parallel, DiLoCo and Decoupled DiLoCo.
 
-Reference: EXPERIMENTS.md section 2; Streaming DiLoCo (arXiv 2501.18512) section 3.1 and Table 4;
+Reference: docs/experiments.md#bandwidth; Streaming DiLoCo (arXiv 2501.18512) section 3.1 and Table 4;
 Decoupled DiLoCo (arXiv 2604.21428).
 
 analytic: closed-form W_DP, W_DD, their ratio, bytes per step of data parallel and DiLoCo.

@@ -1,6 +1,6 @@
 """Closed-form link bandwidth and bytes per step of data parallel and (Decoupled) DiLoCo.
 
-Reference: EXPERIMENTS.md section 2; Decoupled DiLoCo (arXiv 2604.21428); Streaming DiLoCo
+Reference: docs/experiments.md#analytic-model; Decoupled DiLoCo (arXiv 2604.21428); Streaming DiLoCo
 (arXiv 2501.18512).
 
 Conventions: N values (parameters), M sites, b bits per value on the wire. In a bandwidth-optimal
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-BF16_BITS = 16  # data parallel all-reduces bf16 gradients (EXPERIMENTS.md section 2)
+BF16_BITS = 16  # data parallel all-reduces bf16 gradients (docs/experiments.md#analytic-model)
 
 # Bits per value of each codec in diloco/algo/codecs.py: block formats add one float32 scale per
 # block (32 / block bits per value); top-k sends a uint32 index and a float32 value per kept value.
@@ -53,13 +53,13 @@ def dp_bandwidth(N: float, M: int, T_window: float, bits: float = BF16_BITS) -> 
 
 def diloco_bandwidth(N: float, M: int, P: int, tau: float, T_step: float, bits: float,
                      grace: float = 0.0, H: int | None = None) -> float:
-    """W_DD ~ 2 (M-1)/M * (N/P) * b / (tau * T_step - xi_grace)   (EXPERIMENTS.md section 2).
+    """W_DD ~ 2 (M-1)/M * (N/P) * b / (tau * T_step - xi_grace)   (docs/experiments.md#analytic-model).
 
     One fragment of N/P values leaves per step and may take tau steps to come back, less the
-    syncer's grace window (ALGORITHM.md section 4, Eq. 3), which spends part of that time waiting.
+    syncer's grace window (docs/algorithm.md#grace-window, Eq. 3), which spends part of that time waiting.
     Given H, the link must also sustain one fragment per H/P steps, so the window is
     min(tau * T_step - xi, H/P * T_step): with P = H a fragment leaves every step and tau buys
-    latency, not throughput (W doubles at tau = 2). H = None is the formula as EXPERIMENTS.md
+    latency, not throughput (W doubles at tau = 2). H = None is the formula as docs/experiments.md#analytic-model
     writes it, which assumes H/P >= tau.
     """
     window = positive("tau", tau) * positive("T_step", T_step) - grace

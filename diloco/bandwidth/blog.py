@@ -1,6 +1,6 @@
 """What the blog's "198 Gbit/s -> 0.84 Gbit/s across 8 datacenters" (236x) implies.
 
-Reference: EXPERIMENTS.md section 2; Decoupled DiLoCo (arXiv 2604.21428): P = H = 24, tau = 2.
+Reference: docs/experiments.md#the-blogs-claim; Decoupled DiLoCo (arXiv 2604.21428): P = H = 24, tau = 2.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def blog_claim(dp_gbps: float = 198.0, dd_gbps: float = 0.84, M: int = 8, P: int
     4.9 s) would need 280-570 Gbit/s with the whole step as window (`table4_dp_gbps`).
 
     Formula (`formula`): N and M cancel in W_DP / W_DD = P * tau * (16/b) * (T_step / T_window).
-    * As EXPERIMENTS.md writes it (tau steps per fragment): 48x at bf16 (4.1 Gbit/s), 192x at
+    * As docs/experiments.md#analytic-model writes it (tau steps per fragment): 48x at bf16 (4.1 Gbit/s), 192x at
       4 bits (1.03 Gbit/s), 171x at codecs.py's int4 with a float32 scale per 64 values (4.5
       bits); 288x / 256x if DP may hide its all-reduce only behind the backward pass (2/3 step).
     * But with P = H = 24 a fragment leaves every step, so the link must sustain one fragment per

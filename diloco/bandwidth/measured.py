@@ -1,6 +1,6 @@
 """A training run's byte ledger against the analytic bytes per step and against data parallel.
 
-Reference: EXPERIMENTS.md section 2 ("Measured bytes"); diloco/run.py writes the run directory.
+Reference: docs/experiments.md#measured-bytes; diloco/run.py writes the run directory.
 
 Measured bytes count whole frames (JSON header + payload, zstd where the up codec uses it); the
 analytic figure is the codec payload alone, so measured / analytic = 1 + headers - zstd savings.

@@ -1,4 +1,4 @@
-"""The bandwidth report of EXPERIMENTS.md section 2: configuration, tables, Markdown, CSV/JSON and a plot.
+"""The bandwidth report of docs/experiments.md#bandwidth: configuration, tables, Markdown, CSV/JSON and a plot.
 
 Reference: Streaming DiLoCo (arXiv 2501.18512) Table 4; Decoupled DiLoCo (arXiv 2604.21428).
 """
@@ -207,7 +207,7 @@ def blog_markdown(b: dict) -> list[str]:
              ". At Table 4's step times DP would need " + ", ".join(
                  f"{p['dp_gbps']:.0f} Gbit/s ({p['params']:.0e})" for p in b["table4_dp_gbps"]) + ".", "",
              f"Formula, P = {b['P']}, tau = {b['tau']}: Decoupled DiLoCo Gbit/s for DP = {b['dp_gbps']:g} Gbit/s "
-             "(ratio), as EXPERIMENTS.md writes it and sustained (one fragment per step):", "",
+             "(ratio), as docs/experiments.md#analytic-model writes it and sustained (one fragment per step):", "",
              "| bits per value | DP window | as written | sustained |", "|---|---|---|---|"]
     lines += [f"| {r['bits']:g} | {r['dp_window']} | {r['dd_gbps']:.2f} ({r['ratio']:.0f}x) | "
               f"{r['sustained_dd_gbps']:.2f} ({r['sustained_ratio']:.0f}x) |" for r in b["formula"]]

@@ -34,7 +34,7 @@ TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
 # name -> (N, step time from FLOPs at 60% MFU as the paper states, assumed depth)
 MODELS = {"1B": (1e9, 0.1, 24), "10B": (1e10, 0.8, 48), "100B": (1e11, 4.9, 96)}
 METHODS = ("data parallel", "vanilla DiLoCo", "streaming + overlapped FP4")
-# (model, method) -> Gbit/s at TARGETS, as printed in Streaming DiLoCo Table 4 (EXPERIMENTS.md).
+# (model, method) -> Gbit/s at TARGETS, as printed in Streaming DiLoCo Table 4 (docs/experiments.md#streaming-diloco-table-4).
 PAPER = {
     ("1B", "data parallel"): (86.8, 152.6, 184.2, 222.3, 569.0),
     ("1B", "vanilla DiLoCo"): (1.4, 6.2, 13.3, 23.3, 86.8),

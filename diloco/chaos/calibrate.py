@@ -1,5 +1,5 @@
 """Fit the goodput simulator's time constants on the paper's two data-parallel rows only
-(Decoupled DiLoCo, Table 1; EXPERIMENTS.md section 1), then predict Decoupled DiLoCo untuned.
+(Decoupled DiLoCo, Table 1; docs/experiments.md#goodput-at-millions-of-chips), then predict Decoupled DiLoCo untuned.
 
 scipy is not a dependency: a golden-section search on a log scale fits the restart time and a
 Nelder-Mead simplex on log scales the reconfiguration and repair times. Every evaluation reuses

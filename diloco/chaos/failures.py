@@ -1,4 +1,4 @@
-"""Failure model shared by the chaos tapes and the goodput simulator (EXPERIMENTS.md section 1).
+"""Failure model shared by the chaos tapes and the goodput simulator (docs/experiments.md#goodput-at-millions-of-chips).
 
 Every chip fails as a Poisson process with mean time between interruptions `mtbi_s`, so a slice of
 c chips fails at rate c / mtbi_s. A failed slice is out until it is repaired, and a slice that is

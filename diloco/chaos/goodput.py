@@ -1,5 +1,5 @@
 """Goodput of data parallel, elastic data parallel and Decoupled DiLoCo under chip failures at
-millions of chips (EXPERIMENTS.md section 1, the paper's Table 1).
+millions of chips (docs/experiments.md#goodput-at-millions-of-chips, the paper's Table 1).
 
 Event-driven and vectorised: the work is proportional to the number of failures, never to chips
 or seconds. Definitions:

@@ -89,7 +89,7 @@ def markdown(result: dict) -> str:
     down = [x for x in cells if x["mode"] == "elastic_dp"]
     t = result["timing"]
     return "\n".join([
-        "# Goodput under chip failures (EXPERIMENTS.md section 1, paper Table 1)", "",
+        "# Goodput under chip failures (docs/experiments.md#goodput-at-millions-of-chips, paper Table 1)", "",
         f"`python scripts/goodput.py{' quick=true' if cfg['quick'] else ''}`: every cell simulates "
         f"{cfg['days']:g} days ({cfg['seeds']} seed(s)); the fit evaluates {cfg['fit_days']:g} days "
         f"({cfg['fit_seeds']} seed(s)). MTBI {c['mtbi_s'] / 86400 / 365:g} year(s) per chip, "

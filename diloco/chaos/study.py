@@ -1,4 +1,4 @@
-"""The goodput study of EXPERIMENTS.md section 1: calibrate on the data-parallel rows, predict
+"""The goodput study of docs/experiments.md#goodput-at-millions-of-chips: calibrate on the data-parallel rows, predict
 Decoupled DiLoCo for every M untuned, and collect everything the report needs as plain data."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from diloco.chaos.goodput import OVERLAPS, Constants, average, simulate
 from diloco.config import ConfigError, from_dict
 
 DAY = 86_400.0
-# acceptance, in goodput points per cell (EXPERIMENTS.md section 1 and the project brief)
+# acceptance, in goodput points per cell (docs/experiments.md#goodput-at-millions-of-chips and the project brief)
 TOLERANCE = {("dp", 1): 4.0, ("elastic_dp", 1): 2.0, ("diloco", 8): 5.0}
 
 

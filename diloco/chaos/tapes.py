@@ -2,7 +2,7 @@
 
 A tape is a pure function of (ChaosConfig, learners, horizon): the same seed gives the same tape,
 so elastic data parallel and Decoupled DiLoCo can be run against identical failures
-(EXPERIMENTS.md T2). It is a frozen value with a JSON form; it reads and writes no files. Times
+(docs/experiments.md#t2-chip-failures). It is a frozen value with a JSON form; it reads and writes no files. Times
 are seconds: the sim runtime reads them as virtual seconds, wall-clock runtimes scale them.
 
 Learner state at time t is the state after every event at a time <= t.

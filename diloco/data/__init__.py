@@ -1,6 +1,6 @@
 """Data layer: text or synthetic tokens, cached as zarr3 arrays, cut into stateless batches.
 
-Reference: docs/DESIGN.md ("Checkpoints": the data position is a pure function of learner and step).
+Reference: docs/design.md#data (the data position is a pure function of learner and step).
 """
 
 from diloco.data.batches import batch_at, eval_batches, shard_bounds

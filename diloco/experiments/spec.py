@@ -1,5 +1,5 @@
 """An experiment is data: variants of Hydra overrides of configs/train.yaml, seeds and the columns
-to report (configs/experiment/*.yaml, EXPERIMENTS.md section 3). This module turns one into the
+to report (configs/experiment/*.yaml, docs/experiments.md#training-experiments-t1-to-t8). This module turns one into the
 validated TrainConfigs to run; it trains nothing and never touches a device."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Variant:
 
 @dataclass(frozen=True)
 class ExperimentSpec:
-    """One table of EXPERIMENTS.md section 3. `suite` instead names other experiments to run."""
+    """One table of docs/experiments.md#training-experiments-t1-to-t8. `suite` instead names other experiments to run."""
 
     name: str = ""
     title: str = ""

@@ -1,7 +1,7 @@
 """Rows of finished runs -> per-variant means and spreads, and the Markdown, CSV and JSON reports.
 
 Relative loss differences are paired by seed (the same seed gives the same initial model and data
-order), as EXPERIMENTS.md section 3 asks: "report relative loss differences with their spread".
+order), as docs/experiments.md#training-experiments-t1-to-t8 reports them: relative loss differences with their spread.
 """
 
 from __future__ import annotations

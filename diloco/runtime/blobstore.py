@@ -1,7 +1,7 @@
 """The object-store transport of the procs runtime: a tensorstore kvstore, key schemes and a poller.
 
-Reference: DESIGN.md "Runtimes" (procs: "object store (tensorstore kvstore on `file://`), the same
-code as `gs://` / `s3://`") and "Messages" (frames are validated by the syncer, not the transport).
+Reference: docs/design.md#object-store-transport (procs: a tensorstore kvstore, `file://` by default, the same
+code for `gs://` / `s3://`) and docs/design.md#messages (frames are validated by the syncer, not the transport).
 
 Every object is written whole under a key no other write reuses (contributions and broadcasts), or
 is a small pointer written by one process (`down/latest`, acks, control), so readers never need a

@@ -3,7 +3,7 @@ SIGKILLs a random learner about every `every` seconds and the syncer once; compa
 ledger, the merge versions and the global eval loss at an equal number of merged tokens.
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 6 (learners fail and
-rejoin while the global model advances); README "Failures, checkpoints and rejoin".
+rejoin while the global model advances); docs/experiments.md#chaos-drill.
 
 Both axes come from each run's `syncer_inputs.bin`, replayed through the syncer state machine:
 merged tokens are the ledger's (diloco/algo/ledger.py: a contribution holds the tokens since its

@@ -3,7 +3,7 @@ Every runtime reports what its learners did as typed events (diloco/runtime/even
 `on_event`, so the booking rules are written once: sim calls it from its event loop, threads
 from the syncer thread (its only owner), procs from the syncer process.
 
-Reference: DESIGN.md "Ledgers" and "The two state machines".
+Reference: docs/design.md#ledgers and docs/design.md#learner-events.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The three ledgers (tokens, bytes, time) as checkpoint data: numpy columns for Orbax and a JSON
 document for the rest; shared by the sim snapshots and the procs syncer's checkpoints.
 
-Reference: DESIGN.md "Ledgers" and "Checkpoints" (the syncer checkpoint holds the ledgers, so a
+Reference: docs/design.md#ledgers and docs/design.md#checkpoints (the syncer checkpoint holds the ledgers, so a
 restored run's summary counts what happened before the restore exactly once).
 """
 

@@ -4,7 +4,7 @@ store (diloco/runtime/blobstore.py): file:// by default, gs:// or s3:// by `runt
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 6 (a failed learner is
 absent from quorums while the global model advances; it rejoins from the syncer's state);
-DESIGN.md "Runtimes" (procs: real kill -9 fault tests; multi-host over a shared bucket).
+docs/design.md#procs (real kill -9 fault tests; multi-host over a shared bucket).
 
 Who does what: learner m's process (diloco/runtime/procs_learner.py) trains on its own device
 sub-mesh and writes contributions and an event stream; the syncer process

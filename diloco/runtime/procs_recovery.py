@@ -3,7 +3,7 @@ checkpoint of its whole state every `run.checkpoint_every` merges, and the rule 
 object store may forget what a restarted syncer would need again.
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 6 (the syncer restarts
-from its latest checkpoint while learners keep training); DESIGN.md "Checkpoints".
+from its latest checkpoint while learners keep training); docs/design.md#checkpoints.
 
 The syncer's loop is a sequence of journal entries: book event n of (learner, incarnation), fire
 the earliest grace deadline, or book a death. Each entry carries the syncer clock `t` it ran at,

@@ -1,7 +1,7 @@
 """The procs runtime's syncer process: books the learners' event streams from the object store,
 drives the syncer state machine, and publishes every merge there.
 
-Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); DESIGN.md "Runtimes" (procs).
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); docs/design.md#procs.
 
 It does what threads' syncer thread does, in the same order: for each learner, the events of its
 live incarnation in sequence (a step's tokens, then its contributions, fetched by key and

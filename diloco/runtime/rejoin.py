@@ -1,4 +1,4 @@
-"""Learner checkpoints and the rejoin rule (DESIGN.md "Checkpoints", ALGORITHM.md section 6).
+"""Learner checkpoints and the rejoin rule (docs/design.md#checkpoints, docs/algorithm.md#failures-and-rejoin).
 
 A learner checkpoints its own train state (params, inner optimizer state, step) with Orbax every
 `runtime.learner_checkpoint_every` steps, with its incarnation and the fragment versions it held as

@@ -1,7 +1,7 @@
 """The sim runtime: a virtual clock, modelled learner speeds and links, real JAX steps run one after
 another. Deterministic given the config's seeds, so experiments and tests replay exactly.
 
-Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); DESIGN.md "Runtimes".
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); docs/design.md#sim.
 
 Each event is (time, order, kind, data) on a heap. A learner's step takes its modelled time
 (step_time x speed x jitter); a message takes latency + bytes / bandwidth on its learner's link,

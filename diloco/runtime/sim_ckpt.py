@@ -1,5 +1,5 @@
 """Snapshots of a whole sim run, so a run resumed from its latest snapshot continues exactly as the
-uninterrupted run would have (DESIGN.md "Checkpoints").
+uninterrupted run would have (docs/design.md#checkpoints).
 
 The sim is one process with a virtual clock, so everything is captured at an event boundary: the
 syncer (diloco/runtime/syncer_ckpt.py), each learner's train state, held anchors, codec residuals

@@ -1,4 +1,4 @@
-"""Orbax checkpoints of the syncer (DESIGN.md "Checkpoints"): Theta and the outer optimizer state of
+"""Orbax checkpoints of the syncer (docs/design.md#checkpoints): Theta and the outer optimizer state of
 every fragment, the broadcast references learners decode against, open rounds with the
 contributions admitted into them, versions, live incarnations, sequence numbers, step-time
 estimates, quarantine counts and the decision tape.

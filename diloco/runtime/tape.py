@@ -1,6 +1,6 @@
 """Files of a run's syncer record: the decision tape (JSONL) and the inputs (a framed binary log).
 
-Reference: DESIGN.md "Outputs of a run". The inputs log is what `diloco.algo.replay` needs to
+Reference: docs/design.md#replay. The inputs log is what `diloco.algo.replay` needs to
 rebuild the syncer exactly; the decision tape is what people read.
 
 inputs.bin is a sequence of records `uint32 header length | JSON header | payload`, the header

@@ -1,7 +1,7 @@
 """A learner unit: one learner's devices, jitted inner step and train state, driven by the pure
 learner state machine (diloco.algo.learner). Every runtime runs its learners through this class.
 
-Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), ALGORITHM.md section 3.
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), docs/algorithm.md#learner.
 """
 
 from __future__ import annotations

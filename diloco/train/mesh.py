@@ -1,6 +1,6 @@
 """Device meshes and shardings for one trainer: batch over (data, fsdp), parameters over fsdp.
 
-A Decoupled DiLoCo learner is an ordinary SPMD trainer on its own sub-mesh (ALGORITHM.md section 1),
+A Decoupled DiLoCo learner is an ordinary SPMD trainer on its own sub-mesh (docs/algorithm.md#roles),
 so the same helpers build the baseline trainer's mesh and each learner's.
 """
 
