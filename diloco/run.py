@@ -11,6 +11,7 @@ import yaml
 
 from diloco import report
 from diloco.algo import syncer as sync
+from diloco.bandwidth.analytic import dp_bytes_per_step
 from diloco.config import ConfigError, TrainConfig, to_dict
 from diloco.data import Corpus, eval_batches, load_corpus
 from diloco.model import Model, build, count_params
@@ -39,15 +40,6 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
             raise ConfigError(f"run.resume=true but the config in {path} differs:\n  " + "\n  ".join(changed))
     path.write_text(yaml.safe_dump(resolved, sort_keys=False))
     return run_dir
-
-
-def dp_bytes_per_step(n_params: int, learners: int) -> float:
-    """Bytes one participant sends per step in a bf16 ring all-reduce among `learners` peers.
-
-    It receives as many, so its link carries twice this, both directions counted; the DiLoCo
-    figures (bytes up + bytes down through each learner's link) are compared with that.
-    """
-    return 2 * (learners - 1) / learners * n_params * 2
 
 
 def global_evaluator(cfg: TrainConfig, corpus: Corpus, model: Model, setup) -> Callable[[dict], float]:
@@ -92,7 +84,8 @@ def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path) ->
     rt, summary = runtime(cfg, setup, run_dir, global_evaluator(cfg, corpus, model, setup))
     summary["model_dir"] = str(export_model(run_dir, cfg, corpus, params_of(model, _final_theta(rt))))
     M, steps = cfg.runtime.learners, cfg.run.steps
-    # Through the M learners' links, both directions, for the same number of steps.
+    # Through the M learners' links, both directions (each sends and receives dp_bytes_per_step),
+    # for the same number of steps.
     dp = 2 * M * steps * dp_bytes_per_step(count_params(model.params), M)
     summary["dp_bytes_same_steps"] = int(dp)
     sent = summary["bytes_up"] + summary["bytes_down"]

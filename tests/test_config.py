@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 
 from diloco.config import (ConfigError, DataConfig, MeshConfig, ModelConfig, TrainConfig,
                            from_dict, load, to_dict, validate)
-from diloco.checks import mesh_errors
+from diloco.config.checks import mesh_errors
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -267,3 +267,16 @@ def test_flush_sends_every_fragment_with_unsent_progress_once():
     assert [(s.fragment, s.c_steps, s.seq) for s in sends] == [(0, 4, 2)]
     _, again = lsm.flush(st)
     assert again == ()  # everything is now in flight
+
+
+def test_apply_and_rebase_rules_by_hand():
+    """The numbers a learner's tensor takes on applying a merged fragment (docs/algorithm.md#learners)."""
+    import numpy as np
+
+    from diloco.algo.learner import applied, rebased
+
+    glob, local, sent = np.array([1.0, 2.0]), np.array([3.0, 5.0]), np.array([2.0, 4.0])
+    np.testing.assert_array_equal(applied(glob, None, None, 0.0), glob)  # overwrite
+    np.testing.assert_array_equal(applied(glob, local, None, 0.25), 0.25 * local + 0.75 * glob)
+    np.testing.assert_array_equal(applied(glob, local, sent, 0.0), glob + (local - sent))  # keep_overlap
+    np.testing.assert_array_equal(rebased(local, np.array([0.0, 1.0]), np.array([0.5, 0.0])), [3.5, 4.0])

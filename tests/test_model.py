@@ -11,7 +11,7 @@ import pytest
 import yaml
 from flax import nnx
 
-from diloco.checks import model_errors
+from diloco.config.checks import model_errors
 from diloco.config import ConfigError, ModelConfig, from_dict
 from diloco.model import abstract_params, build, count_params, is_embedding
 from diloco.model.transformer import Attention, rotary

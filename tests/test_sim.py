@@ -19,7 +19,8 @@ from diloco.config import (CodecConfig, DataConfig, FragmentsConfig, InnerConfig
 from diloco.data import batch_at, load_corpus
 from diloco.model import build as build_model
 from diloco.model import count_params
-from diloco.run import dp_bytes_per_step, run_diloco
+from diloco.bandwidth.analytic import dp_bytes_per_step
+from diloco.run import run_diloco
 from diloco.runtime import setup as setup_mod
 from diloco.runtime.sim import Sim
 from diloco.train.trainer import compile_steps

@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -223,24 +223,39 @@ def make_fragments(
     )
 
 
+def get_path(params: Mapping[str, Any], path: Path) -> Any:
+    """The tensor at `path` of a nested params dict."""
+    node: Any = params
+    for key in path:
+        node = node[key]
+    return node
+
+
 def extract(params: Mapping[str, Any], fragment: Fragment) -> dict[Path, Any]:
     """The fragment's tensors, keyed by path."""
-    out = {}
-    for path in fragment.paths:
-        node: Any = params
-        for key in path:
-            node = node[key]
-        out[path] = node
-    return out
+    return {path: get_path(params, path) for path in fragment.paths}
 
 
-def _set(node: Mapping[str, Any], path: Path, value: Any) -> dict[str, Any]:
+def set_path(node: Mapping[str, Any], path: Path, value: Any) -> dict[str, Any]:
+    """New params with the tensor at `path` replaced; only the dicts along the path are copied."""
     head, rest = path[0], path[1:]
     if head not in node:
         raise KeyError(f"params have no key {head!r} (path {path})")
     new = dict(node)
-    new[head] = _set(node[head], rest, value) if rest else value
+    new[head] = set_path(node[head], rest, value) if rest else value
     return new
+
+
+def assemble(fragments: Sequence[Fragment], values: Mapping[int, Mapping[Path, Any]]) -> dict[str, Any]:
+    """Nested float32 params from every fragment's tensors (values[fragment index][path])."""
+    params: dict = {}
+    for frag in fragments:
+        for path in frag.paths:
+            node = params
+            for k in path[:-1]:
+                node = node.setdefault(k, {})
+            node[path[-1]] = np.asarray(values[frag.index][path], np.float32)
+    return params
 
 
 def insert(params: Mapping[str, Any], fragment: Fragment, values: Mapping[Path, Any]) -> dict[str, Any]:
@@ -260,7 +275,7 @@ def insert(params: Mapping[str, Any], fragment: Fragment, values: Mapping[Path, 
                 f"fragment {fragment.index} tensor {path}: shape {np.shape(values[path])}"
                 f" does not match params shape {np.shape(old[path])}"
             )
-        new = _set(new, path, values[path])
+        new = set_path(new, path, values[path])
     return new
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from diloco.algo.fragments import Schedule, due
 
 
@@ -176,3 +178,25 @@ def give_up(st: LearnerState, fragment: int) -> LearnerState:
     pending = tuple(q._replace(apply_at=st.step) if q.fragment == fragment and q.apply_at == DEFERRED else q
                     for q in st.pending)
     return st._replace(in_flight=tuple(f for f in st.in_flight if f.fragment != fragment), pending=pending)
+
+
+# --- the numeric rules a learner unit applies to its arrays (diloco/runtime/unit.py moves them) ---
+
+def applied(glob: np.ndarray, local: np.ndarray | None, sent: np.ndarray | None, alpha: float) -> np.ndarray:
+    """A tensor of a fragment when the merged version `glob` is applied (docs/algorithm.md#learners).
+
+    With the snapshot `sent` of the answered send (fragments.keep_overlap): Theta plus the progress
+    made since that send. Otherwise the mix alpha * local + (1 - alpha) * Theta; alpha = 0, the
+    default, overwrites (and needs no local copy).
+    """
+    if sent is not None:
+        return glob + (local - sent)
+    if alpha == 0.0:
+        return glob
+    return alpha * local + (1 - alpha) * glob
+
+
+def rebased(x: np.ndarray, before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """Move a tensor (local params, or a send's snapshot) by the new version's change, after - before:
+    the unsent progress rides on the new version."""
+    return x + (after - before)

@@ -26,9 +26,13 @@ def pseudo_gradient(global_params: Tree, local_params: Tree) -> Tree:
     A learner that moved downhill from Theta gives a delta pointing uphill, i.e. a gradient, so the
     outer optimizer descends along -delta (DiLoCo, arXiv 2311.08105, Algorithm 1).
     """
-    return jax.tree.map(
-        lambda g, l: jnp.asarray(g, jnp.float32) - jnp.asarray(l, jnp.float32), global_params, local_params
-    )
+    def minus(g, l):
+        # Host arrays stay on the host (a learner encoding its contribution); anything else is JAX.
+        if isinstance(g, np.ndarray) and isinstance(l, np.ndarray):
+            return np.asarray(g, np.float32) - np.asarray(l, np.float32)
+        return jnp.asarray(g, jnp.float32) - jnp.asarray(l, jnp.float32)
+
+    return jax.tree.map(minus, global_params, local_params)
 
 
 def token_weight(c_tokens: float, c_steps: float) -> float:

@@ -9,6 +9,8 @@ per merged round. All state is float32.
 
 from __future__ import annotations
 
+import inspect
+
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -83,11 +85,13 @@ OUTER: dict[str, Callable[..., optax.GradientTransformation]] = {
 }
 
 
-def make_outer(name: str, **kwargs: Any) -> optax.GradientTransformation:
-    """The outer optimizer `name` from OUTER, built with its keyword arguments."""
+def make_outer(name: str, **options: Any) -> optax.GradientTransformation:
+    """The outer optimizer `name` from OUTER, given those of `options` its factory takes (as
+    make_codec does), so one config section (lr, momentum, N) serves every entry."""
     if name not in OUTER:
         raise ValueError(f"unknown outer optimizer {name!r}; choose from {sorted(OUTER)}")
-    return OUTER[name](**kwargs)
+    params = inspect.signature(OUTER[name]).parameters
+    return OUTER[name](**{k: v for k, v in options.items() if k in params})
 
 
 def outer_step(opt: optax.GradientTransformation, theta: Tree, opt_state: Any,

@@ -16,7 +16,6 @@ the next delta instead of accumulating.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -24,7 +23,7 @@ import numpy as np
 import optax
 
 from diloco.algo import merge as merging
-from diloco.algo import messages, quorum
+from diloco.algo import messages, outer, quorum
 from diloco.algo.codecs import Codec
 from diloco.algo.fragments import Fragment, Path
 
@@ -297,10 +296,8 @@ def _anchor(cfg: Policy, fs: FragmentState, c: Contribution) -> Values:
     return fs.theta
 
 
-@partial(jax.jit, static_argnums=0)
-def _outer_step(opt, theta, opt_state, delta):
-    updates, opt_state = opt.update(delta, opt_state, theta)
-    return optax.apply_updates(theta, updates), opt_state
+# The outer step of diloco/algo/outer.py, jitted once per optimizer (a static, hashable argument).
+_outer_step = jax.jit(outer.outer_step, static_argnums=0)
 
 
 def _publish(cfg: Policy, st: SyncerState, fs: FragmentState, p: int,

@@ -4,7 +4,7 @@ and Decoupled DiLoCo runs (docs/experiments.md#training-experiments-t1-to-t8).
 Decoupled DiLoCo runs report their own virtual clock, goodput and bytes (the sim's ledgers). The
 data-parallel trainer has no clock of its own, so it is given the sim's cost model: a step takes
 runtime.step_time (the same per-device batch as a learner's step when the global batch is equal)
-plus a bf16 ring all-reduce among the M learners' links (diloco.run.dp_bytes_per_step) at
+plus a bf16 ring all-reduce among the M learners' links (diloco.bandwidth.analytic.dp_bytes_per_step) at
 runtime.bandwidth and runtime.latency. Under a chaos tape it runs as one elastic job over all M
 learners' slices (diloco/chaos/goodput.py, the paper's elastic data parallel): every slice failure
 or return pauses the whole job for runtime.restart_s (what the sim charges a learner to come back),
@@ -20,7 +20,7 @@ import numpy as np
 
 from diloco.chaos import goodput as gp
 from diloco.config import TrainConfig
-from diloco.run import dp_bytes_per_step
+from diloco.bandwidth.analytic import dp_bytes_per_step
 
 NAN = float("nan")
 # Summary keys added after some stored runs were made: such a run is still read (the row gets NaN)

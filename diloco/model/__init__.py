@@ -12,7 +12,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 from flax import nnx
 
-from diloco.checks import model_errors
+from diloco.config.checks import model_errors
 from diloco.config import ConfigError, ModelConfig
 from diloco.model.transformer import Transformer
 

@@ -34,13 +34,7 @@ class Setup(NamedTuple):
 
 def outer_optimizer(cfg: TrainConfig):
     o = cfg.outer
-    if o.name == "average":
-        return make_outer("average")
-    if o.name == "delayed_nesterov":
-        return make_outer("delayed_nesterov", lr=o.lr, momentum=o.momentum, N=o.delay)
-    if o.name == "sgd":
-        return make_outer("sgd", lr=o.lr, momentum=o.momentum)
-    return make_outer("nesterov", lr=o.lr, momentum=o.momentum)
+    return make_outer(o.name, lr=o.lr, momentum=o.momentum, N=o.delay)
 
 
 def policy(cfg: TrainConfig) -> sync.Policy:

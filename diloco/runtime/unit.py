@@ -15,7 +15,8 @@ from diloco.algo import learner as lsm
 from diloco.algo import quorum
 from diloco.algo import messages
 from diloco.algo.codecs import Codec
-from diloco.algo.fragments import Fragment, Path, Schedule
+from diloco.algo.fragments import Fragment, Path, Schedule, assemble, get_path, set_path
+from diloco.algo.merge import pseudo_gradient
 from diloco.data import batch_at
 from diloco.train.trainer import Compiled
 
@@ -53,7 +54,7 @@ class LearnerUnit:
         self.latest = dict(anchors)
         versions = tuple(anchors[p][0] for p in range(len(spec.fragments)))
         self.ls = lsm.init(learner, incarnation, versions, step)
-        params = _assemble(spec.fragments, {p: v for p, (_, v) in anchors.items()})
+        params = assemble(spec.fragments, {p: v for p, (_, v) in anchors.items()})
         self.state = compiled.init(jax.device_put(params, compiled.state_sharding.params))
         self.state = self.state.replace(
             step=jax.device_put(np.int32(step), compiled.state_sharding.step))
@@ -92,14 +93,10 @@ class LearnerUnit:
             sent = self.sent_local.pop(q.fragment, None)
             sent = sent if q.kept else None
             for path, glob in values.items():
-                old = _get(params, path)
-                if sent is not None:  # Theta + the progress made since the answered send
-                    new = glob + (np.asarray(jax.device_get(old)) - sent[path])
-                elif alpha == 0.0:
-                    new = glob
-                else:
-                    new = alpha * np.asarray(jax.device_get(old)) + (1 - alpha) * glob
-                params = _set(params, path, jax.device_put(np.asarray(new, np.float32), old.sharding))
+                old = get_path(params, path)
+                local = None if sent is None and alpha == 0.0 else np.asarray(jax.device_get(old))
+                new = lsm.applied(glob, local, None if sent is None else sent[path], alpha)
+                params = set_path(params, path, jax.device_put(np.asarray(new, np.float32), old.sharding))
         self.state = self.state.replace(params=params)
         return tuple(q for q in ready if not q.kept)
 
@@ -108,12 +105,11 @@ class LearnerUnit:
         progress, and what a kept answer will keep, ride on the new version."""
         sent = self.sent_local.get(p)
         for path in after:
-            shift = after[path] - before[path]
-            old = _get(params, path)
-            new = np.asarray(jax.device_get(old)) + shift
-            params = _set(params, path, jax.device_put(np.asarray(new, np.float32), old.sharding))
+            old = get_path(params, path)
+            new = lsm.rebased(np.asarray(jax.device_get(old)), before[path], after[path])
+            params = set_path(params, path, jax.device_put(np.asarray(new, np.float32), old.sharding))
             if sent is not None:
-                sent[path] = sent[path] + shift
+                sent[path] = lsm.rebased(sent[path], before[path], after[path])
         return params
 
     def warm_up(self, *smaller: int) -> None:
@@ -151,11 +147,11 @@ class LearnerUnit:
         """Quantize anchor - local (a pseudo-gradient against a version the syncer holds)."""
         frag = self.spec.fragments[send.fragment]
         _, anchor = self.anchors[send.fragment]
-        local = jax.device_get({path: _get(self.state.params, path) for path in frag.paths})
+        local = jax.device_get({path: get_path(self.state.params, path) for path in frag.paths})
         local = {path: np.asarray(local[path], np.float32) for path in frag.paths}
         if self.spec.schedule.keep:
             self.sent_local[send.fragment] = local
-        diff = {path: anchor[path] - local[path] for path in frag.paths}
+        diff = pseudo_gradient({path: anchor[path] for path in frag.paths}, local)
         states = {p: self.codec_states[p] for p in frag.paths if p in self.codec_states}
         tensors, payload, new_states = messages.pack_fragment(diff, self.spec.up_codec, states)
         self.codec_states.update(new_states)
@@ -270,26 +266,3 @@ class Pace:
             return natural
         self.due = (start if self.due is None else self.due) + factor * self.period
         return max(natural, self.due)
-
-
-def _get(tree: dict, path: Path):
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def _set(tree: dict, path: Path, value) -> dict:
-    if len(path) == 1:
-        return {**tree, path[0]: value}
-    return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
-
-
-def _assemble(fragments: tuple[Fragment, ...], values: dict[int, dict[Path, np.ndarray]]) -> dict:
-    params: dict = {}
-    for frag in fragments:
-        for path in frag.paths:
-            node = params
-            for k in path[:-1]:
-                node = node.setdefault(k, {})
-            node[path[-1]] = np.asarray(values[frag.index][path], np.float32)
-    return params

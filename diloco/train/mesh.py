@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from diloco.checks import mesh_errors
+from diloco.config.checks import mesh_errors
 from diloco.config import ConfigError, MeshConfig
 
 AXES = ("data", "fsdp")

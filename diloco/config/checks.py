@@ -8,11 +8,12 @@ as the rules that hold between the settings.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: diloco.config imports this module
-    from diloco.config import (ChaosConfig, DataConfig, InnerConfig, MeshConfig, ModelConfig,
-                               TrainConfig)
+from diloco.algo.codecs import CODECS
+from diloco.algo.fragments import FRAGMENTERS
+from diloco.algo.merge import MERGES
+from diloco.algo.outer import OUTER
+from diloco.config.schema import ChaosConfig, DataConfig, InnerConfig, MeshConfig, ModelConfig, TrainConfig
 
 
 def check(errors: list[str], ok: bool, message: str) -> None:
@@ -114,20 +115,17 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     check(e, 1 <= f.count <= f.H, f"fragments.count={f.count} must be in [1, fragments.H={f.H}]")
     check(e, 0 <= f.tau < f.H, f"fragments.tau={f.tau} must be in [0, fragments.H={f.H})")
     check(e, 0.0 <= f.alpha <= 1.0, f"fragments.alpha={f.alpha} must be in [0, 1]")
-    check(e, f.strategy in ("balanced", "layer_strided", "layer_sequential", "tensor"),
-           f"fragments.strategy={f.strategy!r} not in balanced|layer_strided|layer_sequential|tensor")
-    check(e, o.name in ("nesterov", "sgd", "average", "delayed_nesterov"),
-           f"outer.name={o.name!r} not in nesterov|sgd|average|delayed_nesterov")
+    # Choices are checked against the registries themselves, so a new entry needs no second list.
+    check(e, f.strategy in FRAGMENTERS, f"fragments.strategy={f.strategy!r} not in {'|'.join(FRAGMENTERS)}")
+    check(e, o.name in OUTER, f"outer.name={o.name!r} not in {'|'.join(OUTER)}")
     check(e, o.lr > 0 and 0 <= o.momentum < 1, f"outer.lr={o.lr} must be > 0 and outer.momentum={o.momentum} in [0, 1)")
-    codecs = ("fp32", "bf16", "int8", "int4", "fp4", "2bit", "topk")
-    check(e, c.up in codecs, f"codec.up={c.up!r} not in {'|'.join(codecs)}")
-    check(e, c.down in codecs, f"codec.down={c.down!r} not in {'|'.join(codecs)}")
+    check(e, c.up in CODECS, f"codec.up={c.up!r} not in {'|'.join(CODECS)}")
+    check(e, c.down in CODECS, f"codec.down={c.down!r} not in {'|'.join(CODECS)}")
     check(e, 0 <= c.zstd_level <= 22, f"codec.zstd_level={c.zstd_level} must be in [0, 22]")
     check(e, 1 <= s.quorum <= r.learners, f"syncer.quorum={s.quorum} must be in [1, runtime.learners={r.learners}]")
     check(e, 0 <= s.gamma <= 1, f"syncer.gamma={s.gamma} must be in [0, 1]")
     for name in ("merge", "embedding_merge"):
-        check(e, getattr(s, name) in ("rda", "average", "rda_fragment"),
-               f"syncer.{name}={getattr(s, name)!r} not in rda|average|rda_fragment")
+        check(e, getattr(s, name) in MERGES, f"syncer.{name}={getattr(s, name)!r} not in {'|'.join(MERGES)}")
     check(e, s.history >= 1, f"syncer.history={s.history} must be >= 1")
     check(e, s.grace_budget in ("waiting", "slowest"), f"syncer.grace_budget={s.grace_budget!r} not in waiting|slowest")
     check(e, s.anchor in ("current", "base"), f"syncer.anchor={s.anchor!r} not in current|base")

@@ -1,0 +1,40 @@
+"""Typed, frozen run configuration: built once from a plain dict (Hydra's output) and validated.
+
+Nothing below this package sees a Hydra DictConfig. `from_dict` (convert.py) rejects unknown keys
+and wrong types, `validate` checks cross-field constraints (checks.py); both raise ConfigError
+naming the offending values, so a bad launch fails before any data is read or any device is
+touched. The schema (schema.py) imports nothing of the rest, so there is no import cycle.
+"""
+
+from __future__ import annotations
+
+from diloco.config.checks import (check, chaos_errors, data_errors, diloco_errors, inner_errors,
+                                  model_errors)
+from diloco.config.convert import from_dict, to_dict
+from diloco.config.schema import (ChaosConfig, CodecConfig, ConfigError, DataConfig, FragmentsConfig,
+                                  InnerConfig, MeshConfig, ModelConfig, OuterConfig, RunConfig,
+                                  RuntimeConfig, SyncerConfig, TrainConfig)
+
+__all__ = ["ChaosConfig", "CodecConfig", "ConfigError", "DataConfig", "FragmentsConfig", "InnerConfig",
+           "MeshConfig", "ModelConfig", "OuterConfig", "RunConfig", "RuntimeConfig", "SyncerConfig",
+           "TrainConfig", "from_dict", "load", "to_dict", "validate"]
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check cross-field constraints that do not depend on the machine; return cfg unchanged."""
+    errors = (model_errors(cfg.model) + data_errors(cfg.data) + inner_errors(cfg.inner, cfg.run.steps)
+              + diloco_errors(cfg) + chaos_errors(cfg.chaos))
+    r = cfg.run
+    check(errors, r.steps > 0, f"run.steps={r.steps} must be > 0")
+    for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "keep_checkpoints"):
+        check(errors, getattr(r, name) >= 0, f"run.{name}={getattr(r, name)} must be >= 0")
+    check(errors, cfg.data.seq_len <= cfg.model.max_seq_len,
+           f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    return cfg
+
+
+def load(raw: dict) -> TrainConfig:
+    """Plain dict -> validated TrainConfig."""
+    return validate(from_dict(TrainConfig, raw))
