@@ -26,7 +26,7 @@ from diloco.config import (CodecConfig, DataConfig, FragmentsConfig, InnerConfig
 from diloco.data import load_corpus  # noqa: E402
 from diloco.model import build, count_params  # noqa: E402
 from diloco.bandwidth.analytic import dp_bytes_per_step  # noqa: E402
-from diloco.runtime import setup as build_setup, sim  # noqa: E402
+from diloco.runtime import build as build_setup, sim  # noqa: E402
 
 import yaml  # noqa: E402
 

@@ -27,7 +27,7 @@ from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig
                            RuntimeConfig, TrainConfig, from_dict, validate)
 from diloco.data import batch_at, load_corpus  # noqa: E402
 from diloco.model import build  # noqa: E402
-from diloco.runtime import setup as build_setup  # noqa: E402
+from diloco.runtime import build as build_setup  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -27,7 +27,7 @@ from diloco.config import (DataConfig, FragmentsConfig, ModelConfig, RunConfig, 
                            SyncerConfig, TrainConfig, from_dict, validate)
 from diloco.data import load_corpus  # noqa: E402
 from diloco.model import build  # noqa: E402
-from diloco.runtime import setup as build_setup  # noqa: E402
+from diloco.runtime import build as build_setup  # noqa: E402
 from diloco.runtime import threads  # noqa: E402
 from diloco.runtime.syncer_ckpt import SyncerCheckpoints  # noqa: E402
 from diloco.runtime.unit import LearnerUnit  # noqa: E402

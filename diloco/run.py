@@ -15,7 +15,7 @@ from diloco.bandwidth.analytic import dp_bytes_per_step
 from diloco.config import ConfigError, TrainConfig, to_dict
 from diloco.data import Corpus, eval_batches, load_corpus
 from diloco.model import Model, build, count_params
-from diloco.runtime import setup as build_setup
+from diloco.runtime import build as build_setup
 from diloco.runtime import procs, sim, threads
 from diloco.train.mesh import make_mesh
 from diloco.train.trainer import evaluate, train_dp

@@ -1,5 +1,5 @@
 """Chaos drill: a failure-free procs run, then the same run while learners are SIGKILLed about every
---every seconds and the syncer once (diloco/runtime/drill.py); writes results/chaos_drill.{json,md}.
+--every seconds and the syncer once (diloco/experiments/drill.py); writes results/chaos_drill.{json,md}.
 
     python scripts/chaos_drill.py model=tiny runtime=procs runtime.learners=3 runtime.devices_per_learner=1 \
         run.steps=300 run.eval_every=10 run.checkpoint_every=4 runtime.learner_checkpoint_every=20 \
@@ -43,7 +43,7 @@ def main() -> None:
 
     from diloco import report
     from diloco.config import ConfigError, load
-    from diloco.runtime import drill
+    from diloco.experiments import drill
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         raw = compose(config_name="train", overrides=[*overrides, f"run.out_dir={args.out}"])

@@ -13,7 +13,7 @@ def diloco_world(cfg):
     from diloco.data import load_corpus
     from diloco.model import build
     from diloco.run import global_evaluator
-    from diloco.runtime import setup as build_setup
+    from diloco.runtime import build as build_setup
 
     corpus = load_corpus(cfg.data)
     model = build(cfg.model, corpus.vocab_size, cfg.run.seed)

@@ -12,7 +12,7 @@ from diloco.chaos import tapes
 from diloco.chaos.tapes import Event, Tape
 from diloco.config import ChaosConfig, validate
 from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
-from diloco.runtime.sim import Sim
+from diloco.runtime.sim.runtime import Sim
 from diloco.runtime.walltape import chaos_tape
 from test_sim import build, corpus, make_cfg, model  # noqa: F401  (fixtures)
 

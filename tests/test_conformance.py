@@ -14,7 +14,7 @@ from diloco.algo.replay import replay
 from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig, RuntimeConfig,
                            SyncerConfig, TrainConfig, validate)
 from diloco.runtime import procs, sim, threads
-from diloco.runtime.tape import read_decisions, read_inputs
+from diloco.runtime.runlog import read_decisions, read_inputs
 
 TINY = ModelConfig(name="tiny", d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64)
 STEPS, M, P = 16, 2, 2

@@ -11,8 +11,8 @@ from diloco.algo.codecs import make_codec
 from diloco.algo.fragments import make_fragments
 from diloco.algo.replay import Input
 from diloco.config import OuterConfig, TrainConfig
-from diloco.runtime import drill, drill_report
-from diloco.runtime.setup import policy
+from diloco.experiments import drill, drill_report
+from diloco.runtime.build import policy
 
 
 def test_kill_gaps_are_fixed_or_seeded_exponential():

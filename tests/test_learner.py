@@ -270,7 +270,7 @@ def test_flush_sends_every_fragment_with_unsent_progress_once():
 
 
 def test_apply_and_rebase_rules_by_hand():
-    """The numbers a learner's tensor takes on applying a merged fragment (docs/algorithm.md#learners)."""
+    """The numbers a learner's tensor takes on applying a merged fragment (docs/algorithm.md#applying-merged-fragments)."""
     import numpy as np
 
     from diloco.algo.learner import applied, rebased

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from diloco.algo import messages
-from diloco.runtime.mailbox import Mailbox
+from diloco.runtime.threads.mailbox import Mailbox
 
 
 def broadcast(fragment, version, merged=()):

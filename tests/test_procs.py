@@ -20,9 +20,9 @@ from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig
                            SyncerConfig, TrainConfig, validate)
 from diloco.runtime import blobstore as bs
 from diloco.runtime import procs
-from diloco.runtime import procs_learner
-from diloco.runtime.procs_learner import store_view
-from diloco.runtime.tape import read_decisions, read_inputs
+from diloco.runtime.procs import learner as procs_learner
+from diloco.runtime.procs.learner import store_view
+from diloco.runtime.runlog import read_decisions, read_inputs
 
 TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
 STEPS, M, P = 20, 2, 2

@@ -4,8 +4,8 @@ input log reopened at a checkpoint's offset continues exactly there."""
 import pytest
 
 from diloco.algo.replay import Input
-from diloco.runtime.procs_recovery import Journal, read_journal
-from diloco.runtime.tape import InputLog, read_inputs
+from diloco.runtime.procs.recovery import Journal, read_journal
+from diloco.runtime.runlog import InputLog, read_inputs
 
 
 def test_a_torn_journal_line_is_dropped_and_appending_continues_after_the_whole_ones(tmp_path):

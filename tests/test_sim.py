@@ -21,8 +21,8 @@ from diloco.model import build as build_model
 from diloco.model import count_params
 from diloco.bandwidth.analytic import dp_bytes_per_step
 from diloco.run import run_diloco
-from diloco.runtime import setup as setup_mod
-from diloco.runtime.sim import Sim
+from diloco.runtime import build as setup_mod
+from diloco.runtime.sim.runtime import Sim
 from diloco.train.trainer import compile_steps
 
 TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
@@ -378,7 +378,7 @@ def test_replaying_the_recorded_inputs_rebuilds_the_syncer_exactly(tmp_path, bui
     fresh syncer, gives the same Theta bit for bit and the same decision tape."""
     from diloco.algo.replay import replay
     from diloco.runtime import sim as sim_mod
-    from diloco.runtime.tape import read_decisions, read_inputs
+    from diloco.runtime.runlog import read_decisions, read_inputs
 
     cfg = make_cfg(tmp_path, steps=8, fragments=dict(count=2, H=4, tau=1), syncer=dict(quorum=1),
                    runtime=dict(speeds=(1.0, 1.7), jitter=0.2),

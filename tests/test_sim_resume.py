@@ -9,7 +9,7 @@ import pytest
 from diloco.algo import syncer as sync
 from diloco.config import ChaosConfig, validate
 from diloco.runtime import sim as sim_mod
-from diloco.runtime.tape import read_decisions, read_inputs
+from diloco.runtime.runlog import read_decisions, read_inputs
 from test_sim import build, corpus, make_cfg, model  # noqa: F401  (fixtures)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from diloco.algo import syncer as sync
 from diloco.algo.replay import replay
-from diloco.runtime.sim import Sim
+from diloco.runtime.sim.runtime import Sim
 from diloco.runtime.syncer_ckpt import SyncerCheckpoints, from_checkpoint, to_checkpoint
 from test_sim import build, corpus, make_cfg, model  # noqa: F401  (fixtures)
 

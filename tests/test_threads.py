@@ -16,9 +16,9 @@ from diloco.algo import syncer as sync
 from diloco.algo.replay import replay
 from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig, RuntimeConfig,
                            SyncerConfig, TrainConfig, validate)
-from diloco.runtime import setup as build_setup
+from diloco.runtime import build as build_setup
 from diloco.runtime import sim, threads
-from diloco.runtime.tape import read_decisions, read_inputs
+from diloco.runtime.runlog import read_decisions, read_inputs
 from diloco.runtime.unit import LearnerUnit
 
 TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)

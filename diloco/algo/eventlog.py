@@ -30,3 +30,53 @@ def append(log: Log, row: tuple, dtype: np.dtype) -> Log:
 
 def rows(log: Log, dtype: np.dtype) -> np.ndarray:
     return np.concatenate([*log.chunks, np.array(list(log.tail), dtype)])
+
+
+class Records:
+    """An immutable, append-only sequence of records (the syncer's decisions): frozen tuple chunks
+    plus a short tail, so `add` is O(1) amortised where `records + (r,)` copied all n every time.
+    Reads like a tuple: len, iteration, indexing, slicing (a tuple), equality with a tuple."""
+
+    __slots__ = ("_chunks", "_tail", "_len")
+
+    def __init__(self, items=(), *, _chunks: tuple = (), _tail: tuple = ()):
+        if items:
+            items = tuple(items)
+            _chunks = tuple(items[i:i + _CHUNK] for i in range(0, len(items) - len(items) % _CHUNK, _CHUNK))
+            _tail = items[len(items) - len(items) % _CHUNK:]
+        self._chunks, self._tail = _chunks, _tail
+        self._len = len(_chunks) * _CHUNK + len(_tail)
+
+    def add(self, record) -> Records:
+        tail = self._tail + (record,)
+        if len(tail) < _CHUNK:
+            return Records(_chunks=self._chunks, _tail=tail)
+        return Records(_chunks=self._chunks + (tail,), _tail=())
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self):
+        for chunk in self._chunks:
+            yield from chunk
+        yield from self._tail
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            raise IndexError("record index out of range")
+        chunk, offset = divmod(index, _CHUNK)
+        return self._chunks[chunk][offset] if chunk < len(self._chunks) else self._tail[offset]
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (Records, tuple, list)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # records are dicts: unhashable, like a tuple of dicts
+
+    def __repr__(self) -> str:
+        return f"Records({len(self)} records)"

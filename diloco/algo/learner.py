@@ -183,7 +183,7 @@ def give_up(st: LearnerState, fragment: int) -> LearnerState:
 # --- the numeric rules a learner unit applies to its arrays (diloco/runtime/unit.py moves them) ---
 
 def applied(glob: np.ndarray, local: np.ndarray | None, sent: np.ndarray | None, alpha: float) -> np.ndarray:
-    """A tensor of a fragment when the merged version `glob` is applied (docs/algorithm.md#learners).
+    """A tensor of a fragment when the merged version `glob` is applied (docs/algorithm.md#applying-merged-fragments).
 
     With the snapshot `sent` of the answered send (fragments.keep_overlap): Theta plus the progress
     made since that send. Otherwise the mix alpha * local + (1 - alpha) * Theta; alpha = 0, the

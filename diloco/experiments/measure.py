@@ -90,7 +90,7 @@ def contributions(run_dir: Path) -> tuple[set[int], dict[tuple, float]]:
     decoded payload is that learner's own delta, whatever the merge rule then does with it."""
     from diloco.algo import messages
     from diloco.model import is_embedding
-    from diloco.runtime.tape import read_inputs
+    from diloco.runtime.runlog import read_inputs
 
     path = Path(run_dir) / "syncer_inputs.bin"
     embedding: dict[int, bool] = {}
@@ -183,7 +183,7 @@ def dp_row(cfg: TrainConfig, summary: dict, records: list[dict]) -> dict:
 def row(cfg: TrainConfig, summary: dict, run_dir: Path) -> dict:
     """Every number the tables and plots use, from a finished run directory."""
     from diloco.report import read_metrics
-    from diloco.runtime.tape import read_decisions
+    from diloco.runtime.runlog import read_decisions
 
     run_dir = Path(run_dir)
     records = read_metrics(run_dir / "metrics.jsonl")

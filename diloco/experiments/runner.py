@@ -43,7 +43,7 @@ def ensure_devices(n: int) -> None:
 
 def enable_compilation_cache(path: str) -> None:
     """Load executables compiled by an earlier run (of this process or another) instead of
-    compiling them again; as diloco/runtime/procs_learner.py does for restarted learners."""
+    compiling them again; as diloco/runtime/procs/learner.py does for restarted learners."""
     import jax
 
     if path and jax.config.jax_compilation_cache_dir is None:

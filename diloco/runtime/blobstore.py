@@ -386,3 +386,16 @@ class Poller:
                 return result
             if not self.wait(False):
                 return None
+
+
+class ControlChannel:
+    """The store's control objects (`ctl/<name>`) as a Channel (diloco/runtime/interfaces.py)."""
+
+    def __init__(self, store: BlobStore):
+        self.store = store
+
+    def write(self, name: str, message: Any) -> None:
+        write_control(self.store, name, message)
+
+    def read(self, name: str) -> Any:
+        return read_control(self.store, name)

@@ -14,7 +14,7 @@ from diloco.algo import ledger, timeline, traffic
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input, apply as deliver
 from diloco.runtime import events as ev
-from diloco.runtime.setup import Setup
+from diloco.runtime.build import Setup
 from diloco.runtime.summary import run_summary
 
 # (learner, frame, fragment, full) -> None: hand a broadcast to the runtime's transport

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from diloco import checkpoint
 from diloco.algo import syncer as sync
-from diloco.runtime.setup import Setup, new_unit
+from diloco.runtime.build import Setup, new_unit
 from diloco.runtime.unit import LearnerUnit
 
 

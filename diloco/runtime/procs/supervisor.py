@@ -6,9 +6,9 @@ Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 6 (a f
 absent from quorums while the global model advances; it rejoins from the syncer's state);
 docs/design.md#procs (real kill -9 fault tests; multi-host over a shared bucket).
 
-Who does what: learner m's process (diloco/runtime/procs_learner.py) trains on its own device
+Who does what: learner m's process (diloco/runtime/procs/learner.py) trains on its own device
 sub-mesh and writes contributions and an event stream; the syncer process
-(diloco/runtime/procs_syncer.py) books the events, merges and publishes; this process starts
+(diloco/runtime/procs/syncer.py) books the events, merges and publishes; this process starts
 them, evaluates the global model when the syncer asks, writes metrics.jsonl, and watches exits.
 A child rebuilds its Setup from the config (spawned processes share no jitted functions) and
 checks that it got this process's Theta_0.
@@ -18,7 +18,7 @@ code is restarted under incarnation + 1 after `ctl/died/...` tells the syncer, w
 death once it has booked every event of the dead process; messages of the old incarnation are
 then dropped by the syncer's admission check. A syncer process that dies the same way is restarted
 as the next syncer incarnation, which restores the latest syncer checkpoint and re-executes its
-predecessor's journal after it (diloco/runtime/procs_recovery.py), so no version is applied twice or
+predecessor's journal after it (diloco/runtime/procs/recovery.py), so no version is applied twice or
 skipped; the learners train on meanwhile, stalling only at their tau bound. That needs a run
 directory and run.checkpoint_every > 0 (merges between syncer checkpoints); without them a dead
 syncer fails the run. A learner or syncer that raises a Python error fails the run, as an exception
@@ -43,10 +43,10 @@ from diloco import report
 from diloco.config import TrainConfig
 from diloco.runtime import blobstore as bs
 from diloco.runtime.crew import sigterm_as_interrupt
-from diloco.runtime.procs_learner import EXIT_DOWN, died, fingerprint, learner_main
-from diloco.runtime.procs_recovery import restartable
-from diloco.runtime.procs_syncer import rep_key, syncer_main, unpack_theta
-from diloco.runtime.setup import Setup
+from diloco.runtime.procs.learner import EXIT_DOWN, died, fingerprint, learner_main
+from diloco.runtime.procs.recovery import restartable
+from diloco.runtime.procs.syncer import rep_key, syncer_main, unpack_theta
+from diloco.runtime.build import Setup
 from diloco.runtime.walltape import run_tape
 
 POLL = 0.05  # seconds the supervisor waits for a process exit before reading reports again

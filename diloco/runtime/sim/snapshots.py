@@ -21,7 +21,7 @@ from diloco.algo import learner as lsm
 from diloco.runtime import ledger_ckpt, syncer_ckpt
 from diloco.runtime.ledger_ckpt import keyed as _keyed
 from diloco.runtime.rejoin import Rejoin
-from diloco.runtime.setup import new_unit
+from diloco.runtime.build import new_unit
 from diloco.runtime.unit import LearnerUnit
 
 FORMAT = "diloco.sim/1"

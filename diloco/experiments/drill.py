@@ -39,11 +39,11 @@ from diloco.algo import syncer as sync
 from diloco.algo.replay import Input, apply as deliver
 from diloco.config import TrainConfig
 from diloco.runtime import blobstore as bs
-from diloco.runtime.procs import MAX_RESTARTS
-from diloco.runtime.procs_recovery import CHECKPOINTS, INPUTS
+from diloco.runtime.procs.supervisor import MAX_RESTARTS
+from diloco.runtime.procs.recovery import CHECKPOINTS, INPUTS
 from diloco.run import global_evaluator
-from diloco.runtime.drill_report import checks, markdown, recovery, rows  # noqa: F401  (the drill's API)
-from diloco.runtime.tape import read_decisions, read_inputs
+from diloco.experiments.drill_report import checks, markdown, recovery, rows  # noqa: F401  (the drill's API)
+from diloco.runtime.runlog import read_decisions, read_inputs
 
 POLL = 0.1  # seconds between the killer's looks at the store
 
@@ -325,7 +325,7 @@ def analyse(cfg: TrainConfig, out: Path, result: dict, names: list[str]) -> dict
     """Curves, comparisons and checks of finished runs out/<name> (result[name] from observe)."""
     from diloco.data import load_corpus
     from diloco.model import build
-    from diloco.runtime import setup as build_setup
+    from diloco.runtime import build as build_setup
 
     # Dense evaluations after the fact: eval records come only with learner 0's steps, so a run
     # whose learner 0 is down has none for a while. Two replays: where to evaluate, then evaluate.

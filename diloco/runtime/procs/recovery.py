@@ -36,7 +36,7 @@ from typing import NamedTuple
 from diloco.config import TrainConfig
 from diloco.runtime import ledger_ckpt
 from diloco.runtime.syncer_ckpt import SyncerCheckpoints
-from diloco.runtime.tape import InputLog
+from diloco.runtime.runlog import InputLog
 
 JOURNAL, INPUTS, CHECKPOINTS = "syncer_journal.jsonl", "syncer_inputs.bin", "syncer"
 

@@ -43,9 +43,9 @@ from diloco.data import load_corpus
 from diloco.model import build
 from diloco.runtime import blobstore as bs
 from diloco.runtime import events as ev
-from diloco.runtime import setup as build_setup
+from diloco.runtime import build as build_setup
 from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
-from diloco.runtime.setup import Setup, new_unit
+from diloco.runtime.build import Setup, new_unit
 from diloco.runtime.learner_loop import run_incarnation
 from diloco.runtime.unit import LearnerUnit, Pace
 from diloco.runtime.walltape import WallTape, chaos_tape
@@ -285,6 +285,6 @@ def learner_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m:
 
 def learner_main(store_url: str, cfg: TrainConfig, cache: str | None, run_dir: Path | None, m: int,
                  incarnation: int, parent: int) -> None:
-    """Process target of learner m's `incarnation` (spawned by diloco/runtime/procs.py)."""
+    """Process target of learner m's `incarnation` (spawned by diloco/runtime/procs/supervisor.py)."""
     child_main(f"learner-{m:04d}-{incarnation:04d}", store_url, cfg, cache, learner_body, run_dir, m,
                incarnation, parent)

@@ -38,10 +38,10 @@ from diloco.config import TrainConfig
 from diloco.runtime import events as ev
 from diloco.runtime.crew import Crew, Stopped, sigterm_as_interrupt
 from diloco.runtime.host import HostedRuntime, SyncerHost
-from diloco.runtime.mailbox import Mailbox
+from diloco.runtime.threads.mailbox import Mailbox
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
-from diloco.runtime.setup import Setup, new_unit
-from diloco.runtime.tape import InputLog, run_outputs, write_decisions
+from diloco.runtime.build import Setup, new_unit
+from diloco.runtime.runlog import InputLog, run_outputs, write_decisions
 from diloco.runtime.learner_loop import run_incarnation
 from diloco.runtime.unit import LearnerUnit, Pace, StallWatch
 from diloco.runtime.walltape import WallTape, run_tape
@@ -307,7 +307,9 @@ class _ThreadPort:
 
     def __init__(self, rt: Threads, m: int):
         self.rt, self.m = rt, m
-        self.clock = rt.clock
+
+    def clock(self) -> float:
+        return self.rt.clock()
 
     def poll(self, unit: LearnerUnit) -> None:
         self.rt._drain(self.m)

@@ -36,9 +36,9 @@ from diloco.config import TrainConfig
 from diloco.runtime import events as ev
 from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
-from diloco.runtime.setup import Setup, new_unit
-from diloco.runtime.sim_ckpt import SimSnapshots, restore
-from diloco.runtime.tape import InputLog, read_inputs, run_outputs, write_decisions
+from diloco.runtime.build import Setup, new_unit
+from diloco.runtime.sim.snapshots import SimSnapshots, restore
+from diloco.runtime.runlog import InputLog, read_inputs, run_outputs, write_decisions
 from diloco.runtime.walltape import run_tape
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ next incarnation's `join` event brings it back into the live set.
 Reports for the supervisor (train and rejoin records, eval requests with Theta, and the end with
 the summary and the final Theta) go out as `rep/<n>.json` (+ `rep/<n>.npz`), in order.
 
-Restarts (diloco/runtime/procs_recovery.py): every step of the loop (book one event, fire one
+Restarts (diloco/runtime/procs/recovery.py): every step of the loop (book one event, fire one
 deadline, book one death) is a journal entry, written before it runs and stamped with the clock
 time every input it delivers carries; every `run.checkpoint_every` merges the whole state is
 checkpointed. A syncer restarted by the supervisor restores the newest checkpoint and executes the
@@ -46,9 +46,9 @@ from diloco.config import TrainConfig
 from diloco.runtime import blobstore as bs
 from diloco.runtime import events as ev
 from diloco.runtime.host import HostedRuntime, SyncerHost
-from diloco.runtime.procs_learner import POLL_MAX, POLL_MIN, buried, child_main, child_setup, died, event_key
-from diloco.runtime.procs_recovery import Recovery
-from diloco.runtime.tape import write_decisions
+from diloco.runtime.procs.learner import POLL_MAX, POLL_MIN, buried, child_main, child_setup, died, event_key
+from diloco.runtime.procs.recovery import Recovery
+from diloco.runtime.runlog import write_decisions
 
 GC_EVERY = 1.0  # seconds between acks + garbage collection of old versions and booked events
 
@@ -148,7 +148,7 @@ class ProcSyncer(HostedRuntime):
         if not self.stopping:
             bs.write_control(self.store, "start", {"t0": self.t0})
 
-    # --- the loop's entries (diloco/runtime/procs_recovery.py) ---------------------------------
+    # --- the loop's entries (diloco/runtime/procs/recovery.py) ---------------------------------
     def _do(self, entry: dict, raw: bytes | None = None) -> None:
         """Journal one entry at the current clock time, then execute it."""
         entry["t"] = self.clock()
@@ -323,6 +323,6 @@ def syncer_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, wan
 
 def syncer_main(store_url: str, cfg: TrainConfig, cache: str | None, run_dir: Path | None, want_evals: bool,
                 incarnation: int = 0, reports_read: int = 0) -> None:
-    """Process target of the syncer (spawned by diloco/runtime/procs.py); incarnation > 0 restores
+    """Process target of the syncer (spawned by diloco/runtime/procs/supervisor.py); incarnation > 0 restores
     the latest checkpoint and journal of the ones before."""
     child_main("syncer", store_url, cfg, cache, syncer_body, run_dir, want_evals, incarnation > 0, reports_read)
