@@ -68,7 +68,7 @@ def main() -> None:
         summary = rt.run()
     finally:
         LearnerUnit.step = plain_step
-    merged = [r["at"] for r in rt.syncer.tape
+    merged = [r["at"] for r in rt.syncer.decisions
               if r["event"] == "merge" and 1 in r["learners"] and r["at"] > killed_at[0]]
     first = _first_merge_of_incarnation(rt, 1, 1)
     learner = {"killed_at_s": killed_at[0], "first_merge_after_rejoin_s": first,
@@ -91,9 +91,9 @@ def main() -> None:
 
 def _first_merge_of_incarnation(rt, learner: int, incarnation: int) -> float:
     """Clock time of the first merge that took in a contribution of (learner, incarnation)."""
-    arrivals = [r for r in rt.syncer.tape if r["event"] == "arrival" and r.get("key")
+    arrivals = [r for r in rt.syncer.decisions if r["event"] == "arrival" and r.get("key")
                 and r["key"][:2] == [learner, incarnation]]
-    merges = [r for r in rt.syncer.tape if r["event"] == "merge" and learner in r["learners"]]
+    merges = [r for r in rt.syncer.decisions if r["event"] == "merge" and learner in r["learners"]]
     first_arrival = min(r["at"] for r in arrivals)
     return min(r["at"] for r in merges if r["at"] >= first_arrival)
 

@@ -56,4 +56,4 @@ def publishes(actions):
 
 
 def merges(st):
-    return [r for r in st.tape if r["event"] == "merge"]
+    return [r for r in st.decisions if r["event"] == "merge"]

@@ -75,7 +75,7 @@ def test_a_dead_learner_rejoins_under_a_new_incarnation_and_the_run_never_stops(
     assert sim.syncer.live == {0: 0, 1: 1}
     # what the dead incarnation had not sent is lost; its late messages are dropped, never merged
     assert sum(sim.tokens.lost) > 0
-    merged = [r for r in sim.syncer.tape if r["event"] == "merge"]
+    merged = [r for r in sim.syncer.decisions if r["event"] == "merge"]
     assert all(learner == 0 for r in merged if 6.5 < r["at"] < 16.0 for learner in r["learners"])
     assert any(1 in r["learners"] for r in merged if r["at"] > 18.0)
 
@@ -107,7 +107,7 @@ def test_a_scavenged_learner_joins_for_its_window_only(tmp_path, build):
     assert [(r.learner, r.incarnation) for r in sim.rejoins] == [(2, 0)]
     secs = timeline.seconds(sim.time)[2]
     assert secs["down"] == 0.0 and secs["compute"] == pytest.approx(12.0 - 5.0)  # restart_s = 2
-    merged_by = {m for r in sim.syncer.tape if r["event"] == "merge" for m in r["learners"]}
+    merged_by = {m for r in sim.syncer.decisions if r["event"] == "merge" for m in r["learners"]}
     assert merged_by == {0, 1, 2}
     assert training_uptime(sim) == 1.0
 
@@ -124,7 +124,7 @@ def test_a_generated_chaos_run_is_deterministic(tmp_path, build):
     assert sa == sb
     for x, y in zip(sync.theta(a.syncer).values(), sync.theta(b.syncer).values()):
         np.testing.assert_array_equal(x, y)
-    assert a.syncer.tape == b.syncer.tape
+    assert a.syncer.decisions == b.syncer.decisions
 
 
 @pytest.mark.slow
@@ -160,7 +160,7 @@ def test_t9_a_killed_learner_rejoins_without_a_global_stall_and_the_loss_holds(t
         assert training_uptime(sim) == 1.0
         (how,) = sim.rejoins
         assert how.restored_from is not None
-        after = [s for r in sim.syncer.tape if r["event"] == "merge" and r["at"] > 62.0
+        after = [s for r in sim.syncer.decisions if r["event"] == "merge" and r["at"] > 62.0
                  for m, s in zip(r["learners"], r["staleness"]) if m == 1]
         assert after and max(after) <= H
     spread = max(calm) - min(calm)

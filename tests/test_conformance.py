@@ -55,7 +55,7 @@ def test_every_runtime_balances_versions_and_replays(world, kind):
         assert rt.tokens.processed == (M * STEPS * tokens_per_step,) * P
     assert summary["merges"] > 0 and np.isfinite(summary["eval_loss"])
 
-    decisions = read_decisions(run_dir / "tape.jsonl")
+    decisions = read_decisions(run_dir / "decisions.jsonl")
     for p in range(P):
         versions = [d["version"] for d in decisions if d["event"] == "merge" and d["fragment"] == p]
         assert versions == list(range(1, len(versions) + 1)), (kind, p, versions)
@@ -64,7 +64,7 @@ def test_every_runtime_balances_versions_and_replays(world, kind):
     inputs = list(read_inputs(run_dir / "syncer_inputs.bin"))
     again = replay(setup.policy, sync.init(setup.policy, setup.fragments, setup.theta0,
                                            {m: 0 for m in range(M)}), inputs)
-    assert json.loads(json.dumps(list(again.tape))) == decisions
+    assert json.loads(json.dumps(list(again.decisions))) == decisions
     final = rt.theta if kind == "procs" else sync.theta(rt.syncer)
     for path, x in sync.theta(again).items():
         np.testing.assert_array_equal(x, final[path], err_msg=f"{kind}: {path}")

@@ -239,7 +239,7 @@ def test_a_run_equal_to_a_finished_run_of_another_experiment_is_copied(tmp_path)
     done = tmp_path / "t1" / "decoupled" / "seed0"
     done.mkdir(parents=True)
     (done / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg_at(done))))
-    (done / "tape.jsonl").write_text("{}\n")
+    (done / "decisions.jsonl").write_text("{}\n")
     target = tmp_path / "t5" / "int4" / "seed0"
     assert runner._twin(cfg_at(target), tmp_path) is None  # no summary yet: unfinished
     (done / "summary.json").write_text('{"eval_loss": 2.0}')
@@ -252,6 +252,6 @@ def test_a_run_equal_to_a_finished_run_of_another_experiment_is_copied(tmp_path)
     assert runner._twin(cfg_at(done), tmp_path) is None  # a run is not its own twin
 
     runner._copy_twin(cfg_at(target), done, target)
-    assert (target / "tape.jsonl").read_text() == "{}\n"
+    assert (target / "decisions.jsonl").read_text() == "{}\n"
     assert runner._finished(cfg_at(target), target) == {"eval_loss": 2.0, "peak_rate_up_training": 1.0,
                                                         "wall_s": 3.0}

@@ -33,7 +33,7 @@ def test_golden_diloco_sim_run(tmp_path):
     _, _, setup, evaluate_global, initial = diloco_world(cfg)
     rt, summary = sim.run(cfg, setup, None, evaluate_global)
     got = {"eval_losses": [loss for _, _, loss in rt.evals],
-           "delta_norms": [r["delta_norm"] for r in rt.syncer.tape if r["event"] == "merge"],
+           "delta_norms": [r["delta_norm"] for r in rt.syncer.decisions if r["event"] == "merge"],
            "merges": summary["merges"]}
     if os.environ.get("UPDATE_GOLDEN"):
         GOLDEN.write_text(json.dumps(got, indent=1))

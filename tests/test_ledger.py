@@ -182,3 +182,18 @@ def test_training_peak_leaves_out_each_learners_final_sync():
     assert len(traffic.without_last_sends(traffic.byte_events(traffic.byte_ledger()))) == 0
     s = L.summary(run_tokens(), led, time_ledger(), start=0.0, end=8.0, window=1.0)
     assert s["peak_rate_up_training"] == 200.0 and s["peak_rate_up"] == 500.0
+
+
+def test_records_append_in_constant_time_and_read_like_a_tuple():
+    """The syncer's decision records (diloco/algo/eventlog.py Records) across chunk boundaries."""
+    from diloco.algo.eventlog import Records
+
+    recs, plain = Records(), ()
+    for i in range(700):
+        recs, plain = recs.add({"i": i}), plain + ({"i": i},)
+    assert len(recs) == 700 and recs == plain and list(recs) == list(plain)
+    assert recs[0] == {"i": 0} and recs[-1] == {"i": 699} and recs[256] == {"i": 256}
+    assert recs[:-1] == plain[:-1] and recs[10:13] == plain[10:13]
+    assert Records(plain) == recs and recs != plain[:-1]
+    with pytest.raises(IndexError):
+        recs[700]

@@ -66,7 +66,7 @@ def variant(world, tmp_path, **runtime):
 
 def merge_versions(run_dir) -> dict[int, list[int]]:
     versions = defaultdict(list)
-    for r in read_decisions(run_dir / "tape.jsonl"):
+    for r in read_decisions(run_dir / "decisions.jsonl"):
         if r["event"] == "merge":
             versions[r["fragment"]].append(r["version"])
     return versions
@@ -97,7 +97,7 @@ def test_two_learner_processes_train_merge_and_balance(world, tmp_path):
     # The syncer's inputs log replays to its decisions: the same code as sim and threads.
     events = list(read_inputs(run_dir / "syncer_inputs.bin"))
     again = replay(setup.policy, sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0, 1: 0}), events)
-    assert json.loads(json.dumps(list(again.tape))) == read_decisions(run_dir / "tape.jsonl")
+    assert json.loads(json.dumps(list(again.decisions))) == read_decisions(run_dir / "decisions.jsonl")
     assert all((again.fragments[p].theta[k] == rt.theta[k]).all() for p in range(P) for k in again.fragments[p].theta)
     store = bs.BlobStore(f"file://{run_dir}/store")
     assert store.list("rep/") == [] and store.list("ev/") == []  # every report read, every event booked
@@ -196,7 +196,7 @@ def test_kill_9_syncer_restarts_from_its_checkpoint_and_skips_or_repeats_no_vers
                 assert all((ref[k] == values[k]).all() for k in values), (p, version)
                 matched.add(p)
     assert seen and matched == set(seen), (seen.keys(), matched)
-    assert json.loads(json.dumps(list(st.tape))) == read_decisions(run_dir / "tape.jsonl")
+    assert json.loads(json.dumps(list(st.decisions))) == read_decisions(run_dir / "decisions.jsonl")
     assert all((st.fragments[p].theta[k] == rt.theta[k]).all() for p in range(P) for k in st.fragments[p].theta)
     store = bs.BlobStore(f"file://{run_dir}/store")
     assert store.list("rep/") == [] and store.list("ev/") == [] and store.list("up/") == []

@@ -100,7 +100,7 @@ def run_sim(cfg, setup, before_merge=None):
 
 
 def merge_records(st: sync.SyncerState) -> list[dict]:
-    return [r for r in st.tape if r["event"] == "merge"]
+    return [r for r in st.decisions if r["event"] == "merge"]
 
 
 def host(unit):
@@ -226,13 +226,13 @@ def test_same_seed_is_bit_identical_and_another_seed_changes_the_tape(tmp_path, 
     setup = build(cfg)
     a, sa = run_sim(cfg, setup)
     b, sb = run_sim(cfg, setup)
-    assert a.syncer.tape == b.syncer.tape and len(a.syncer.tape) > 0
+    assert a.syncer.decisions == b.syncer.decisions and len(a.syncer.decisions) > 0
     ta, tb = sync.theta(a.syncer), sync.theta(b.syncer)
     assert all(ta[p].tobytes() == tb[p].tobytes() for p in ta)
     assert sa == sb
     other = replace(cfg, runtime=replace(cfg.runtime, seed=6))
     c, _ = run_sim(other, build(other))
-    assert c.syncer.tape != a.syncer.tape
+    assert c.syncer.decisions != a.syncer.decisions
 
 
 def stall_seconds(sim, m):
@@ -391,8 +391,8 @@ def test_replaying_the_recorded_inputs_rebuilds_the_syncer_exactly(tmp_path, bui
     assert {e.kind for e in events} >= {"contribution", "step_time"}
     fresh = sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0, 1: 0})
     again = replay(setup.policy, fresh, events)
-    assert again.tape == done.syncer.tape
-    assert read_decisions(run_dir / "tape.jsonl") == json.loads(json.dumps(list(done.syncer.tape)))
+    assert again.decisions == done.syncer.decisions
+    assert read_decisions(run_dir / "decisions.jsonl") == json.loads(json.dumps(list(done.syncer.decisions)))
     for a, b in zip(again.fragments, done.syncer.fragments):
         assert a.version == b.version
         for path in a.theta:

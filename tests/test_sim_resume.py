@@ -40,7 +40,7 @@ def test_resume_from_a_snapshot_equals_the_uninterrupted_run(tmp_path, build):
     assert summary_c == summary_a
     for x, y in zip(sync.theta(a.syncer).values(), sync.theta(c.syncer).values()):
         np.testing.assert_array_equal(x, y)
-    assert read_decisions(tmp_path / "cut" / "tape.jsonl") == read_decisions(tmp_path / "whole" / "tape.jsonl")
+    assert read_decisions(tmp_path / "cut" / "decisions.jsonl") == read_decisions(tmp_path / "whole" / "decisions.jsonl")
     assert [(e.kind, e.at) for e in read_inputs(tmp_path / "cut" / "syncer_inputs.bin")] == \
         [(e.kind, e.at) for e in read_inputs(tmp_path / "whole" / "syncer_inputs.bin")]
     for ua, uc in zip(a.units, c.units):

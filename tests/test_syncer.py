@@ -112,7 +112,7 @@ def test_K_equals_M_waits_for_every_learner():
     locals_ = [shifted(THETA0[0], m + 1) for m in range(3)]
     for m in range(3):
         st, actions = sync.on_contribution(pol, st, frame(locals_[m], THETA0[0], learner=m), float(m))
-        last = st.tape[-1] if m < 2 else [r for r in st.tape if r["event"] == "arrival"][-1]
+        last = st.decisions[-1] if m < 2 else [r for r in st.decisions if r["event"] == "arrival"][-1]
         assert last["admitted"] == list(range(m + 1))
         if m < 2:
             assert publishes(actions) == [] and last["reason"] == quorum.BELOW_QUORUM

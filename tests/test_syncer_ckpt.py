@@ -33,7 +33,7 @@ def recorded(tmp_path_factory, build):
 def assert_same(a: sync.SyncerState, b: sync.SyncerState):
     assert a.merges == b.merges and a.live == b.live and a.last_seq == b.last_seq and a.held == b.held
     assert a.step_times == b.step_times and a.quarantined == b.quarantined
-    assert json.loads(json.dumps(a.tape)) == json.loads(json.dumps(b.tape))
+    assert json.loads(json.dumps(list(a.decisions))) == json.loads(json.dumps(list(b.decisions)))
     for fa, fb in zip(a.fragments, b.fragments):
         assert fa.version == fb.version and fa.round == fb.round
         assert [v for v, _ in fa.refs] == [v for v, _ in fb.refs]
@@ -68,7 +68,7 @@ def test_restart_from_a_checkpoint_equals_the_uninterrupted_syncer(tmp_path, rec
     resumed = replay(setup.policy, restored, inputs[seen:])
     assert_same(resumed, final)
     for fs in resumed.fragments:  # versions advanced one at a time: none applied twice or skipped
-        versions = [r["version"] for r in resumed.tape if r["event"] == "merge" and r["fragment"] == fs.spec.index]
+        versions = [r["version"] for r in resumed.decisions if r["event"] == "merge" and r["fragment"] == fs.spec.index]
         assert versions == list(range(1, fs.version + 1))
 
 

@@ -98,8 +98,8 @@ def test_two_learners_train_merge_and_balance(world, tmp_path, no_leftover_threa
     events = list(read_inputs(tmp_path / "syncer_inputs.bin"))
     assert {"contribution", "step_time"} <= {e.kind for e in events} <= {"contribution", "step_time", "deadline"}
     again = replay(setup.policy, sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0, 1: 0}), events)
-    assert again.tape == rt.syncer.tape
-    assert read_decisions(tmp_path / "tape.jsonl") == json.loads(json.dumps(list(rt.syncer.tape)))
+    assert again.decisions == rt.syncer.decisions
+    assert read_decisions(tmp_path / "decisions.jsonl") == json.loads(json.dumps(list(rt.syncer.decisions)))
     for a, b in zip(again.fragments, rt.syncer.fragments):
         assert a.version == b.version and all(a.theta[k].tobytes() == b.theta[k].tobytes() for k in a.theta)
 
@@ -112,7 +112,7 @@ def test_slow_learner_finishes_last_and_k1_merges_without_it(world, no_leftover_
     assert rt.finished_at[0] < rt.finished_at[1], rt.finished_at
     secs = timeline.seconds(rt.time)
     assert secs[1]["compute"] > 1.5 * secs[0]["compute"], secs  # the slowdown is real wall time
-    solo = [r for r in rt.syncer.tape if r["event"] == "merge" and r["learners"] == [0]]
+    solo = [r for r in rt.syncer.decisions if r["event"] == "merge" and r["learners"] == [0]]
     assert len(solo) > 0  # K = 1: the fast learner's rounds close at the grace deadline without it
     assert summary["token_ledger_imbalance"] == 0
 
@@ -126,7 +126,7 @@ def test_paced_learners_keep_the_schedule_and_merge_together(world, no_leftover_
 
     assert [u.ls.step for u in rt.units] == [STEPS] * M
     assert min(rt.finished_at.values()) >= STEPS * period * 0.99, rt.finished_at
-    merges = [r for r in rt.syncer.tape if r["event"] == "merge"]
+    merges = [r for r in rt.syncer.decisions if r["event"] == "merge"]
     both = sum(len(r["learners"]) == M for r in merges)
     assert both >= 0.75 * len(merges), [r["learners"] for r in merges]
     assert summary["token_ledger_imbalance"] == 0
@@ -239,7 +239,7 @@ def test_a_killed_learner_rejoins_from_its_checkpoint_under_a_new_incarnation(wo
     assert summary["token_ledger_imbalance"] == 0 and sum(rt.tokens.lost) > 0
     assert rt.syncer.live == {0: 0, 1: 1}
     assert timeline.seconds(rt.time)[1]["restarting"] >= 0.2
-    merges = [r for r in rt.syncer.tape if r["event"] == "merge"]
+    merges = [r for r in rt.syncer.decisions if r["event"] == "merge"]
     assert any(1 in r["learners"] for r in merges[-4:])  # the new incarnation's work is merged
     for fs in rt.syncer.fragments:  # one version at a time: none applied twice or skipped
         versions = [r["version"] for r in merges if r["fragment"] == fs.spec.index]

@@ -4,7 +4,7 @@ Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 4.
 
 A round is a value; each event (`on_arrival`, `on_deadline`, `on_live_change`) returns the new round
 and a `Decision` record saying what to do, who is in, who is missing or late, and why. The syncer
-acts on the decision (arm a timer at `deadline`, merge `admitted`) and appends it to the tape.
+acts on the decision (arm a timer at `deadline`, merge `admitted`) and appends it to its decision records.
 Times are seconds on whatever clock the runtime uses (virtual or wall).
 """
 

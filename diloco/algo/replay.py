@@ -3,7 +3,7 @@
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 6: the syncer's event
 tape allows deterministic replay of a run.
 
-The syncer is a pure function of its inputs, so the inputs are the tape: every contribution frame
+The syncer is a pure function of its inputs, so its inputs replay it: every contribution frame
 with its arrival time, every grace timer that fired, every step-time observation and every change
 of the live set, in the order the runtime delivered them. Feeding them to `replay` from the same
 initial state rebuilds the same Theta, versions and decision records, bit for bit.

@@ -6,7 +6,7 @@ Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), sections 3-5.
 The state is a value; every event returns a new state and a tuple of actions for the runtime:
 `SetDeadline` (arm a grace timer), `Publish` (frames to deliver, one per learner) and `Outcome`
 (what became of each contribution, for the token ledger). Every decision is also appended to the
-tape as a plain dict. No threads, clocks or files: `now` is passed in.
+decision records as plain dicts. No threads, clocks or files: `now` is passed in.
 
 Broadcasts carry a quantized delta against the version the learner holds, so the syncer keeps, per
 fragment, the values learners reconstruct ("refs") for the last `history` versions: a contribution
@@ -25,6 +25,7 @@ import optax
 from diloco.algo import merge as merging
 from diloco.algo import messages, outer, quorum
 from diloco.algo.codecs import Codec
+from diloco.algo.eventlog import Records
 from diloco.algo.fragments import Fragment, Path
 
 Values = dict[Path, np.ndarray]
@@ -95,7 +96,7 @@ class SyncerState(NamedTuple):
     step_times: quorum.StepTimes = quorum.StepTimes()
     merges: int = 0
     quarantined: dict[str, int] = {}
-    tape: tuple[dict, ...] = ()
+    decisions: Records = Records()  # every decision as a plain dict, append-only (O(1) each)
 
 
 class SetDeadline(NamedTuple):
@@ -138,7 +139,7 @@ def _quarantine(st: SyncerState, reason: str, key, now: float, detail: str) -> t
     counts = {**st.quarantined, reason: st.quarantined.get(reason, 0) + 1}
     record = {"event": "quarantine", "at": now, "reason": reason, "key": key, "detail": detail[:200]}
     outcome = "stale" if reason == "stale" else f"quarantined:{reason}"
-    return st._replace(quarantined=counts, tape=st.tape + (record,)), (Outcome(key, outcome),)
+    return st._replace(quarantined=counts, decisions=st.decisions.add(record)), (Outcome(key, outcome),)
 
 
 def _with_fragment(st: SyncerState, p: int, fs: FragmentState) -> SyncerState:
@@ -202,7 +203,7 @@ def _admit(cfg: Policy, st: SyncerState, p: int, c: Contribution, now: float) ->
     else:
         fs = fs._replace(round=rnd, contributions=fs.contributions + (c,))
     st = _with_fragment(st, p, fs)
-    st = st._replace(tape=st.tape + (_record("arrival", decision, c),))
+    st = st._replace(decisions=st.decisions.add(_record("arrival", decision, c)))
     if decision.action == quorum.QUORUM:
         return st, actions + (SetDeadline(p, decision.deadline),)
     if decision.action == quorum.MERGE:
@@ -284,7 +285,7 @@ def _merge(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
         "staleness": [fs.version - c.base_version for c in inside],
         "delta_norm": merging.global_norm(delta),
     }
-    st = st._replace(merges=st.merges + 1, tape=st.tape + (record,))
+    st = st._replace(merges=st.merges + 1, decisions=st.decisions.add(record))
     return st, (publish,) + tuple(Outcome(c.key, "merged") for c in inside)
 
 

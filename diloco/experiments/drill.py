@@ -111,7 +111,7 @@ class Killer:
         while (start := self._read(store, "start")) is None:
             if self._stop.wait(POLL):
                 return
-        # Kill times on the syncer's clock (its t0 is wall time), so they line up with the tape.
+        # Kill times on the syncer's clock (its t0 is wall time), so they line up with the decision records.
         t0 = time.monotonic() - (time.time() - start["t0"])
         next_kill = time.monotonic() + next_gap(self.rng, self.every, self.schedule)
         while not self._stop.wait(POLL):
@@ -273,7 +273,7 @@ def observe(run_dir: Path, store_url: str) -> dict:
     """Ledger, versions and restarts of a finished run, from its outputs and its store's control."""
     summary = json.loads((run_dir / "summary.json").read_text())
     records = report.read_metrics(run_dir / "metrics.jsonl")
-    tape = read_decisions(run_dir / "tape.jsonl")
+    tape = read_decisions(run_dir / "decisions.jsonl")
     versions = merge_versions(tape)
     procs = bs.read_control(bs.BlobStore(store_url), "procs")
     return {
@@ -316,7 +316,7 @@ def run_drill(cfg: TrainConfig, out: Path, every: float, syncer_at: float, seed:
         if killer is not None:
             if killer.error is not None:
                 raise RuntimeError(f"the killer thread failed: {killer.error!r}") from killer.error
-            tape = read_decisions(run_dir / "tape.jsonl")
+            tape = read_decisions(run_dir / "decisions.jsonl")
             result[name].update(kills=recovery(tape, killer.kills), syncer_kill_after_versions=after)
     return analyse(cfg, out, result, names)
 

@@ -1,6 +1,6 @@
 """The chaos drill's report: acceptance checks, recovery times after each kill, and the table.
 
-Recovery is read from the chaos run's decision tape, on the syncer's clock: for a learner, from
+Recovery is read from the chaos run's decision records, on the syncer's clock: for a learner, from
 the kill to the first merge that took in work of its next incarnation (restart, rejoin, a few
 steps, the contribution's round); for the syncer, from the kill to the first merge its successor
 made (restart, restoring the checkpoint, re-executing the journal, the next round)."""

@@ -192,7 +192,7 @@ def row(cfg: TrainConfig, summary: dict, run_dir: Path) -> dict:
     if cfg.algo == "dp":
         out = {**head, **dp_row(cfg, summary, records)}
     else:
-        decisions = read_decisions(run_dir / "tape.jsonl")
+        decisions = read_decisions(run_dir / "decisions.jsonl")
         out = {**head, **diloco_row(cfg, summary, records, decisions, *contributions(run_dir))}
     return {**out, "throughput": throughput(cfg, out["tokens"], out["clock_s"])}
 

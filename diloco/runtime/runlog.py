@@ -1,7 +1,7 @@
-"""Files of a run's syncer record: the decision tape (JSONL) and the inputs (a framed binary log).
+"""Files of a run's syncer record: the decision records (JSONL) and the inputs (a framed binary log).
 
 Reference: docs/design.md#replay. The inputs log is what `diloco.algo.replay` needs to
-rebuild the syncer exactly; the decision tape is what people read.
+rebuild the syncer exactly; the decision records are what people read.
 
 inputs.bin is a sequence of records `uint32 header length | JSON header | payload`, the header
 holding kind, time and, for contributions, the payload length; no pickle.

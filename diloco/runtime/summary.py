@@ -13,7 +13,7 @@ def run_summary(st: sync.SyncerState, tokens: ledger.TokenLedger, bytes_: traffi
     """Plain numbers; raises if the token ledger does not balance. `clock` names the clock the
     run's times are on: "virtual" (sim) or "wall" (threads); clock_s is the run's length on it."""
     ledger.check_balance(tokens)
-    merges = [r for r in st.tape if r["event"] == "merge"]
+    merges = [r for r in st.decisions if r["event"] == "merge"]
     quorum_sizes = [len(r["learners"]) for r in merges]
     graces = [r["grace"] for r in merges if r["grace"] is not None]
     sums = ledger.summary(tokens, bytes_, time, start=0.0, end=max(end, 1e-9), window=window)

@@ -1,7 +1,7 @@
 """Orbax checkpoints of the syncer (docs/design.md#checkpoints): Theta and the outer optimizer state of
 every fragment, the broadcast references learners decode against, open rounds with the
 contributions admitted into them, versions, live incarnations, sequence numbers, step-time
-estimates, quarantine counts and the decision tape.
+estimates, quarantine counts and the decision records.
 
 Arrays go through Orbax (async, written to a temporary directory and renamed, so a torn
 checkpoint is never listed; `restore_latest` falls back to the previous one if the newest fails to
@@ -21,6 +21,7 @@ import numpy as np
 from diloco import checkpoint
 from diloco.algo import quorum
 from diloco.algo import syncer as sync
+from diloco.algo.eventlog import Records
 from diloco.algo.fragments import Fragment
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def to_checkpoint(st: sync.SyncerState) -> tuple[dict, dict]:
         "last_seq": sorted([m, inc, seq] for (m, inc), seq in st.last_seq.items()),
         "held": sorted([m, list(v)] for m, v in st.held.items()),
         "step_times": {"decay": st.step_times.decay, "estimates": [list(e) for e in st.step_times.estimates]},
-        "merges": st.merges, "quarantined": dict(st.quarantined), "tape": list(st.tape),
+        "merges": st.merges, "quarantined": dict(st.quarantined), "decisions": list(st.decisions),
     }
     return arrays, meta
 
@@ -105,7 +106,7 @@ def from_checkpoint(arrays: dict, meta: dict, policy: sync.Policy,
         tuple(frags), {m: inc for m, inc in meta["live"]},
         {(m, inc): seq for m, inc, seq in meta["last_seq"]},
         {m: tuple(v) for m, v in meta["held"]}, st_times, meta["merges"],
-        dict(meta["quarantined"]), tuple(meta["tape"]))
+        dict(meta["quarantined"]), Records(meta["decisions"]))
 
 
 class SyncerCheckpoints:

@@ -290,7 +290,7 @@ class ProcSyncer(HostedRuntime):
         window = quorum.slowest_step_time(self.syncer.step_times) or self.cfg.runtime.step_time
         summary = self.host.summary(clock="wall", end=end, window=window)
         if self.run_dir is not None:
-            write_decisions(self.run_dir / "tape.jsonl", self.syncer.tape)
+            write_decisions(self.run_dir / "decisions.jsonl", self.syncer.decisions)
         self._report({"kind": "end", "time": end, "summary": summary, "steps": self.steps,
                       "tokens": ledger.token_totals(self.tokens), "dead": sorted(self.tokens.dead),
                       "finished_at": self.host.finished_at, "merges": self.syncer.merges,

@@ -347,7 +347,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable
                 sim._eval(sim.now)
                 summary["eval_loss"] = sim.evals[-1][2]
             if run_dir is not None:
-                write_decisions(run_dir / "tape.jsonl", sim.syncer.tape)
+                write_decisions(run_dir / "decisions.jsonl", sim.syncer.decisions)
             return sim, summary
     finally:
         snapshots.close()

@@ -343,5 +343,5 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
                      rt.syncer.merges)
             summary["eval_loss"] = rt.evals[-1][2]
         if run_dir is not None:
-            write_decisions(run_dir / "tape.jsonl", rt.syncer.tape)
+            write_decisions(run_dir / "decisions.jsonl", rt.syncer.decisions)
         return rt, summary
