@@ -80,7 +80,8 @@ class SyncerHost:
         elif isinstance(e, ev.Died):
             self.died(m, inc, e.at)
         elif isinstance(e, ev.Rejoined):
-            self.book_time(m, "down", e.died_at, e.down_until)
+            if e.down_until > e.died_at:  # none when its devices were back at once (a kill drill)
+                self.book_time(m, "down", e.died_at, e.down_until)
             self.book_time(m, "restarting", e.down_until, e.at)
             self.rejoined(m, inc, e.at)
         elif isinstance(e, ev.Done):

@@ -164,8 +164,8 @@ class Sim(HostedRuntime):
     def _on_rejoin(self, m: int) -> None:
         self.restarting.discard(m)
         start = self.now - self.cfg.runtime.restart_s
-        self.host.book_time(m, "restarting", start, self.now)
         if not tapes.is_alive(self.tape, m, self.now):  # failed again while restarting
+            self.host.book_time(m, "restarting", start, self.now)
             self.died_at[m] = (self.now, self.died_at.get(m, (0.0, 0))[1])
             return
         old = self.units[m]
@@ -175,7 +175,8 @@ class Sim(HostedRuntime):
                                 self.cfg.runtime.max_rejoin_staleness, step)
         self.units[m], self.alive[m] = unit, True
         self.rejoins.append(how)
-        self.host.rejoined(m, incarnation, self.now)
+        # Its down time was booked when the tape gave its slices back (_on_chaos); restarting since.
+        self.host.on_event(ev.Rejoined(m, incarnation, start, start, self.now, how._asdict()), self.now)
         if self.writer is not None:
             self.writer.write({"kind": "rejoin", "time": self.now, **how._asdict()})
         self._wake(m, self.now)
