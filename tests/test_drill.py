@@ -10,7 +10,7 @@ from diloco.algo import messages
 from diloco.algo.codecs import make_codec
 from diloco.algo.fragments import make_fragments
 from diloco.algo.replay import Input
-from diloco.config import OuterConfig, TrainConfig
+from diloco.config import CodecConfig, OuterConfig, TrainConfig
 from diloco.experiments import drill, drill_report
 from diloco.runtime.build import policy
 
@@ -60,7 +60,8 @@ def test_merged_tokens_replay_books_each_token_once():
     params = {"w": np.zeros((2, 3), np.float32)}
     fragments = make_fragments(params, 1)
     theta0 = ({("w",): params["w"]},)
-    cfg = TrainConfig(outer=OuterConfig(name="sgd", lr=1.0, momentum=0.0))
+    # The frames are fp32: the run's up codec must say so, or the syncer refuses them (wrong_codec).
+    cfg = TrainConfig(outer=OuterConfig(name="sgd", lr=1.0, momentum=0.0), codec=CodecConfig(up="fp32", zstd_level=0))
     setup = SimpleNamespace(policy=policy(cfg), fragments=fragments, theta0=theta0)
     inputs = [Input("contribution", 1.0, _frame(theta0[0], 0, 1, 0, 100, 0.01)),
               Input("contribution", 2.0, _frame(theta0[0], 0, 2, 0, 250, 0.03))]

@@ -30,6 +30,9 @@ _TINY = np.float32(2.0**-126)  # smallest normal float32: floor for nonzero bloc
 # Block codecs walk the tensor in 256 KB slices so temporaries stay in L2; whole-tensor numpy
 # passes are memory bound (about 2x slower, measured).
 _CHUNK = 1 << 16
+# Decoding a block format allocates at least one whole block per tensor, so a block of 2**24 named
+# in a 365-byte frame would cost 64 MiB per tensor: blocks are capped (64 is the default).
+MAX_BLOCK = 1 << 16
 
 
 def fp32() -> Codec:
@@ -143,8 +146,8 @@ def _byte_table(lut: np.ndarray, bits: int) -> np.ndarray:
 
 def _block_codec(name: str, fmt: _Format, block: int) -> Codec:
     per = 8 // fmt.bits
-    if not isinstance(block, (int, np.integer)) or block < 1 or block % per:
-        raise ValueError(f"{name}: block must be a positive multiple of {per}, got {block!r}")
+    if not isinstance(block, (int, np.integer)) or not 1 <= block <= MAX_BLOCK or block % per:
+        raise ValueError(f"{name}: block must be a positive multiple of {per} up to {MAX_BLOCK}, got {block!r}")
     block = int(block)
     chunk = block * max(1, _CHUNK // block)
     starts = np.arange(0, chunk, block)  # block offsets within a chunk, for reduceat

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import partial, reduce
 from typing import Any
 
 import jax
@@ -80,7 +80,19 @@ def weighted_average(deltas: Sequence[Tree], weights: Sequence[float]) -> Tree:
 
 
 def _norm(tree: Tree) -> jax.Array:
-    return jnp.sqrt(sum(jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))) for x in jax.tree.leaves(tree)))
+    """The L2 norm in float32, finite whenever the true norm is (below 3.4e38).
+
+    Squares overflow float32 from |x| ~ 1.8e19 (a finite 1e30 gave inf, and RDA NaN) and underflow
+    below ~1e-19 (a direction lost to unit(0) = 0). So values with max |x| outside 2^+-40 are first
+    scaled by 2^-+80, a power of two, hence exact; dividing by max |x| instead would not do: XLA on
+    CPU flushes subnormals, and 1 / 3e38 is one. In between, the plain sum of squares is kept.
+    """
+    leaves = [jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(tree)]
+    plain = jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in leaves))
+    top = reduce(jnp.maximum, [jnp.max(jnp.abs(x), initial=0.0) for x in leaves], jnp.float32(0.0))
+    f = jnp.where(top > 2.0**40, jnp.float32(2.0**-80), jnp.float32(2.0**80))
+    scaled = jnp.sqrt(sum(jnp.sum(jnp.square(x * f)) for x in leaves)) / f
+    return jnp.where((top > 2.0**40) | (top < 2.0**-40), scaled, plain)
 
 
 def _unit(tree: Tree, norm: jax.Array) -> Tree:

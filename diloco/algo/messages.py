@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from diloco.algo.bounds import loads_json
 from diloco.algo.codecs import Codec, CodecError, NonFiniteError, make_codec
 
 Path = tuple[str, ...]
@@ -31,15 +32,24 @@ Path = tuple[str, ...]
 MAGIC = b"DLC1"
 _PREFIX = struct.Struct("<4sI")  # magic, header length
 MAX_HEADER_BYTES = 1 << 20  # a header lists tensor shapes only; 1 MiB is thousands of tensors
+# A header nests 4 deep (header, tensors, one tensor, its path); json.loads recurses once per level
+# and raises RecursionError near 1,000, so nesting is bounded before it parses.
+MAX_HEADER_DEPTH = 16
+# Every int a header holds is below 2**53: exact as a float64, so a counter's square (the token
+# weight) and a norm divided by it stay finite; 2**53 steps or tokens is far beyond any run.
+MAX_COUNT = 1 << 53
+MAX_SPEC_CHARS = 64  # "int4+ef+zstd22+b4096+k0.0001" is 28
 KINDS = ("contribution", "fragment", "ack")
 DTYPES = ("float32",)  # the wire dtype; codecs decode to float32 and merges run in FP32
 
 # Frame and header faults (decode), payload faults (unpack_fragment), admission faults (check_admission).
-FRAME_REASONS = ("bad_magic", "bad_header", "truncated", "trailing_bytes", "too_large", "checksum")
+FRAME_REASONS = ("bad_magic", "bad_header", "truncated", "trailing_bytes", "too_large", "checksum",
+                 "bad_counter")
 PAYLOAD_REASONS = ("wrong_codec", "wrong_shape", "wrong_dtype", "codec_error", "non_finite")
 ADMISSION_REASONS = (
     "wrong_kind", "unknown_learner", "unknown_fragment", "dead_incarnation", "duplicate",
     "future_version", "stale", "exploding_norm",
+    "overflow",  # admitted, but merging it would make Theta non-finite: dropped from the merge
 )
 QUARANTINE_REASONS = FRAME_REASONS + PAYLOAD_REASONS + ADMISSION_REASONS
 
@@ -81,6 +91,11 @@ def _is_int(x: Any) -> bool:
     return type(x) is int
 
 
+def _is_count(x: Any) -> bool:
+    """A non-negative JSON int below MAX_COUNT (bool excluded: JSON true is a Python int)."""
+    return type(x) is int and 0 <= x < MAX_COUNT
+
+
 def _bad(detail: str) -> MessageError:
     return MessageError("bad_header", detail)
 
@@ -98,11 +113,11 @@ def _check_tensors(tensors: Any) -> None:
         if tuple(path) in seen:
             raise _bad(f"tensors[{i}].path {path!r} appears twice")
         seen.add(tuple(path))
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
             raise _bad(f"tensors[{i}].shape must be a list of non-negative int, got {shape!r}")
         if not isinstance(t["dtype"], str):
             raise _bad(f"tensors[{i}].dtype must be str, got {t['dtype']!r}")
-        if not (_is_int(t["nbytes"]) and t["nbytes"] >= 0):
+        if not _is_count(t["nbytes"]):
             raise _bad(f"tensors[{i}].nbytes must be a non-negative int, got {t['nbytes']!r}")
 
 
@@ -111,7 +126,7 @@ def _check_merged(header: dict) -> None:
     if merged and header["kind"] != "fragment":
         raise _bad(f"only a fragment broadcast lists merged contributions, got kind {header['kind']!r}")
     if not isinstance(merged, list) or not all(
-            isinstance(k, list) and len(k) == 3 and all(_is_int(x) and x >= 0 for x in k) for k in merged):
+            isinstance(k, list) and len(k) == 3 and all(_is_count(x) for x in k) for k in merged):
         raise _bad(f"merged must be a list of [learner, incarnation, seq] non-negative ints, got {merged!r}")
 
 
@@ -132,7 +147,9 @@ def validate_header(header: Any) -> None:
         raise _bad(f"kind must be one of {KINDS}, got {header['kind']!r}")
     for f in _INT_FIELDS:
         if not _is_int(header[f]) or header[f] < 0:
-            raise _bad(f"{f} must be a non-negative int, got {header[f]!r}")
+            raise _bad(f"{f} must be a non-negative int, got {str(header[f])[:40]!r}")
+        if header[f] >= MAX_COUNT:
+            raise MessageError("bad_counter", f"{f} = {str(header[f])[:40]}... >= 2**53")
     c_steps, c_tokens = header["c_steps"], header["c_tokens"]
     # Every inner step consumes at least one token, and tokens come only from steps.
     if c_tokens < c_steps or (c_steps == 0) != (c_tokens == 0):
@@ -140,7 +157,7 @@ def validate_header(header: Any) -> None:
     if not isinstance(header["codec"], str) or not header["codec"]:
         raise _bad(f"codec must be a non-empty str, got {header['codec']!r}")
     d = header["delta_against"]
-    if d is not None and not (_is_int(d) and d >= 0):
+    if d is not None and not _is_count(d):
         raise _bad(f"delta_against must be null or a non-negative int, got {d!r}")
     if header["kind"] == "fragment" and d is not None and d >= header["version"]:
         raise _bad(f"a delta against version {d} cannot publish version {header['version']}")
@@ -177,8 +194,8 @@ def decode(frame: bytes, *, max_payload: int | None = None) -> Message:
     if len(frame) < end:
         raise MessageError("truncated", f"header declares {hlen} bytes, frame holds {len(frame) - _PREFIX.size}")
     try:
-        header = json.loads(frame[_PREFIX.size:end].decode("utf-8"), parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError) as e:
+        header = loads_json(frame[_PREFIX.size:end], MAX_HEADER_DEPTH, parse_constant=_no_constant)
+    except ValueError as e:
         raise MessageError("bad_header", f"not UTF-8 JSON: {e}") from None
     validate_header(header)
     n = header["payload_len"]
@@ -198,7 +215,9 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")  # NaN / Infinity are Python extensions, not JSON
 
 
-_SPEC_PART = re.compile(r"^(ef|zstd(\d+)|b(\d+)|k([0-9.eE+-]+))$")
+# Digit counts are bounded so int() never sees thousands of digits; a block above MAX_BLOCK is refused
+# by the codec itself, before it allocates anything.
+_SPEC_PART = re.compile(r"^(ef|zstd([0-9]{1,3})|b([0-9]{1,12})|k([0-9.eE+-]{1,32}))$")
 _DEFAULT_BLOCK, _DEFAULT_TOPK = 64, 0.01
 
 
@@ -219,7 +238,13 @@ def codec_spec(name: str, error_feedback: bool = False, zstd_level: int = 0, *,
 
 
 def parse_spec(spec: str) -> dict[str, Any]:
-    """make_codec's keyword arguments for a codec string; MessageError("wrong_codec") if malformed."""
+    """make_codec's keyword arguments for a codec string; MessageError("wrong_codec") if malformed.
+
+    Nothing else escapes: the spec comes from a peer's header, so every parse fault is the peer's.
+    """
+    if not isinstance(spec, str) or len(spec) > MAX_SPEC_CHARS:
+        raise MessageError("wrong_codec", f"codec spec must be a str of at most {MAX_SPEC_CHARS} chars, "
+                                          f"got {str(spec)[:MAX_SPEC_CHARS]!r}...")
     name, *rest = spec.split("+")
     kw: dict[str, Any] = {"name": name}
     for part in rest:
@@ -233,7 +258,10 @@ def parse_spec(spec: str) -> dict[str, Any]:
         elif m.group(3) is not None:
             kw["block"] = int(m.group(3))
         else:
-            kw["topk_fraction"] = float(m.group(4))
+            try:
+                kw["topk_fraction"] = float(m.group(4))
+            except ValueError:  # "..", "1e", "-": the character class admits what float() refuses
+                raise MessageError("wrong_codec", f"cannot parse codec spec {spec!r} at {part!r}") from None
     if codec_spec(**kw) != spec:  # one spelling per codec, so spec equality means codec equality
         raise MessageError("wrong_codec", f"{spec!r} is not canonical; write {codec_spec(**kw)!r}")
     return kw
@@ -354,6 +382,8 @@ def check_admission(
     max_staleness: int | None,
     *,
     num_fragments: int | None = None,
+    max_steps: int | None = None,
+    step_tokens: int | None = None,
 ) -> str | None:
     """Why the syncer must not admit a validated contribution, or None to admit it.
 
@@ -361,6 +391,9 @@ def check_admission(
     seq admitted, `current_version` is the syncer's version of the header's fragment. A higher
     incarnation than the live one is admitted: the learner restarted, and the caller records it as
     live, which makes every older incarnation dead (docs/algorithm.md#failures-and-rejoin).
+    `max_steps` bounds c_steps and `step_tokens` the tokens of one step (c_tokens <= c_steps x
+    step_tokens): the counters weigh the merge, so a frame may claim no more than a learner can do
+    (docs/algorithm.md#bounds-on-what-a-frame-can-claim).
     """
     if header["kind"] != "contribution":
         return "wrong_kind"
@@ -378,4 +411,9 @@ def check_admission(
         return "future_version"
     if max_staleness is not None and staleness > max_staleness:
         return "stale"
+    c_steps, c_tokens = header["c_steps"], header["c_tokens"]
+    if max_steps is not None and c_steps > max_steps:
+        return "bad_counter"
+    if step_tokens is not None and c_tokens > c_steps * step_tokens:
+        return "bad_counter"
     return None

@@ -23,8 +23,8 @@ import numpy as np
 import optax
 
 from diloco.algo import merge as merging
-from diloco.algo import messages, outer, quorum
-from diloco.algo.codecs import Codec
+from diloco.algo import bounds, messages, outer, quorum
+from diloco.algo.codecs import Codec, NonFiniteError
 from diloco.algo.eventlog import Records
 from diloco.algo.fragments import Fragment, Path
 
@@ -66,6 +66,16 @@ class Policy(NamedTuple):
     # median, not the mean, so one outlier cannot raise the bar.
     norm_bound: float = 0.0
     norm_window: int = 32
+    # What a frame may claim (docs/algorithm.md#bounds-on-what-a-frame-can-claim); None = only the
+    # header's own bounds. up_spec: the run's contribution codec, any other is wrong_codec. max_steps
+    # bounds c_steps (the run's inner steps: c_steps counts since the last apply, so H is no bound);
+    # step_tokens the tokens of one learner step: c_tokens <= c_steps x step_tokens.
+    up_spec: str | None = None
+    max_steps: int | None = None
+    step_tokens: int | None = None
+    # Armed from the first contribution: a norm per step above theta_norm_bound x (||Theta_p|| +
+    # sqrt(size_p)) is quarantined (0 = off). Loose; it keeps e.g. a finite 1e30 out of the merge.
+    theta_norm_bound: float = 100.0
 
 
 class Contribution(NamedTuple):
@@ -157,9 +167,15 @@ def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> t
     p = h["fragment"]
     version = st.fragments[p].version if 0 <= p < len(st.fragments) else 0
     reason = messages.check_admission(h, st.live, st.last_seq, version, cfg.max_staleness,
-                                      num_fragments=len(st.fragments))
+                                      num_fragments=len(st.fragments), max_steps=cfg.max_steps,
+                                      step_tokens=cfg.step_tokens)
+    if reason == "bad_counter":
+        return _quarantine(st, reason, key, now, f"c_steps {h['c_steps']} (at most {cfg.max_steps}), "
+                           f"c_tokens {h['c_tokens']} (at most {cfg.step_tokens} per step)")
     if reason is not None:
         return _quarantine(st, reason, key, now, f"fragment {p} base {h['base_version']} now {version}")
+    if cfg.up_spec is not None and h["codec"] != cfg.up_spec:  # before decoding allocates anything
+        return _quarantine(st, "wrong_codec", key, now, f"codec {h['codec']!r}, this run sends {cfg.up_spec!r}")
     fs = st.fragments[p]
     ref = _ref(fs, h["base_version"])
     if ref is None:  # older than the kept history: cannot be decoded against what the learner held
@@ -169,11 +185,13 @@ def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> t
         wire = messages.unpack_fragment(h, msg.payload, None, expected)
     except messages.MessageError as e:
         return _quarantine(st, e.reason, key, now, e.detail)
-    norm = merging.global_norm(wire) / max(h["c_steps"], 1)
-    if cfg.norm_bound > 0 and len(fs.norms) >= 8 and norm > cfg.norm_bound * float(np.median(fs.norms)):
-        return _quarantine(st, "exploding_norm", key, now, f"norm per step {norm:.4g} > "
-                           f"{cfg.norm_bound} x median {float(np.median(fs.norms)):.4g}")
-    st = _with_fragment(st, p, fs._replace(norms=(fs.norms + (norm,))[-cfg.norm_window:]))
+    norm = merging.global_norm(wire) / max(h["c_steps"], 1)  # float64: finite for any float32 payload
+    why = bounds.norm_fault(norm, fs.norms, cfg.norm_bound, merging.global_norm(fs.theta),
+                            sum(x.size for x in fs.theta.values()), cfg.theta_norm_bound)
+    if why:
+        return _quarantine(st, "exploding_norm", key, now, why)
+    if norm > 0:  # zeros stay out: a median of zeros would refuse every nonzero contribution
+        st = _with_fragment(st, p, fs._replace(norms=(fs.norms + (norm,))[-cfg.norm_window:]))
     m, inc = h["learner"], h["incarnation"]
     st = st._replace(last_seq={**st.last_seq, (m, inc): h["seq"]})
     if inc > st.live[m]:  # a restarted learner: every older incarnation is dead from now on;
@@ -264,29 +282,57 @@ def _merge(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
            now: float) -> tuple[SyncerState, tuple]:
     fs = st.fragments[p]
     inside = [c for c in fs.contributions if c.key[0] in decision.admitted]
-    weights = [merging.token_weight(c.c_tokens, c.c_steps) for c in inside]
     fs = fs._replace(round=None, contributions=())
-    if not inside or sum(weights) <= 0:  # nothing with weight: no step, nothing published
-        st = _with_fragment(st, p, fs)
-        return st, tuple(Outcome(c.key, "excluded") for c in inside)
+    st = _with_fragment(st, p, fs)
     method = cfg.embedding_merge if fs.spec.embedding else cfg.merge
     deltas = [merging.pseudo_gradient(_anchor(cfg, fs, c), c.local) for c in inside]
-    delta = merging.merge(deltas, weights, method)
-    if cfg.scale == "live" and len(inside) < len(st.live):
-        delta = {path: x * np.float32(len(inside) / len(st.live)) for path, x in delta.items()}
-    theta, outer_state = _outer_step(cfg.outer, fs.theta, fs.outer_state, delta)
-    theta = {path: np.asarray(x) for path, x in theta.items()}
-    version = fs.version + 1
-    keys = tuple(c.key for c in inside)
-    st, publish = _publish(cfg, st, fs._replace(theta=theta, outer_state=outer_state, version=version), p, keys)
+    dropped: tuple = ()
+    while True:
+        weights = [merging.token_weight(c.c_tokens, c.c_steps) for c in inside]
+        if not inside or sum(weights) <= 0:  # nothing with weight: no step, nothing published
+            return st, dropped + tuple(Outcome(c.key, "excluded") for c in inside)
+        stepped = _step(cfg, st, fs, p, deltas, weights, method, tuple(c.key for c in inside))
+        if stepped is not None:
+            break
+        # Non-finite: drop the largest pseudo-gradient (every one was finite, so only size can
+        # overflow) and merge the rest; Theta, its optimizer state and the version stay as they were.
+        worst = max(range(len(inside)), key=lambda i: merging.global_norm(deltas[i]))
+        c = inside.pop(worst)
+        del deltas[worst]
+        st, quarantined = _quarantine(st, "overflow", c.key, now, f"merging it into fragment {p} "
+                                      f"version {fs.version + 1} would make Theta non-finite")
+        dropped += quarantined
+    st, publish, delta = stepped
     record = {
-        **_record("merge", decision, None), "version": version, "method": method,
+        **_record("merge", decision, None), "version": fs.version + 1, "method": method,
         "learners": [c.key[0] for c in inside], "weights": weights,
         "staleness": [fs.version - c.base_version for c in inside],
         "delta_norm": merging.global_norm(delta),
     }
     st = st._replace(merges=st.merges + 1, decisions=st.decisions.add(record))
-    return st, (publish,) + tuple(Outcome(c.key, "merged") for c in inside)
+    return st, dropped + (publish,) + tuple(Outcome(c.key, "merged") for c in inside)
+
+
+def _step(cfg: Policy, st: SyncerState, fs: FragmentState, p: int, deltas: list, weights: list[float],
+          method: str, keys: tuple[tuple[int, int, int], ...]) -> tuple[SyncerState, Publish, Values] | None:
+    """Merge, take the outer step and publish; None if anything published or kept would be
+    non-finite (an encoder would refuse it, and a non-finite Theta never recovers)."""
+    delta = merging.merge(deltas, weights, method)
+    if cfg.scale == "live" and len(deltas) < len(st.live):
+        delta = {path: x * np.float32(len(deltas) / len(st.live)) for path, x in delta.items()}
+    theta, outer_state = _outer_step(cfg.outer, fs.theta, fs.outer_state, delta)
+    theta = {path: np.asarray(x) for path, x in theta.items()}
+    prev = fs.refs[-1][1]
+    with np.errstate(over="ignore", invalid="ignore"):  # theta - prev: the delta every broadcast encodes
+        if not (bounds.finite(jax.tree.leaves((delta, theta, outer_state)))
+                and bounds.finite(theta[path] - prev[path] for path in prev)):
+            return None
+    fs = fs._replace(theta=theta, outer_state=outer_state, version=fs.version + 1)
+    try:
+        st, publish = _publish(cfg, st, fs, p, keys)
+    except (NonFiniteError, messages.MessageError):  # the broadcast codec's rounding overflowed
+        return None
+    return st, publish, delta
 
 
 def _anchor(cfg: Policy, fs: FragmentState, c: Contribution) -> Values:

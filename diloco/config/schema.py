@@ -167,6 +167,9 @@ class SyncerConfig:
     # Loose on purpose: the learning-rate warmup alone moves the per-step norm several-fold.
     norm_bound: float = 100.0
     norm_window: int = 32
+    # Armed from a fragment's first contribution, before the median has a window: quarantine a norm
+    # per inner step above theta_norm_bound x (||Theta_p|| + sqrt(size of p)); 0 = no bound.
+    theta_norm_bound: float = 100.0
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,16 @@ from typing import Any, Callable, NamedTuple, TypeVar
 
 import tensorstore as ts
 
+from diloco.algo.bounds import loads_json
+
 _SCHEMES = ("file", "memory", "gs", "s3")
 # A portable key: what GCS, S3 and every local filesystem accept alike, without "." / ".." parts.
 _KEY = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
 _LOCK_SUFFIX = ".__lock"  # the file driver's temp name; such keys are invalid there
 _PREFIX = re.compile(r"^([A-Za-z0-9_.-]+/)*[A-Za-z0-9_.-]*$")
+# Pointers, acks and control objects nest a few levels; json.loads alone would raise RecursionError
+# on a small object nested 1,000 deep (docs/algorithm.md#bounds-on-what-a-frame-can-claim).
+_MAX_DEPTH = 64
 
 
 def _check_key(key: str) -> str:
@@ -162,8 +167,8 @@ def _json(store: BlobStore, key: str) -> Any:
     if raw is None:
         return None
     try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+        return loads_json(raw, _MAX_DEPTH)
+    except ValueError as e:  # UnicodeDecodeError and a nesting too deep are ValueErrors too
         raise ValueError(f"{store.url} {key}: not UTF-8 JSON ({e}): {raw[:80]!r}") from None
 
 

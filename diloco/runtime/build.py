@@ -38,13 +38,18 @@ def outer_optimizer(cfg: TrainConfig):
 
 
 def policy(cfg: TrainConfig) -> sync.Policy:
+    """The syncer's rules, with the bounds a contribution's claims are checked against: the run's own
+    up codec only, at most run.steps steps and one full batch of tokens per step."""
     s, c = cfg.syncer, cfg.codec
+    up_spec = codec_spec(c.up, c.error_feedback, c.zstd_level, block=c.block, topk_fraction=c.topk_fraction)
     grace = quorum.GraceConfig(K=s.quorum, gamma=s.gamma, cap_steps=s.grace_cap_steps, tau=cfg.fragments.tau)
     down = None if c.down == "fp32" else make_codec(c.down, block=c.block, topk_fraction=c.topk_fraction)
     down_spec = codec_spec(c.down, block=c.block, topk_fraction=c.topk_fraction)
     return sync.Policy(grace, outer_optimizer(cfg), s.merge, s.embedding_merge,
                        None if s.max_staleness < 0 else s.max_staleness, s.history, down, down_spec,
-                       grace_budget=s.grace_budget, anchor=s.anchor, scale=s.scale, norm_bound=s.norm_bound, norm_window=s.norm_window)
+                       grace_budget=s.grace_budget, anchor=s.anchor, scale=s.scale, norm_bound=s.norm_bound,
+                       norm_window=s.norm_window, up_spec=up_spec, max_steps=cfg.run.steps,
+                       step_tokens=cfg.data.batch_size * cfg.data.seq_len, theta_norm_bound=s.theta_norm_bound)
 
 
 def learner_meshes(cfg: TrainConfig) -> list:
