@@ -7,6 +7,7 @@ checkpoint is never listed; `restore_latest` still falls back to older steps if 
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,15 @@ log = logging.getLogger(__name__)
 
 
 def open_manager(directory: str | Path, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
-    """A CheckpointManager over `directory`; the caller closes it (it owns background threads)."""
+    """A CheckpointManager over `directory`; the caller closes it (it owns background threads).
+
+    A process killed mid-save leaves `<step>.orbax-checkpoint-tmp-*`: never listed as a step, but
+    kept on disk for the rest of the run, so the next owner of the directory removes it here."""
+    root = Path(directory)
+    if root.is_dir():
+        for torn in root.glob("*.orbax-checkpoint-tmp*"):
+            log.warning("removing torn checkpoint %s (a save that never finished)", torn)
+            shutil.rmtree(torn, ignore_errors=True)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep or None,
         enable_async_checkpointing=async_save,
