@@ -72,9 +72,9 @@ class SyncerHost:
                 self.step(m, inc, e.start, e.end, e.tokens, now)
                 self.on_step(e)
             self.sent(m, inc, e.end if isinstance(e, ev.StepDone) else e.at, e.sends, e.frames)
-            for frame in e.frames if deliver else ():
+            for (_, seq), frame in zip(e.sends, e.frames) if deliver else ():
                 if frame is not None:
-                    self.deliver(Input("contribution", now, bytes(frame)))
+                    self.deliver(Input("contribution", now, bytes(frame)), sent=(m, inc, seq))
         elif isinstance(e, ev.Applied):
             self.applied(m, inc, e.fragments)
         elif isinstance(e, ev.Died):
@@ -150,7 +150,10 @@ class SyncerHost:
         return tuple(sorted((m, self.incarnations[m]) for m in self.alive))
 
     # --- the syncer ------------------------------------------------------------------------------
-    def deliver(self, event: Input) -> None:
+    def deliver(self, event: Input, sent: tuple[int, int, int] | None = None) -> None:
+        """Give the syncer one input. `sent`: the key of the send whose frame this is, known from the
+        event that named it, so a frame too damaged to name itself (checksum, truncation, header)
+        still resolves its tokens, as dropped, instead of staying in flight forever."""
         self.inputs_seen += 1
         if self.inputs is not None:
             self.inputs.append(event)
@@ -158,8 +161,8 @@ class SyncerHost:
         for a in actions:
             if isinstance(a, sync.SetDeadline):
                 self.on_deadline(a.fragment, a.at)
-            elif isinstance(a, sync.Outcome) and a.key is not None:
-                self.tokens = ledger.resolve(self.tokens, a.key, a.outcome, a.into)
+            elif isinstance(a, sync.Outcome) and (a.key is not None or sent is not None):
+                self.tokens = ledger.resolve(self.tokens, a.key or sent, a.outcome, a.into)
             elif isinstance(a, sync.Publish):
                 self.on_publish(a)
                 if self.learners_fetch:
