@@ -57,12 +57,6 @@ def step_split(start: float, end: float, share: float) -> float:
     return end if share >= 1.0 else start + max(0.0, share) * (end - start)
 
 
-def add_step(led: TimeLedger, learner: int, start: float, end: float, share: float) -> TimeLedger:
-    split = step_split(start, end, share)
-    led = add_time(led, learner, "compute", start, split)
-    return add_time(led, learner, "degraded", split, end) if split < end else led
-
-
 def seconds(led: TimeLedger) -> dict[int, dict[str, float]]:
     """Per learner, seconds in each state."""
     iv = intervals(led)

@@ -1,7 +1,7 @@
 """A llama.cpp GGUF file read as if it were a Hugging Face checkpoint: config.json, HF tensor names
 and (PyTorch) layout, and a `tokenizers.Tokenizer` rebuilt from the metadata.
 
-Reference: the GGUF spec (ggml/docs/gguf.md); llama.cpp's convert_hf_to_gguf.py (whose changes to
+Reference: the GGUF specification (gguf.md in the ggml repository); llama.cpp's convert_hf_to_gguf.py (whose changes to
 the tensors are undone here) and src/llama-vocab.cpp (whose tokenizer settings are rebuilt here).
 """
 

@@ -110,7 +110,8 @@ def generate(model: Model, cfg: ModelConfig, prompts: Sequence[Sequence[int]], m
     tokens_BxP, mask_BxP = left_pad(prompts)
     B = len(prompts)
     cache = init_cache(cfg, B, tokens_BxP.shape[1] + max_new_tokens)
-    stop = jnp.asarray(sorted(set(stop_ids)) or [-1], jnp.int32)
+    stop_set = set(stop_ids)
+    stop = np.asarray(sorted(stop_set) or [-1])
 
     def prefill(params, tokens_BxP, mask_BxP, cache, key):
         logits_BxPxV, cache = model.decode(params, tokens_BxP, mask_BxP, cache)
@@ -129,7 +130,7 @@ def generate(model: Model, cfg: ModelConfig, prompts: Sequence[Sequence[int]], m
     next_B, cache = prefill_c(params, tokens_BxP, mask_BxP, cache, keys[0])
     out = [np.asarray(next_B)]
     t2 = time.perf_counter()
-    done_B = np.isin(out[0], np.asarray(stop))
+    done_B = np.isin(out[0], stop)
     decoded = 0
     if on_step:
         on_step(out[0])
@@ -139,14 +140,14 @@ def generate(model: Model, cfg: ModelConfig, prompts: Sequence[Sequence[int]], m
         decoded += int((~done_B).sum())
         next_B, cache = step_c(params, next_B, cache, keys[i])
         out.append(np.asarray(next_B))
-        done_B |= np.isin(out[-1], np.asarray(stop))
+        done_B |= np.isin(out[-1], stop)
         if on_step:
             on_step(out[-1])
     t3 = time.perf_counter()
     steps_BxT = np.stack(out, axis=1)
     rows, stopped = [], []
     for row in steps_BxT.tolist():
-        hits = [j for j, t in enumerate(row) if t in set(stop_ids)]
+        hits = [j for j, t in enumerate(row) if t in stop_set]
         rows.append(row[:hits[0]] if hits else row)
         stopped.append(bool(hits))
     return Generated(rows, stopped, t1 - t0, t2 - t1, t3 - t2, decoded)

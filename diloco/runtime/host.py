@@ -95,12 +95,10 @@ class SyncerHost:
         """A step of `tokens`: fewer than a full batch means slices were down, and that share of
         the step's chip time is booked "degraded", not compute (goodput counts live chips)."""
         share = tokens / (self.setup.spec.batch_size * self.setup.spec.seq_len)
-        if self.learners_fetch:
-            split = timeline.step_split(start, end, share)
-            self.book_time(m, "compute", start, split)
+        split = timeline.step_split(start, end, share)
+        self.book_time(m, "compute", start, split)
+        if split < end:
             self.book_time(m, "degraded", split, end)
-        else:
-            self.time = timeline.add_step(self.time, m, start, end, share)
         self.tokens = ledger.process(self.tokens, m, inc, tokens)
         self.deliver(Input("step_time", now, (m, end - start)))
 
