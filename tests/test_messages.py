@@ -185,7 +185,7 @@ def test_admission_reasons():
     assert admit(max_staleness=2) == "stale"
     assert admit(learner=9) == "unknown_learner"
     assert admit(incarnation=1) == "dead_incarnation"
-    assert admit(incarnation=3) is None  # a restart the syncer has not heard of yet
+    assert admit(incarnation=3) == "unknown_incarnation"  # a restart is the runtime's to report
     assert admit(seq=10) == "duplicate"
     assert admit(seq=3) == "duplicate"
     assert admit(base_version=9) == "future_version"

@@ -86,10 +86,10 @@ def run_sim(cfg, setup, before_merge=None):
     if before_merge is not None:
         plain = sim._on_contribution
 
-        def spy(frame):
+        def spy(frame, sent=None):
             merges = sim.syncer.merges
             snapshot = before_merge(sim)
-            plain(frame)
+            plain(frame, sent)
             if sim.syncer.merges > merges:
                 snapshot()
         sim._on_contribution = spy
@@ -292,9 +292,9 @@ def test_bytes_are_the_serialized_frames_and_int4_payloads_are_analytic(tmp_path
     sim = Sim(cfg, setup, None, None)
     plain_contribution, plain_transmit = sim._on_contribution, sim.host.transport
 
-    def on_contribution(frame):
+    def on_contribution(frame, sent=None):
         up.append(frame)
-        plain_contribution(frame)
+        plain_contribution(frame, sent)
 
     def transmit(m, frame, fragment, full):
         down.append(frame)
@@ -344,6 +344,7 @@ def test_unit_applies_broadcast_deltas_and_drops_what_it_cannot_decode(tmp_path,
         unit = LearnerUnit(spec, 0, incarnation, setup.compiled[0], anchors, step=st.fragments[0].version)
         (frame,) = unit.step().frames
         local = host(unit)
+        st, _ = sync.on_live_change(setup.policy, st, {0: incarnation}, now=float(unit.ls.step))
         st, actions = sync.on_contribution(setup.policy, st, frame, now=float(unit.ls.step))
         (pub,) = [a for a in actions if isinstance(a, sync.Publish)]
         # The first incarnation gets a delta against the version it holds; a restarted incarnation

@@ -40,8 +40,8 @@ def _bad_frame(case):
         tensors, payload, _ = messages.pack_fragment(local, codec)
         tensors[-1]["nbytes"] -= 5  # header consistent with the cut payload: only zstd can tell
         return raw_frame(tensors, payload[:-5], learner=1, spec="fp32+zstd1"), key, "codec_error"
-    if case == "duplicate":
-        return frame(local, THETA0[0], learner=0, seq=1), (0, 0, 1), "duplicate"
+    if case == "duplicate":  # unattributed: its key is the original's, which is in the open round
+        return frame(local, THETA0[0], learner=0, seq=1), None, "duplicate"
     if case == "dead_incarnation":
         return frame(local, THETA0[0], learner=0, inc=0, seq=9), (0, 0, 9), "dead_incarnation"
     if case == "unknown_learner":
@@ -62,6 +62,7 @@ def test_quarantine_leaves_theta_bit_identical(case):
     good0 = shifted(THETA0[0], 1)
     # learner 0 is already in the open round (incarnation 1 for the dead-incarnation case)
     inc = 1 if case == "dead_incarnation" else 0
+    st, _ = sync.on_live_change(pol, st, {0: inc, 1: 0}, 0.0)
     st, _ = sync.on_contribution(pol, st, frame(good0, THETA0[0], learner=0, inc=inc, seq=1), 0.0)
     before = st
     snapshot = {p: x.tobytes() for p, x in sync.theta(st).items()}
@@ -84,13 +85,23 @@ def test_quarantine_leaves_theta_bit_identical(case):
         np.testing.assert_allclose(st.fragments[0].theta[p], (good0[p] + good1[p]) / 2, rtol=1e-6)
 
 
-def test_higher_incarnation_makes_the_older_one_dead():
+def test_incarnations_come_from_the_runtime_never_from_a_frame():
+    """A frame claiming incarnation + 1 is refused and changes nothing (issue: one such frame made
+    every later frame of the real learner dead_incarnation); once the runtime reports the restart,
+    the new incarnation is admitted and the old one is dead."""
     pol = policy(K=2)
     st = start(pol)
-    st, _ = sync.on_contribution(pol, st, frame(THETA0[0], THETA0[0], learner=1, inc=2, seq=1), 0.0)
-    assert st.live == {0: 0, 1: 2} and st.last_seq == {(1, 2): 1}
-    st, actions = sync.on_contribution(pol, st, frame(THETA0[0], THETA0[0], learner=1, inc=1, seq=5), 0.0)
-    assert actions == (sync.Outcome((1, 1, 5), "quarantined:dead_incarnation"),)
+    before = st
+    st, actions = sync.on_contribution(pol, st, frame(THETA0[0], THETA0[0], learner=1, inc=2, seq=1), 0.0)
+    assert actions == (sync.Outcome((1, 2, 1), "quarantined:unknown_incarnation"),)
+    assert st.live == before.live and st.last_seq == {} and st.fragments is before.fragments
+    st, actions = sync.on_contribution(pol, st, frame(THETA0[0], THETA0[0], learner=1, inc=0, seq=1), 0.0)
+    assert actions == () and st.last_seq == {(1, 0): 1}  # the real learner is unharmed
+    st, _ = sync.on_live_change(pol, st, {0: 0, 1: 2}, 1.0)
+    st, actions = sync.on_contribution(pol, st, frame(THETA0[0], THETA0[0], learner=1, inc=2, seq=1), 1.0)
+    assert st.last_seq[(1, 2)] == 1
+    st, actions = sync.on_contribution(pol, st, frame(THETA0[0], THETA0[0], learner=1, inc=0, seq=5), 1.0)
+    assert actions == (sync.Outcome((1, 0, 5), "quarantined:dead_incarnation"),)
 
 
 @pytest.mark.parametrize("spec", ["topk+k1.0", "topk+zstd1+k1.0", "fp32+zstd1"])

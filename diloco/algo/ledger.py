@@ -123,7 +123,8 @@ def _dropped_plus(led: TokenLedger, reason: str, fragment: int, tokens: int) -> 
 
 def resolve(led: TokenLedger, key: MessageKey, outcome: str, into: MessageKey | None = None) -> TokenLedger:
     """The fate of a sent contribution: "merged", "lost" (in transit), "carried" (a newer
-    contribution `into` of the same learner holds its progress and takes its tokens), or a drop reason.
+    contribution `into` of the same learner holds its progress and takes its tokens; "excluded" if
+    `into` is not in flight for the same fragment), or a drop reason.
 
     A message that is not in flight (a duplicate delivery, or a header naming a message never sent)
     carries no tokens of its own: it only counts in `unmatched`.
@@ -137,10 +138,12 @@ def resolve(led: TokenLedger, key: MessageKey, outcome: str, into: MessageKey | 
     if outcome == "lost":
         return led._replace(in_flight=in_flight, lost=_add(led.lost, fragment, tokens))
     if outcome == "carried":
-        if into not in in_flight or in_flight[into][0] != fragment:
-            raise LedgerError(f"{key} carried into {into}, which is not in flight for fragment {fragment}")
-        in_flight[into] = (fragment, in_flight[into][1] + tokens)
-        return led._replace(in_flight=in_flight)
+        if into in in_flight and in_flight[into][0] == fragment:
+            in_flight[into] = (fragment, in_flight[into][1] + tokens)
+            return led._replace(in_flight=in_flight)
+        # Replaced by a frame no send booked (forged, or from a runtime that lost the send): its
+        # tokens cannot ride in it, so they count as left out; the syncer never crashes on a key.
+        outcome = "excluded"
     return led._replace(in_flight=in_flight, dropped=_dropped_plus(led, outcome, fragment, tokens))
 
 

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from diloco.algo import auth
 from diloco.algo.bounds import loads_json
 from diloco.algo.codecs import Codec, CodecError, NonFiniteError, make_codec
 
@@ -44,10 +45,13 @@ DTYPES = ("float32",)  # the wire dtype; codecs decode to float32 and merges run
 
 # Frame and header faults (decode), payload faults (unpack_fragment), admission faults (check_admission).
 FRAME_REASONS = ("bad_magic", "bad_header", "truncated", "trailing_bytes", "too_large", "checksum",
-                 "bad_counter")
+                 "bad_counter",
+                 "unauthenticated")  # its tag does not verify: nothing in the header can be believed
 PAYLOAD_REASONS = ("wrong_codec", "wrong_shape", "wrong_dtype", "codec_error", "non_finite")
 ADMISSION_REASONS = (
-    "wrong_kind", "unknown_learner", "unknown_fragment", "dead_incarnation", "duplicate",
+    "wrong_kind", "unknown_learner", "unknown_fragment", "dead_incarnation",
+    "unknown_incarnation",  # newer than the live one: incarnations come from the runtime, never a frame
+    "duplicate",
     "future_version", "stale", "exploding_norm",
     "overflow",  # admitted, but merging it would make Theta non-finite: dropped from the merge
 )
@@ -59,7 +63,8 @@ _INT_FIELDS = ("learner", "incarnation", "seq", "fragment", "base_version", "ver
 HEADER_FIELDS = ("kind", *_INT_FIELDS, "codec", "delta_against", "tensors", "checksum")
 # A broadcast (kind "fragment") may list the contributions its merge took in, as [learner,
 # incarnation, seq]: a learner applies a merge at its tau step only if it answers its own send.
-OPTIONAL_FIELDS = ("merged",)
+# A contribution of a run that authenticates learners carries an HMAC tag (diloco/algo/auth.py).
+OPTIONAL_FIELDS = ("merged", auth.MAC_FIELD)
 
 
 class MessageError(ValueError):
@@ -163,6 +168,8 @@ def validate_header(header: Any) -> None:
         raise _bad(f"a delta against version {d} cannot publish version {header['version']}")
     if not isinstance(header["checksum"], str):
         raise _bad(f"checksum must be str, got {header['checksum']!r}")
+    if not isinstance(header.get(auth.MAC_FIELD, ""), str):
+        raise _bad(f"mac must be str, got {str(header[auth.MAC_FIELD])[:40]!r}")
     _check_tensors(header["tensors"])
     _check_merged(header)
     total = sum(t["nbytes"] for t in header["tensors"])
@@ -170,10 +177,13 @@ def validate_header(header: Any) -> None:
         raise _bad(f"tensors' nbytes sum to {total}, payload_len is {header['payload_len']}")
 
 
-def encode(header: Mapping[str, Any], payload: bytes) -> bytes:
-    """One frame; fills payload_len and checksum, and validates the header so bad frames never leave."""
+def encode(header: Mapping[str, Any], payload: bytes, key: bytes | None = None) -> bytes:
+    """One frame; fills payload_len and checksum, and validates the header so bad frames never leave.
+    `key`: the sending learner's authentication key; the frame then carries its tag."""
     full = dict(header, payload_len=len(payload), checksum=checksum(payload))
     validate_header(full)
+    if key is not None:
+        full[auth.MAC_FIELD] = auth.tag(key, full, bytes(payload))
     raw = json.dumps(full, separators=(",", ":"), allow_nan=False).encode("utf-8")
     return _PREFIX.pack(MAGIC, len(raw)) + raw + bytes(payload)
 
@@ -388,9 +398,9 @@ def check_admission(
     """Why the syncer must not admit a validated contribution, or None to admit it.
 
     `known_learners` maps learner -> live incarnation, `last_seq` (learner, incarnation) -> highest
-    seq admitted, `current_version` is the syncer's version of the header's fragment. A higher
-    incarnation than the live one is admitted: the learner restarted, and the caller records it as
-    live, which makes every older incarnation dead (docs/algorithm.md#failures-and-rejoin).
+    seq admitted, `current_version` is the syncer's version of the header's fragment. Only the live
+    incarnation is admitted: an older one is dead, and a newer one is refused until the runtime
+    reports the restart (docs/algorithm.md#failures-and-rejoin), so a frame cannot kill a learner.
     `max_steps` bounds c_steps and `step_tokens` the tokens of one step (c_tokens <= c_steps x
     step_tokens): the counters weigh the merge, so a frame may claim no more than a learner can do
     (docs/algorithm.md#bounds-on-what-a-frame-can-claim).
@@ -404,6 +414,8 @@ def check_admission(
         return "unknown_fragment"
     if inc < known_learners[m]:
         return "dead_incarnation"
+    if inc > known_learners[m]:  # a restart is reported by the runtime (on_live_change), never by a frame
+        return "unknown_incarnation"
     if (m, inc) in last_seq and header["seq"] <= last_seq[(m, inc)]:
         return "duplicate"
     staleness = current_version - header["base_version"]

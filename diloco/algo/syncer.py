@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from diloco.algo import merge as merging
-from diloco.algo import bounds, messages, outer, quorum
+from diloco.algo import auth, bounds, messages, outer, quorum
 from diloco.algo.codecs import Codec, NonFiniteError
 from diloco.algo.eventlog import Records
 from diloco.algo.fragments import Fragment, Path
@@ -76,6 +76,9 @@ class Policy(NamedTuple):
     # Armed from the first contribution: a norm per step above theta_norm_bound x (||Theta_p|| +
     # sqrt(size_p)) is quarantined (0 = off). Loose; it keeps e.g. a finite 1e30 out of the merge.
     theta_norm_bound: float = 100.0
+    # The run secret when learners are authenticated (docs/algorithm.md#authenticated-learners): a
+    # contribution whose tag does not verify under its learner's key is quarantined unattributed.
+    auth: auth.Secret | None = None
 
 
 class Contribution(NamedTuple):
@@ -163,6 +166,10 @@ def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> t
     except messages.MessageError as e:
         return _quarantine(st, e.reason, None, now, e.detail)
     h = msg.header
+    if cfg.auth is not None:
+        why = auth.verify(cfg.auth, h, msg.payload)
+        if why:  # nothing its header says is believed, its key least of all
+            return _quarantine(st, "unauthenticated", None, now, why)
     key = (h["learner"], h["incarnation"], h["seq"])
     p = h["fragment"]
     version = st.fragments[p].version if 0 <= p < len(st.fragments) else 0
@@ -172,6 +179,9 @@ def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> t
     if reason == "bad_counter":
         return _quarantine(st, reason, key, now, f"c_steps {h['c_steps']} (at most {cfg.max_steps}), "
                            f"c_tokens {h['c_tokens']} (at most {cfg.step_tokens} per step)")
+    if reason == "duplicate":  # its key is an earlier frame's, maybe in the open round: not this one's to book
+        return _quarantine(st, reason, None, now, f"seq {h['seq']} <= {st.last_seq[(key[0], key[1])]} of "
+                           f"learner {key[0]} incarnation {key[1]}")
     if reason is not None:
         return _quarantine(st, reason, key, now, f"fragment {p} base {h['base_version']} now {version}")
     if cfg.up_spec is not None and h["codec"] != cfg.up_spec:  # before decoding allocates anything
@@ -192,11 +202,7 @@ def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> t
         return _quarantine(st, "exploding_norm", key, now, why)
     if norm > 0:  # zeros stay out: a median of zeros would refuse every nonzero contribution
         st = _with_fragment(st, p, fs._replace(norms=(fs.norms + (norm,))[-cfg.norm_window:]))
-    m, inc = h["learner"], h["incarnation"]
-    st = st._replace(last_seq={**st.last_seq, (m, inc): h["seq"]})
-    if inc > st.live[m]:  # a restarted learner: every older incarnation is dead from now on;
-        # what it holds is unknown, so its next broadcast of every fragment is a full copy
-        st = st._replace(live={**st.live, m: inc}, held={**st.held, m: (-1,) * len(st.fragments)})
+    st = st._replace(last_seq={**st.last_seq, (h["learner"], h["incarnation"]): h["seq"]})
     local = {path: ref[path] - wire[path] for path in ref}
     contribution = Contribution(key, h["base_version"], h["c_steps"], h["c_tokens"], local, now)
     return _admit(cfg, st, p, contribution, now)
@@ -211,9 +217,11 @@ def _admit(cfg: Policy, st: SyncerState, p: int, c: Contribution, now: float) ->
     if decision.reason == quorum.REPEAT:  # the newer contribution of the same learner replaces the older
         old = [x for x in fs.contributions if x.key[0] == c.key[0]]
         kept = tuple(x for x in fs.contributions if x.key[0] != c.key[0]) + (c,)
-        # Against the same base the newer one is the older plus later steps (the learner applied
-        # nothing in between), so the older one's tokens ride in it; otherwise they are lost.
-        actions += tuple(Outcome(x.key, "carried", c.key) if x.base_version == c.base_version
+        # Of the same incarnation and against the same base, the newer one is the older plus later
+        # steps (the learner applied nothing in between), so the older one's tokens ride in it;
+        # otherwise (another base, or a restarted learner's first frame) they are lost.
+        actions += tuple(Outcome(x.key, "carried", c.key)
+                         if x.base_version == c.base_version and x.key[1] == c.key[1]
                          else Outcome(x.key, "excluded") for x in old)
         fs = fs._replace(round=rnd, contributions=kept)
     elif decision.action == quorum.MERGE and c.key[0] in decision.late:

@@ -7,6 +7,7 @@ as the rules that hold between the settings.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from diloco.algo.codecs import CODECS
@@ -148,6 +149,9 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
           f"runtime.step_period_s={r.step_period_s} paces the wall-clock runtimes (threads, procs); "
           f"sim steps take runtime.step_time={r.step_time} virtual seconds")
     check(e, r.rejoin_at in ("own", "schedule"), f"runtime.rejoin_at={r.rejoin_at!r} must be own or schedule")
+    check(e, r.auth in ("auto", "on", "off"), f"runtime.auth={r.auth!r} not in auto|on|off")
+    check(e, re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", r.auth_secret_env) is not None,
+          f"runtime.auth_secret_env={r.auth_secret_env!r} is not an environment variable name")
     check(e, r.rejoin_at != "schedule" or r.step_period_s > 0,
           f"runtime.rejoin_at=schedule needs runtime.step_period_s > 0 (got {r.step_period_s}): "
           "without a paced schedule there is no step the other learners are at")

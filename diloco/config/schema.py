@@ -201,6 +201,14 @@ class RuntimeConfig:
     restart_s: float = 5.0  # seconds from a learner's slices returning to its first step again
     learner_checkpoint_every: int = 50  # inner steps between a learner's own checkpoints; 0 = never
     store_url: str = ""  # procs: object store of the run's traffic (gs://..., s3://...); "" = <run dir>/store
+    # Learner authentication (docs/algorithm.md#authenticated-learners): each contribution carries an
+    # HMAC tag under its learner's key, derived from a run secret. auto = on where frames cross a
+    # process boundary (procs), off in-process (sim, threads). The secret is read from the file
+    # auth_secret_file, else from the environment variable auth_secret_env; if neither is set a
+    # random one is made for the run (one host only: hosts of a cluster must share it). Never logged.
+    auth: str = "auto"  # auto | on | off
+    auth_secret_env: str = "DILOCO_AUTH_SECRET"
+    auth_secret_file: str = ""
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,16 @@ Kept apart from the runtimes so that sim, threads and procs build exactly the sa
 
 from __future__ import annotations
 
+import os
+import secrets
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from diloco.algo import quorum
+from diloco.algo.auth import MIN_SECRET_BYTES, Secret
 from diloco.algo import syncer as sync
 from diloco.algo.codecs import make_codec
 from diloco.algo.fragments import Fragment, extract, make_fragments, make_schedule
@@ -37,6 +41,37 @@ def outer_optimizer(cfg: TrainConfig):
     return make_outer(o.name, lr=o.lr, momentum=o.momentum, N=o.delay)
 
 
+# Where frames cross a process boundary (an object store another process can write to) learners
+# are authenticated unless the config says otherwise; in one process there is no one to forge them.
+AUTH_BY_DEFAULT = ("procs",)
+
+
+def auth_secret(cfg: TrainConfig) -> Secret | None:
+    """The run secret when runtime.auth is on (docs/algorithm.md#authenticated-learners): from
+    runtime.auth_secret_file, else the environment variable runtime.auth_secret_env, else a new
+    random one, put into that variable so this process's children (procs) share it. Errors name the
+    file or variable, never their contents."""
+    r = cfg.runtime
+    if r.auth == "off" or (r.auth == "auto" and r.kind not in AUTH_BY_DEFAULT):
+        return None
+    if r.auth_secret_file:
+        try:
+            raw = Path(r.auth_secret_file).expanduser().read_bytes().rstrip(b"\r\n")
+        except OSError as e:
+            raise ConfigError(f"runtime.auth_secret_file={r.auth_secret_file!r} cannot be read: "
+                              f"{e.strerror or e}") from None
+        where = f"runtime.auth_secret_file={r.auth_secret_file!r}"
+    elif os.environ.get(r.auth_secret_env):
+        raw, where = os.environ[r.auth_secret_env].encode("utf-8"), f"${r.auth_secret_env}"
+    else:
+        os.environ[r.auth_secret_env] = secrets.token_hex(32)
+        raw, where = os.environ[r.auth_secret_env].encode("utf-8"), "a random secret"
+    if len(raw) < MIN_SECRET_BYTES:
+        raise ConfigError(f"the authentication secret in {where} has {len(raw)} bytes; it needs at "
+                          f"least {MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32`)")
+    return Secret(raw)
+
+
 def policy(cfg: TrainConfig) -> sync.Policy:
     """The syncer's rules, with the bounds a contribution's claims are checked against: the run's own
     up codec only, at most run.steps steps and one full batch of tokens per step."""
@@ -49,7 +84,8 @@ def policy(cfg: TrainConfig) -> sync.Policy:
                        None if s.max_staleness < 0 else s.max_staleness, s.history, down, down_spec,
                        grace_budget=s.grace_budget, anchor=s.anchor, scale=s.scale, norm_bound=s.norm_bound,
                        norm_window=s.norm_window, up_spec=up_spec, max_steps=cfg.run.steps,
-                       step_tokens=cfg.data.batch_size * cfg.data.seq_len, theta_norm_bound=s.theta_norm_bound)
+                       step_tokens=cfg.data.batch_size * cfg.data.seq_len, theta_norm_bound=s.theta_norm_bound,
+                       auth=auth_secret(cfg))
 
 
 def learner_meshes(cfg: TrainConfig) -> list:
@@ -89,4 +125,6 @@ def new_unit(setup: Setup, learner: int, incarnation: int, syncer_state: sync.Sy
     Learners beyond the sub-meshes built (scavenged ones, in sim) share them round-robin."""
     anchors = {p: (fs.refs[-1][0], fs.refs[-1][1]) for p, fs in enumerate(syncer_state.fragments)}
     compiled = setup.compiled[learner % len(setup.compiled)]
-    return LearnerUnit(setup.spec, learner, incarnation, compiled, anchors, step)
+    secret = setup.policy.auth
+    key = None if secret is None else secret.learner_key(learner)
+    return LearnerUnit(setup.spec, learner, incarnation, compiled, anchors, step, key)

@@ -8,6 +8,7 @@ Reference: docs/design.md#ledgers and docs/design.md#learner-events.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from diloco.algo import ledger, timeline, traffic
@@ -16,6 +17,8 @@ from diloco.algo.replay import Input, apply as deliver
 from diloco.runtime import events as ev
 from diloco.runtime.build import Setup
 from diloco.runtime.summary import run_summary
+
+log = logging.getLogger(__name__)
 
 # (learner, frame, fragment, full) -> None: hand a broadcast to the runtime's transport
 Transport = Callable[[int, bytes, int, bool], None]
@@ -51,6 +54,7 @@ class SyncerHost:
         self.inputs_seen = 0  # syncer inputs delivered: where a resumed run's input log continues
         self.done: set[int] = set()  # learners whose Done was booked
         self.finished_at: dict[int, float] = {}  # learner -> time of its Done
+        self.refused_events = 0  # learner events that could not be booked (repeats, forgeries)
 
     def adopt(self, state: sync.SyncerState) -> None:
         """Take a restored syncer state (procs restart), the live set with it."""
@@ -63,6 +67,11 @@ class SyncerHost:
         """Book learner event `e`, which the syncer takes at time `now`. deliver=False: the runtime
         delivers the contributions itself, later (sim's modelled link)."""
         m, inc = e.learner, e.incarnation
+        why = self.unbookable(e)
+        if why:  # a repeated or forged event: booking it would break the ledger's equation
+            self.refused_events += 1
+            log.warning("learner event refused, nothing booked: %s (%s)", why, type(e).__name__)
+            return
         for at, p, nbytes, codec in getattr(e, "fetched", ()):
             self.bytes = traffic.add_bytes(self.bytes, at, nbytes, "down", m, p, codec)
         for start, end in getattr(e, "stalls", ()):
@@ -89,6 +98,28 @@ class SyncerHost:
             self.finished_at[m] = e.at
         else:
             raise TypeError(f"not a learner event: {e!r}")
+
+    def unbookable(self, e: ev.Event) -> str:
+        """Why event `e` cannot be booked as it stands, or "" (checked before any of it is)."""
+        m, inc = e.learner, e.incarnation
+        P = len(self.setup.fragments)
+        if m not in self.incarnations:
+            return f"learner {m} was never started"
+        sends = getattr(e, "sends", ())
+        if isinstance(e, ev.Rejoined) and inc <= self.incarnations[m]:
+            return f"learner {m} is already at incarnation {self.incarnations[m]}, not before {inc}"
+        if isinstance(e, (ev.StepDone, ev.Flushed)) and (m, inc) in self.tokens.dead:
+            return f"learner {m} incarnation {inc} is dead"
+        if any(not 0 <= p < P for p, _ in sends) or any(not 0 <= p < P for p in getattr(e, "fragments", ())):
+            return f"a fragment outside 0..{P - 1}"
+        last = self.time.open.get(m)
+        if isinstance(e, ev.StepDone) and not self.learners_fetch and last is not None and e.start < last[2]:
+            return f"its step from {e.start} overlaps what learner {m} did until {last[2]}"
+        if any((m, inc, seq) in self.tokens.in_flight for _, seq in sends):
+            return f"it repeats a send of learner {m} incarnation {inc} still in flight"
+        if len(set(sends)) != len(sends) or len(getattr(e, "frames", sends)) != len(sends):
+            return "its sends and frames do not pair up"
+        return ""
 
     # --- what learners did ----------------------------------------------------------------------
     def step(self, m: int, inc: int, start: float, end: float, tokens: int, now: float) -> None:
@@ -159,7 +190,7 @@ class SyncerHost:
         for a in actions:
             if isinstance(a, sync.SetDeadline):
                 self.on_deadline(a.fragment, a.at)
-            elif isinstance(a, sync.Outcome) and (a.key is not None or sent is not None):
+            elif isinstance(a, sync.Outcome):  # neither key known: counted as unmatched, no tokens
                 self.tokens = ledger.resolve(self.tokens, a.key or sent, a.outcome, a.into)
             elif isinstance(a, sync.Publish):
                 self.on_publish(a)

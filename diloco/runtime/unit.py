@@ -47,8 +47,11 @@ class LearnerUnit:
     """Owns device state and host anchors; not thread-safe (one driver per unit)."""
 
     def __init__(self, spec: UnitSpec, learner: int, incarnation: int, compiled: Compiled,
-                 anchors: dict[int, tuple[int, dict[Path, np.ndarray]]], step: int = 0):
+                 anchors: dict[int, tuple[int, dict[Path, np.ndarray]]], step: int = 0,
+                 key: bytes | None = None):
+        """key: this learner's authentication key (diloco/algo/auth.py); None = frames go unsigned."""
         self.spec, self.learner, self.compiled = spec, learner, compiled
+        self._key = key
         # anchors[p] = (version, values) applied; latest[p] = newest received (decoding base)
         self.anchors = dict(anchors)
         self.latest = dict(anchors)
@@ -159,7 +162,7 @@ class LearnerUnit:
                   "seq": send.seq, "fragment": send.fragment, "base_version": send.base_version,
                   "version": send.base_version, "c_steps": send.c_steps, "c_tokens": send.c_tokens,
                   "codec": self.spec.up_spec, "delta_against": None, "tensors": tensors}
-        return messages.encode(header, payload)
+        return messages.encode(header, payload, self._key)
 
     def receive(self, frame: bytes) -> tuple[int, int] | None:
         """A broadcast arrived: decode it against the newest version held; (fragment, version) or None."""

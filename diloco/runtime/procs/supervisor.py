@@ -46,6 +46,7 @@ from diloco.runtime.crew import sigterm_as_interrupt
 from diloco.runtime.procs.learner import EXIT_DOWN, died, fingerprint, learner_main
 from diloco.runtime.procs.recovery import restartable
 from diloco.runtime.procs.syncer import rep_key, syncer_main, unpack_theta
+from diloco.runtime import build as build_setup
 from diloco.runtime.build import Setup
 from diloco.runtime.walltape import run_tape
 
@@ -102,6 +103,9 @@ class Procs:
         return self.summary
 
     def _start(self) -> None:
+        # The run secret into this process's environment before any child is spawned, so the syncer
+        # and every learner derive the same keys (a setup built under another runtime made none).
+        build_setup.auth_secret(self.cfg)
         for prefix in _PREFIXES:  # a store left by an earlier run into the same directory
             self.store.delete_prefix(prefix)
         bs.write_control(self.store, "run", {"theta0": fingerprint(self.setup.theta0), "learners": self.M})

@@ -216,7 +216,7 @@ class Sim(HostedRuntime):
                 result = unit.flush()
                 self.host.on_event(ev.Flushed(m, unit.ls.incarnation, self.now, ev.pairs(result.sends),
                                               result.frames), self.now, deliver=False)
-                self._send(m, self.now, result.frames)
+                self._send(m, unit.ls.incarnation, self.now, result.sends, result.frames)
             return
         log = report.due(unit.ls.step + 1, self.cfg.run.log_every, self.cfg.run.steps)
         result = unit.step(fetch_loss=log, rows=self._rows(m))
@@ -229,7 +229,7 @@ class Sim(HostedRuntime):
         step = ev.StepDone(m, inc, unit.ls.step, self.now, end, result.tokens, ev.pairs(result.sends),
                            result.frames, loss=result.loss)
         self.host.on_event(step, self.now, deliver=False)  # the modelled link delivers them
-        self._send(m, end, result.frames)
+        self._send(m, inc, end, result.sends, result.frames)
         if log and self.writer is not None:
             self.writer.write({"kind": "train", "learner": m, "step": unit.ls.step, "time": end,
                                "tokens": unit.ls.step * result.tokens, "loss": result.loss})
@@ -238,13 +238,14 @@ class Sim(HostedRuntime):
             self._eval(end)
         self._wake(m, end)
 
-    def _send(self, m: int, end: float, frames) -> None:
-        """Ship a step's (or the final flush's) contributions over learner m's link."""
+    def _send(self, m: int, inc: int, end: float, sends, frames) -> None:
+        """Ship a step's (or the final flush's) contributions over learner m's link, each with the
+        key of its send, so a frame damaged on the way still resolves it."""
         r = self.cfg.runtime
-        for frame in frames:
+        for (_, seq), frame in zip(ev.pairs(sends), frames):
             start = max(end, self.link_up[m])
             self.link_up[m] = start + len(frame) / r.bandwidth
-            self.push(self.link_up[m] + r.latency, "contribution", frame)
+            self.push(self.link_up[m] + r.latency, "contribution", frame, [m, inc, seq])
 
     def _on_stall_limit(self, m: int, fragment: int, seq: int) -> None:
         unit = self.units[m]
@@ -263,8 +264,9 @@ class Sim(HostedRuntime):
             self._wake(m, self.now)
 
     # --- syncer -------------------------------------------------------------------------------
-    def _on_contribution(self, frame: bytes) -> None:
-        self.host.deliver(Input("contribution", self.now, frame))
+    def _on_contribution(self, frame: bytes, sent=None) -> None:
+        # sent: a list once through a snapshot's JSON; None in a heap saved before keys travelled
+        self.host.deliver(Input("contribution", self.now, frame), sent=None if sent is None else tuple(sent))
 
     def _on_deadline(self, p: int) -> None:
         self.host.deliver(Input("deadline", self.now, p))
