@@ -145,3 +145,30 @@ def test_a_pseudo_gradient_far_above_the_running_median_is_quarantined():
     st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 100), THETA0[0], seq=11, c_steps=100,
                                                       c_tokens=800, base_version=st.fragments[0].version), 11.0)
     assert sync.Outcome((0, 0, 11), "merged") in actions
+
+
+def test_clip_bounds_a_plausible_outlier_to_a_multiple_of_the_median():
+    """syncer.clip: a pseudo-gradient 20x its peers' (not exploding, so admitted) is scaled onto
+    clip x the median norm per step before the merge, direction kept; the others are untouched."""
+    from diloco.algo import merge as merging
+
+    pol = policy(K=3, clip=2.0)
+    st = start(pol, M=3)
+    locals_ = [shifted(THETA0[0], s) for s in (1.0, -1.5, 20.0)]
+    for m, local in enumerate(locals_):
+        st, actions = sync.on_contribution(pol, st, frame(local, THETA0[0], learner=m), float(m))
+    (rec,) = merges(st)
+    assert rec["clipped"] == [2]
+    deltas = [{p: THETA0[0][p] - local[p] for p in local} for local in locals_]
+    norms = [merging.global_norm(d) for d in deltas]
+    bar = 2.0 * float(np.median(norms))
+    deltas[2] = {p: x * np.float32(bar / norms[2]) for p, x in deltas[2].items()}
+    for p in (W, B):
+        want = THETA0[0][p] - sum(d[p] for d in deltas) / 3
+        np.testing.assert_allclose(st.fragments[0].theta[p], want, rtol=1e-5, atol=1e-6)
+    # off (the default): the same round merges the outlier whole
+    st = start(policy(K=3), M=3)
+    for m, local in enumerate(locals_):
+        st, _ = sync.on_contribution(policy(K=3), st, frame(local, THETA0[0], learner=m), float(m))
+    np.testing.assert_allclose(st.fragments[0].theta[W], sum(x[W] for x in locals_) / 3, rtol=1e-5)
+    assert merges(st)[0]["clipped"] == []

@@ -79,6 +79,10 @@ class Policy(NamedTuple):
     # The run secret when learners are authenticated (docs/algorithm.md#authenticated-learners): a
     # contribution whose tag does not verify under its learner's key is quarantined unattributed.
     auth: auth.Secret | None = None
+    # Robust merge (docs/algorithm.md#robust-merges): before a merge each pseudo-gradient is scaled
+    # down to at most clip x the median norm per step of the fragment's recent admitted ones (times
+    # its own c_steps), so no one learner moves Theta much further than its peers; 0 = off.
+    clip: float = 0.0
 
 
 class Contribution(NamedTuple):
@@ -294,6 +298,7 @@ def _merge(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
     st = _with_fragment(st, p, fs)
     method = cfg.embedding_merge if fs.spec.embedding else cfg.merge
     deltas = [merging.pseudo_gradient(_anchor(cfg, fs, c), c.local) for c in inside]
+    deltas, clipped = _clipped(cfg, fs, inside, deltas)
     dropped: tuple = ()
     while True:
         weights = [merging.token_weight(c.c_tokens, c.c_steps) for c in inside]
@@ -315,10 +320,29 @@ def _merge(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
         **_record("merge", decision, None), "version": fs.version + 1, "method": method,
         "learners": [c.key[0] for c in inside], "weights": weights,
         "staleness": [fs.version - c.base_version for c in inside],
-        "delta_norm": merging.global_norm(delta),
+        "delta_norm": merging.global_norm(delta), "clipped": [c.key[0] for c in inside if c.key in clipped],
     }
     st = st._replace(merges=st.merges + 1, decisions=st.decisions.add(record))
     return st, dropped + (publish,) + tuple(Outcome(c.key, "merged") for c in inside)
+
+
+def _clipped(cfg: Policy, fs: FragmentState, inside: list[Contribution],
+             deltas: list) -> tuple[list, set[tuple[int, int, int]]]:
+    """Deltas with norm per step above cfg.clip x the median of the fragment's recent nonzero
+    ones scaled down onto that bar (direction kept); the keys of those it scaled."""
+    recent = [n for n in fs.norms if n > 0]
+    if cfg.clip <= 0 or not recent:
+        return deltas, set()
+    bar = cfg.clip * float(np.median(recent))
+    out, clipped = [], set()
+    for c, d in zip(inside, deltas):
+        allowed = bar * max(c.c_steps, 1)
+        norm = merging.global_norm(d)
+        if norm > allowed:
+            d = {path: np.asarray(x, np.float32) * np.float32(allowed / norm) for path, x in d.items()}
+            clipped.add(c.key)
+        out.append(d)
+    return out, clipped
 
 
 def _step(cfg: Policy, st: SyncerState, fs: FragmentState, p: int, deltas: list, weights: list[float],

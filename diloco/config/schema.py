@@ -170,6 +170,9 @@ class SyncerConfig:
     # Armed from a fragment's first contribution, before the median has a window: quarantine a norm
     # per inner step above theta_norm_bound x (||Theta_p|| + sqrt(size of p)); 0 = no bound.
     theta_norm_bound: float = 100.0
+    # Robust merge: scale each pseudo-gradient down to at most clip x the fragment's median norm per
+    # step (docs/algorithm.md#robust-merges); 0 = off. Bounds what a plausible bad update can do.
+    clip: float = 0.0
 
 
 @dataclass(frozen=True)

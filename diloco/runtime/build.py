@@ -85,7 +85,7 @@ def policy(cfg: TrainConfig) -> sync.Policy:
                        grace_budget=s.grace_budget, anchor=s.anchor, scale=s.scale, norm_bound=s.norm_bound,
                        norm_window=s.norm_window, up_spec=up_spec, max_steps=cfg.run.steps,
                        step_tokens=cfg.data.batch_size * cfg.data.seq_len, theta_norm_bound=s.theta_norm_bound,
-                       auth=auth_secret(cfg))
+                       auth=auth_secret(cfg), clip=s.clip)
 
 
 def learner_meshes(cfg: TrainConfig) -> list:
