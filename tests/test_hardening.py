@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
+from diloco.algo import auth
 from diloco.algo import ledger as tl
 from diloco.algo import merge as merging
 from diloco.algo import messages
@@ -357,3 +358,53 @@ def test_fuzzed_frames_are_admitted_or_quarantined_never_raised(pol_index, frame
 @given(hs.integers(0, 3), hs.lists(_frames(), min_size=1, max_size=10))
 def test_fuzzed_frames_long(pol_index, frames):
     _fuzz(pol_index, frames)
+
+
+# Property: with learners authenticated, a signed frame is admitted only as it was signed.
+
+_SECRET = auth.Secret(b"fuzzing secret, 32 bytes long..")
+
+
+@hs.composite
+def _signed_frames(draw):
+    """(frame, untouched): a frame signed by its learner (or by the other one), maybe mutated."""
+    learner, p, seq = draw(hs.integers(0, 1)), draw(hs.integers(0, 1)), draw(hs.integers(1, 6))
+    rng = np.random.default_rng(draw(hs.integers(0, 2**16)))
+    diff = {path: (0.1 * rng.standard_normal(x.shape)).astype(np.float32) for path, x in THETA0[p].items()}
+    tensors, payload = _wire(diff)
+    header = {"kind": "contribution", "learner": learner, "incarnation": 0, "seq": seq, "fragment": p,
+              "base_version": 0, "version": 0, "c_steps": 1, "c_tokens": 8, "codec": "fp32",
+              "delta_against": None, "tensors": tensors}
+    signer = draw(hs.sampled_from([learner, learner, 1 - learner]))
+    good = messages.encode(header, payload, _SECRET.learner_key(signer))
+    out = bytearray(good)
+    mutation = draw(hs.sampled_from(["none", "byte", "field", "truncate", "strip_mac"]))
+    if mutation == "byte":
+        out[draw(hs.integers(0, len(out) - 1))] = draw(hs.integers(0, 255))
+    elif mutation in ("field", "strip_mac"):
+        msg = messages.decode(good)
+        h = dict(msg.header)
+        if mutation == "field":
+            h[draw(hs.sampled_from(["seq", "incarnation", "learner", "c_steps", "base_version"]))] = draw(hs.integers(0, 9))
+        else:
+            del h["mac"]
+        out = bytearray(_framed(json.dumps(h, separators=(",", ":")).encode(), msg.payload))
+    elif mutation == "truncate":
+        out = out[:draw(hs.integers(0, len(out)))]
+    return bytes(out), bytes(out) == good and signer == learner
+
+
+@settings(max_examples=400, **_FUZZ)
+@given(hs.lists(_signed_frames(), min_size=1, max_size=6))
+def test_fuzzed_signed_frames_are_admitted_only_as_signed(frames):
+    pol = policy(K=2, auth=_SECRET)
+    st = start(pol)
+    for now, (frame_, untouched) in enumerate(frames):
+        before, bits = st, _bits(st)
+        st, actions = sync.on_contribution(pol, st, frame_, float(now))
+        refused = [a for a in actions if isinstance(a, sync.Outcome) and a.outcome.startswith("quarantined:")]
+        if not untouched:
+            assert refused and len(actions) == 1, (actions, frame_[:200])
+            assert _bits(st) == bits and st.last_seq == before.last_seq
+        else:
+            assert not [a for a in refused if a.outcome == "quarantined:unauthenticated"]
