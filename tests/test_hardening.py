@@ -408,3 +408,40 @@ def test_fuzzed_signed_frames_are_admitted_only_as_signed(frames):
             assert _bits(st) == bits and st.last_seq == before.last_seq
         else:
             assert not [a for a in refused if a.outcome == "quarantined:unauthenticated"]
+
+
+# Property: a damaged syncer input log (syncer_inputs.bin) reads as inputs or a ValueError naming it.
+
+@settings(max_examples=300, **_FUZZ)
+@given(hs.integers(0, 2**16), hs.sampled_from(["none", "byte", "truncate", "deep"]), hs.data())
+def test_a_damaged_input_log_reads_or_fails_naming_the_file(seed, damage, data):
+    import tempfile
+    from pathlib import Path
+
+    from diloco.algo.replay import Input
+    from diloco.runtime.runlog import InputLog, read_inputs
+
+    inputs = [Input("live", 0.0, ((0, 0), (1, 0))), Input("step_time", 0.5, (0, 0.5)),
+              Input("contribution", 1.0, frame(shifted(THETA0[0], 1), THETA0[0])), Input("deadline", 2.0, 1)]
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "syncer_inputs.bin"
+        log = InputLog(path)
+        for x in inputs:
+            log.append(x)
+        log.close()
+        blob = bytearray(path.read_bytes())
+        if damage == "byte":
+            blob[data.draw(hs.integers(0, len(blob) - 1))] = data.draw(hs.integers(0, 255))
+        elif damage == "truncate":
+            blob = blob[:data.draw(hs.integers(0, len(blob)))]
+        elif damage == "deep":
+            deep = b"[" * 5000 + b"]" * 5000
+            blob = bytearray(struct.pack("<I", len(deep)) + deep) + blob
+        path.write_bytes(bytes(blob))
+        try:
+            got = list(read_inputs(path))
+        except ValueError as e:
+            assert str(path) in str(e)
+        else:
+            if damage == "none":
+                assert [(x.kind, x.at) for x in got] == [(x.kind, x.at) for x in inputs]
