@@ -6,7 +6,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from tqdm import tqdm
 
@@ -17,18 +17,30 @@ def due(step: int, every: int, total: int) -> bool:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to metrics.jsonl; flushed per record so a crash loses nothing."""
+    """Appends one JSON object per line to metrics.jsonl; flushed per record so a crash loses nothing.
+    `watch` (diloco/watch.py RunWatch) sees every record too: the status line and TensorBoard."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, watch: Callable[[dict], None] | None = None):
         self.path = Path(path)
         self._file = self.path.open("a", encoding="utf-8")
+        self.watch = watch
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(_plain(record)) + "\n")
+        record = _plain(record)
+        self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self.watch is not None:
+            self.watch(record)
+
+    def summary(self, summary: dict) -> None:
+        """The run's final numbers, for the watch (TensorBoard) only: summary.json holds them."""
+        if self.watch is not None and hasattr(self.watch, "summary"):
+            self.watch.summary(summary)
 
     def close(self) -> None:
         self._file.close()
+        if self.watch is not None and hasattr(self.watch, "close"):
+            self.watch.close()
 
 
 def _plain(x: Any) -> Any:

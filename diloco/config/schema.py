@@ -105,6 +105,7 @@ class RunConfig:
     out_dir: str = "runs/default"
     resume: bool = False
     progress: bool = True
+    tensorboard: bool = True  # TensorBoard event files in <run>/tensorboard (`tensorboard --logdir runs/`)
     plot: bool = True
 
 

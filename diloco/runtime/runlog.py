@@ -101,10 +101,10 @@ def read_inputs(path: Path) -> Iterator[Input]:
 
 
 @contextlib.contextmanager
-def run_outputs(run_dir: Path | None) -> Iterator[tuple[report.MetricsWriter | None, InputLog | None]]:
-    """The metrics writer and syncer input log of a DiLoCo run (None, None without a run dir),
-    closed however the run ends."""
-    writer = report.MetricsWriter(run_dir / "metrics.jsonl") if run_dir is not None else None
+def run_outputs(run_dir: Path | None, watch=None) -> Iterator[tuple[report.MetricsWriter | None, InputLog | None]]:
+    """The metrics writer (with `watch`, diloco/watch.py, seeing its records) and syncer input log
+    of a DiLoCo run (None, None without a run dir), closed however the run ends."""
+    writer = report.MetricsWriter(run_dir / "metrics.jsonl", watch) if run_dir is not None else None
     inputs = InputLog(run_dir / "syncer_inputs.bin") if run_dir is not None else None
     try:
         yield writer, inputs

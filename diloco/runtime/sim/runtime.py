@@ -29,6 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from diloco import report
+from diloco import watch as run_watch
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
 from diloco.chaos import tapes
@@ -331,7 +332,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable
     # The input log restarts from the snapshot: inputs after it are delivered again.
     kept = list(read_inputs(run_dir / "syncer_inputs.bin"))[:found[1]["inputs_seen"]] if found else []
     try:
-        with run_outputs(run_dir) as (writer, inputs):
+        with run_outputs(run_dir, run_watch.for_run(cfg, run_dir, "virtual")) as (writer, inputs):
             for event in kept:
                 inputs.append(event)
             tape = run_tape(cfg, run_dir)
@@ -351,6 +352,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable
                 summary["eval_loss"] = sim.evals[-1][2]
             if run_dir is not None:
                 write_decisions(run_dir / "decisions.jsonl", sim.syncer.decisions)
+                writer.summary(summary)
             return sim, summary
     finally:
         snapshots.close()

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from diloco import report
+from diloco import watch as run_watch
 from diloco.algo import quorum
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
@@ -334,7 +335,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
         evaluate: Callable[[dict], float] | None) -> tuple[Threads, dict]:
     """Run Decoupled DiLoCo on the wall clock; returns the finished runtime (for its state) and a
     summary with the same keys as sim's."""
-    with run_outputs(run_dir) as (writer, inputs):
+    with run_outputs(run_dir, run_watch.for_run(cfg, run_dir, "wall")) as (writer, inputs):
         rt = Threads(cfg, setup, writer, evaluate, inputs,
                      None if run_dir is None else run_dir / "learners", run_tape(cfg, run_dir))
         summary = rt.run()  # every thread has been joined when it returns or raises
@@ -344,4 +345,5 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
             summary["eval_loss"] = rt.evals[-1][2]
         if run_dir is not None:
             write_decisions(run_dir / "decisions.jsonl", rt.syncer.decisions)
+            writer.summary(summary)
         return rt, summary

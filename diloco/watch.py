@@ -1,0 +1,157 @@
+"""Watching a run as it goes: a live status line and TensorBoard scalars, both fed by the records a
+run writes to metrics.jsonl (docs/design.md#watching-a-run).
+
+Every runtime (sim, threads, the procs supervisor) and the data-parallel trainer already write one
+record per logged step, eval and rejoin through `report.MetricsWriter`; a `RunWatch` attached to it
+sees the same records, so no runtime needs code of its own to show progress, and what the status
+line and TensorBoard show is exactly what metrics.jsonl holds.
+
+Global tokens: a DiLoCo learner's train record counts its own tokens; the x-axis of every curve
+(TensorBoard and loss.png) is the run's total, the sum of every learner's latest count.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+def live_output(enabled: bool) -> bool:
+    """Whether to draw a status line: asked for, and not under CI (logs there read like a film strip)."""
+    return enabled and not os.environ.get("CI")
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class RunWatch:
+    """A status line for a run of `learners` x `steps` learner steps (DiLoCo) or `steps` steps (data
+    parallel: learners = 1), with merges, the latest eval loss, tokens per second of the run's clock,
+    learners back after a failure, and tqdm's ETA; a line per log interval with every learner's
+    loss; TensorBoard event files in `tensorboard_dir` (None: none)."""
+
+    def __init__(self, *, steps: int, learners: int, progress: bool, tensorboard_dir: Path | None = None,
+                 clock: str = "wall", log_every: int = 10, initial: int = 0):
+        self.steps, self.learners, self.clock, self.log_every = steps, learners, clock, log_every
+        self.show = live_output(progress)
+        self.bar = tqdm(total=steps * learners, initial=initial, disable=not self.show, dynamic_ncols=True,
+                        unit="step", file=sys.stderr, smoothing=0.1, leave=True)
+        self.step: dict[int, int] = {}  # learner -> its latest logged step
+        self.tokens: dict[int, int] = {}  # learner -> its latest token count
+        self.loss: dict[int, float] = {}
+        self.eval_loss = math.nan
+        self.merges: int | None = None
+        self.rejoins = 0
+        self.time = 0.0
+        self.tb = None
+        if tensorboard_dir is not None:
+            from tensorboardX import SummaryWriter  # imported here: only runs that write event files need it
+            self.tb = SummaryWriter(str(tensorboard_dir), flush_secs=10)
+
+    @property
+    def global_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+    def __call__(self, record: dict) -> None:
+        kind = record.get("kind")
+        if _num(record.get("time")):
+            self.time = max(self.time, float(record["time"]))
+        if _num(record.get("merges")):
+            self.merges = int(record["merges"])
+        if kind == "train":
+            self._train(record)
+        elif kind == "eval":
+            self._eval(record)
+        elif kind == "rejoin":
+            self.rejoins += 1
+            self._scalar("failures/rejoins", self.rejoins)
+        self._postfix()
+
+    def _train(self, r: dict) -> None:
+        m = int(r.get("learner", 0))
+        before = sum(self.step.values())
+        if _num(r.get("step")):
+            self.step[m] = int(r["step"])
+        if _num(r.get("tokens")):
+            self.tokens[m] = int(r["tokens"])
+        if _num(r.get("loss")):
+            self.loss[m] = float(r["loss"])
+            self._scalar(f"train/loss/learner{m}" if "learner" in r else "train/loss", r["loss"])
+        for key in ("tokens_per_s", "grad_norm", "lr"):
+            if _num(r.get(key)):
+                self._scalar(f"train/{key}", r[key])
+        self.bar.update(max(sum(self.step.values()) - before, 0))
+        if m == 0 and self.learners > 1 and self.step.get(0, 0) % max(self.log_every, 1) == 0:
+            self._detail()
+
+    def _eval(self, r: dict) -> None:
+        if _num(r.get("tokens")) and not self.tokens:  # an eval before any train record
+            self.tokens[0] = int(r["tokens"])
+        if _num(r.get("eval_loss")):
+            self.eval_loss = float(r["eval_loss"])
+            self._scalar("eval/loss", self.eval_loss)
+        for key in ("merges", "bytes_up", "bytes_down", "stalls", "quarantined"):
+            if _num(r.get(key)):
+                self._scalar(f"syncer/{key}", r[key])
+
+    def _scalar(self, tag: str, value: float) -> None:
+        if self.tb is not None:
+            self.tb.add_scalar(tag, float(value), self.global_tokens)
+
+    def _rate(self) -> float:
+        return self.global_tokens / self.time if self.time > 0 else 0.0
+
+    def _postfix(self) -> None:
+        if not self.show:
+            return
+        parts = []
+        if self.learners > 1:
+            parts.append(f"t={self.time:,.0f}s" + (" (virtual)" if self.clock == "virtual" else ""))
+        if self.merges is not None:
+            parts.append(f"merges {self.merges:,}")
+        if not math.isnan(self.eval_loss):
+            parts.append(f"eval {self.eval_loss:.3f}")
+        elif self.loss:
+            parts.append(f"loss {sum(self.loss.values()) / len(self.loss):.3f}")
+        if self._rate():
+            parts.append(f"{self._rate():,.0f} tok/s")
+        if self.rejoins:
+            parts.append(f"rejoins {self.rejoins}")
+        self.bar.set_postfix_str("  ".join(parts), refresh=False)
+
+    def _detail(self) -> None:
+        if not self.show:
+            return
+        losses = "  ".join(f"L{m} {self.loss[m]:.3f}@{self.step.get(m, 0)}" for m in sorted(self.loss))
+        self.bar.write(f"step {self.step.get(0, 0)}/{self.steps}  {losses}"
+                       + (f"  eval {self.eval_loss:.3f}" if not math.isnan(self.eval_loss) else ""),
+                       file=sys.stderr)
+
+    def summary(self, summary: dict) -> None:
+        """The run's final numbers into TensorBoard (goodput, bytes, stalls, ...), at the last step."""
+        if self.tb is None:
+            return
+        for key, value in summary.items():
+            if _num(value):
+                self.tb.add_scalar(f"summary/{key}", float(value), self.global_tokens)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def for_run(cfg, run_dir: Path | None, clock: str, initial: int = 0) -> RunWatch:
+    """The watch of a run of config `cfg`: its status line (run.progress) and, with a run
+    directory and run.tensorboard, event files in <run>/tensorboard."""
+    learners = cfg.runtime.learners if cfg.algo == "diloco" else 1
+    tb = run_dir / "tensorboard" if run_dir is not None and cfg.run.tensorboard else None
+    return RunWatch(steps=cfg.run.steps, learners=learners, progress=cfg.run.progress, tensorboard_dir=tb,
+                    clock=clock, log_every=cfg.run.log_every, initial=initial)

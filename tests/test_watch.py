@@ -1,0 +1,94 @@
+"""Watching a run: the status line and TensorBoard event files fed by the run's metrics records."""
+
+import struct
+
+import pytest
+
+from diloco import report
+from diloco.watch import RunWatch
+
+
+def read_scalars(directory):
+    """{tag: [(step, value), ...]} from tensorboard event files (TFRecord framing, Event protos)."""
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, list] = {}
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        blob, pos = path.read_bytes(), 0
+        while pos < len(blob):
+            (n,) = struct.unpack_from("<Q", blob, pos)
+            event = event_pb2.Event.FromString(blob[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            for v in event.summary.value:
+                out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
+RECORDS = [
+    {"kind": "train", "learner": 0, "step": 10, "time": 10.0, "tokens": 1280, "loss": 3.5},
+    {"kind": "train", "learner": 1, "step": 10, "time": 10.5, "tokens": 1280, "loss": 3.4},
+    {"kind": "eval", "step": 10, "time": 10.5, "tokens": 2560, "eval_loss": 3.3, "merges": 4},
+    {"kind": "rejoin", "time": 11.0, "learner": 1, "incarnation": 1, "step": 10},
+    {"kind": "train", "learner": 0, "step": 20, "time": 20.0, "tokens": 2560, "loss": 3.1},
+]
+
+
+def test_event_files_hold_every_learners_loss_and_the_eval_against_global_tokens(tmp_path):
+    writer = report.MetricsWriter(tmp_path / "metrics.jsonl",
+                                  RunWatch(steps=20, learners=2, progress=False, tensorboard_dir=tmp_path / "tb"))
+    for r in RECORDS:
+        writer.write(r)
+    writer.summary({"goodput": 0.9, "bytes_up": 1234, "clock": "virtual"})
+    writer.close()
+    scalars = read_scalars(tmp_path / "tb")
+    assert scalars["eval/loss"] == [(2560, pytest.approx(3.3))]
+    assert scalars["train/loss/learner0"] == [(1280, pytest.approx(3.5)), (3840, pytest.approx(3.1))]
+    assert scalars["train/loss/learner1"] == [(2560, pytest.approx(3.4))]
+    assert scalars["syncer/merges"] == [(2560, 4.0)] and scalars["failures/rejoins"] == [(2560, 1.0)]
+    assert scalars["summary/goodput"] == [(3840, pytest.approx(0.9))] and "summary/clock" not in scalars
+    assert report.read_metrics(tmp_path / "metrics.jsonl") == RECORDS  # metrics.jsonl is unchanged
+
+
+def test_the_status_line_shows_steps_merges_eval_and_learner_detail(monkeypatch, capsys):
+    monkeypatch.delenv("CI", raising=False)
+    watch = RunWatch(steps=20, learners=2, progress=True, clock="virtual", log_every=10)
+    for r in RECORDS:
+        watch(r)
+    watch.close()
+    err = capsys.readouterr().err
+    assert "30/40" in err and "merges 4" in err and "eval 3.300" in err and "rejoins 1" in err
+    assert "(virtual)" in err and "L0 3.100@20" in err and "L1 3.400@10" in err
+
+
+def test_quiet_when_asked_and_under_ci(monkeypatch, capsys):
+    monkeypatch.setenv("CI", "1")
+    for progress in (True, False):
+        watch = RunWatch(steps=20, learners=2, progress=progress)
+        for r in RECORDS:
+            watch(r)
+        watch.close()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_sim_run_shows_progress_and_writes_event_files(tmp_path, monkeypatch, capsys):
+    """The DiLoCo sim run (before: nothing on screen until the summary) draws the status line."""
+    from dataclasses import replace
+
+    from conftest import diloco_world
+    from test_conformance import make_cfg
+
+    from diloco.runtime import sim
+
+    monkeypatch.delenv("CI", raising=False)
+    cfg = make_cfg(tmp_path, "sim")
+    cfg = replace(cfg, run=replace(cfg.run, progress=True, tensorboard=True))
+    _, _, setup, evaluate_global, _ = diloco_world(cfg)
+    run_dir = tmp_path / "sim"
+    run_dir.mkdir()
+    _, summary = sim.run(cfg, setup, run_dir, evaluate_global)
+    err = capsys.readouterr().err
+    total = cfg.run.steps * cfg.runtime.learners
+    assert f"{total}/{total}" in err and "merges" in err and "(virtual)" in err
+    scalars = read_scalars(run_dir / "tensorboard")
+    assert scalars["eval/loss"][-1][1] == pytest.approx(summary["eval_loss"], rel=1e-6)
+    assert {f"train/loss/learner{m}" for m in range(cfg.runtime.learners)} <= set(scalars)
