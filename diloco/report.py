@@ -81,25 +81,57 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+class GlobalTokens:
+    """The run's total tokens as its records arrive in order. A DiLoCo learner's train record counts
+    its own tokens and an eval record the total, so the total is the sum of every learner's latest
+    count (at least the last eval's): the x-axis every curve shares (loss.png, TensorBoard)."""
+
+    def __init__(self):
+        self.latest: dict[int, int] = {}
+        self.evaluated = 0
+
+    def see(self, record: dict) -> int:
+        tokens = record.get("tokens")
+        if isinstance(tokens, (int, float)) and not isinstance(tokens, bool):
+            if record.get("kind") == "train":
+                self.latest[int(record.get("learner", 0))] = int(tokens)
+            elif record.get("kind") == "eval":
+                self.evaluated = int(tokens)
+        return self.total
+
+    @property
+    def total(self) -> int:
+        return max(sum(self.latest.values()), self.evaluated)
+
+
 def plot_losses(records: list[dict], path: Path, baselines: dict[str, float] | None = None) -> Path:
-    """Train loss (per logged step) and eval loss against tokens, with horizontal baselines."""
+    """Train loss per learner (one line each) and the global eval loss against the run's total
+    tokens (GlobalTokens), with horizontal baselines."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers; imported lazily because it is slow to load
     import matplotlib.pyplot as plt
 
-    train = [(r["tokens"], r["loss"]) for r in records if r.get("kind") == "train"]
-    evals = [(r["tokens"], r["eval_loss"]) for r in records if r.get("kind") == "eval"]
+    clock = GlobalTokens()
+    train: dict[Any, list] = {}
+    evals = []
+    for r in records:
+        at = clock.see(r)
+        if r.get("kind") == "train" and "loss" in r:
+            train.setdefault(r.get("learner"), []).append((at, r["loss"]))
+        elif r.get("kind") == "eval" and "eval_loss" in r:
+            evals.append((at, r["eval_loss"]))
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    if train:
-        ax.plot(*zip(*train), lw=1, alpha=0.7, label="train loss")
+    for learner, points in sorted(train.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        label = "train loss" if learner is None else f"learner {learner} train loss"
+        ax.plot(*zip(*points), lw=1, alpha=0.7, label=label)
     if evals:
-        ax.plot(*zip(*evals), "o-", lw=1.5, label="eval loss")
+        ax.plot(*zip(*evals), "o-", lw=1.5, color="black", label="global eval loss")
     for name, value in (baselines or {}).items():
         ax.axhline(value, ls="--", lw=1, color="gray")
         ax.annotate(f"{name} {value:.3f}", (0.99, value), xycoords=("axes fraction", "data"),
                     ha="right", va="bottom", fontsize=8, color="gray")
-    ax.set_xlabel("tokens")
+    ax.set_xlabel("tokens (all learners)")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()

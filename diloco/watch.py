@@ -20,6 +20,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from diloco.report import GlobalTokens
+
 
 def live_output(enabled: bool) -> bool:
     """Whether to draw a status line: asked for, and not under CI (logs there read like a film strip)."""
@@ -43,7 +45,7 @@ class RunWatch:
         self.bar = tqdm(total=steps * learners, initial=initial, disable=not self.show, dynamic_ncols=True,
                         unit="step", file=sys.stderr, smoothing=0.1, leave=True)
         self.step: dict[int, int] = {}  # learner -> its latest logged step
-        self.tokens: dict[int, int] = {}  # learner -> its latest token count
+        self.tokens = GlobalTokens()
         self.loss: dict[int, float] = {}
         self.eval_loss = math.nan
         self.merges: int | None = None
@@ -56,10 +58,11 @@ class RunWatch:
 
     @property
     def global_tokens(self) -> int:
-        return sum(self.tokens.values())
+        return self.tokens.total
 
     def __call__(self, record: dict) -> None:
         kind = record.get("kind")
+        self.tokens.see(record)
         if _num(record.get("time")):
             self.time = max(self.time, float(record["time"]))
         if _num(record.get("merges")):
@@ -78,8 +81,6 @@ class RunWatch:
         before = sum(self.step.values())
         if _num(r.get("step")):
             self.step[m] = int(r["step"])
-        if _num(r.get("tokens")):
-            self.tokens[m] = int(r["tokens"])
         if _num(r.get("loss")):
             self.loss[m] = float(r["loss"])
             self._scalar(f"train/loss/learner{m}" if "learner" in r else "train/loss", r["loss"])
@@ -91,8 +92,6 @@ class RunWatch:
             self._detail()
 
     def _eval(self, r: dict) -> None:
-        if _num(r.get("tokens")) and not self.tokens:  # an eval before any train record
-            self.tokens[0] = int(r["tokens"])
         if _num(r.get("eval_loss")):
             self.eval_loss = float(r["eval_loss"])
             self._scalar("eval/loss", self.eval_loss)

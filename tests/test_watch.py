@@ -92,3 +92,22 @@ def test_a_sim_run_shows_progress_and_writes_event_files(tmp_path, monkeypatch, 
     scalars = read_scalars(run_dir / "tensorboard")
     assert scalars["eval/loss"][-1][1] == pytest.approx(summary["eval_loss"], rel=1e-6)
     assert {f"train/loss/learner{m}" for m in range(cfg.runtime.learners)} <= set(scalars)
+
+
+def test_every_curve_shares_the_runs_total_tokens(tmp_path, monkeypatch):
+    """Before: DiLoCo train points sat at each learner's own count and evals at the total, so the
+    train curve covered a 1/M of the axis and every learner was one zigzag line."""
+    clock = report.GlobalTokens()
+    assert [clock.see(r) for r in RECORDS] == [1280, 2560, 2560, 2560, 3840]
+    lines = []
+    import matplotlib.axes
+    plain = matplotlib.axes.Axes.plot
+
+    def spy(ax, *args, **kw):
+        lines.append((kw.get("label"), list(args[0]), list(args[1])))
+        return plain(ax, *args, **kw)
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    report.plot_losses(RECORDS, tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    assert lines == [("learner 0 train loss", [1280, 3840], [3.5, 3.1]), ("learner 1 train loss", [2560], [3.4]),
+                     ("global eval loss", [2560], [3.3])]
