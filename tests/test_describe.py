@@ -1,0 +1,32 @@
+"""The option listing is generated from the config dataclasses and their comments; a mistyped key
+gets the close matches, not Hydra's "use +key"."""
+
+from diloco.config import TrainConfig
+from diloco.config.describe import describe, options, unknown_keys
+
+GROUPS = {"model", "data", "inner", "mesh", "fragments", "outer", "codec", "syncer", "runtime", "chaos"}
+
+
+def test_every_option_is_listed_with_its_default_and_comment():
+    keys = [k for k, _, _ in options()]
+    assert len(keys) == len(set(keys)) > 100
+    text = describe()
+    cfg = TrainConfig()
+    for key, default, _ in options():
+        section, _, name = key.partition(".")
+        assert default == (getattr(getattr(cfg, section), name) if name else getattr(cfg, section))
+        assert f"  {key} = {default!r}" in text
+    docs = dict((k, d) for k, _, d in options())
+    assert docs["runtime.auth"].startswith("Learner authentication")
+    assert "auto | on | off" in docs["runtime.auth"]
+    assert docs["syncer.clip"].startswith("Robust merge")
+    assert docs["algo"].startswith("dp: the data-parallel baseline")
+
+
+def test_a_mistyped_key_gets_the_close_matches():
+    got = unknown_keys(["runtime.lerners=4", "run.steps=20", "model=tiny", "+model.d_modle=64",
+                        "runtime.quorum=2", "colour=red", "hydra.run.dir=x"], GROUPS)
+    assert got == ["unknown option 'runtime.lerners'; did you mean runtime.learners?",
+                   "unknown option 'model.d_modle'; did you mean model.d_model?",
+                   "unknown option 'runtime.quorum'; did you mean syncer.quorum?",
+                   "unknown option 'colour'; `--describe` lists every option"]
