@@ -23,16 +23,22 @@ lock. A reader never sees a torn object:
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import re
+import struct
 import time
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable, NamedTuple, TypeVar
 
 import tensorstore as ts
 
+from diloco.algo import messages
 from diloco.algo.bounds import loads_json
+
+log = logging.getLogger(__name__)
 
 _SCHEMES = ("file", "memory", "gs", "s3")
 # A portable key: what GCS, S3 and every local filesystem accept alike, without "." / ".." parts.
@@ -42,6 +48,19 @@ _PREFIX = re.compile(r"^([A-Za-z0-9_.-]+/)*[A-Za-z0-9_.-]*$")
 # Pointers, acks and control objects nest a few levels; json.loads alone would raise RecursionError
 # on a small object nested 1,000 deep (docs/algorithm.md#bounds-on-what-a-frame-can-claim).
 _MAX_DEPTH = 64
+# Every JSON object of a run (pointer, acks, control, events, reports) is far below this; a larger
+# one is damage, refused before it is read into memory.
+MAX_JSON_BYTES = 16 << 20
+# Every counter a store object holds (versions, seqs, steps) is below this, as in a frame's header.
+MAX_COUNT = messages.MAX_COUNT
+
+
+class TooLarge(ValueError):
+    """An object larger than its reader's bound, left unread (docs/design.md#damage-in-the-store)."""
+
+    def __init__(self, key: str, limit: int):
+        super().__init__(f"{key}: larger than {limit} bytes; not read")
+        self.key, self.limit = key, limit
 
 
 def _check_key(key: str) -> str:
@@ -108,10 +127,32 @@ class BlobStore:
     def put(self, key: str, data: bytes) -> None:
         self._kv.write(_check_key(key), bytes(data)).result()
 
-    def get(self, key: str) -> bytes | None:
-        """The object, or None if there is none (never written, or deleted e.g. by gc)."""
-        r = self._kv.read(_check_key(key)).result()
-        return bytes(r.value) if r.state == "value" else None
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        """The object, or None if there is none (never written, or deleted e.g. by gc).
+
+        `max_bytes`: raise TooLarge, having read one byte, if the object is larger. A one-byte
+        ranged read at offset max_bytes tells: the kvstore refuses a range past the end
+        (OUT_OF_RANGE), so a refusal means the object fits and is then read whole. Keys written
+        once never change in between; a pointer rewritten by its one writer between the two reads
+        is checked again after the read.
+        """
+        key = _check_key(key)
+        if max_bytes is not None:
+            try:
+                probe = self._kv.read(key, byte_range=slice(max_bytes, max_bytes + 1)).result()
+            except ValueError as e:
+                if "OUT_OF_RANGE" not in str(e):
+                    raise
+            else:
+                if probe.state != "value":
+                    return None
+                raise TooLarge(key, max_bytes)
+        r = self._kv.read(key).result()
+        if r.state != "value":
+            return None
+        if max_bytes is not None and len(r.value) > max_bytes:
+            raise TooLarge(key, max_bytes)
+        return bytes(r.value)
 
     def list(self, prefix: str = "") -> list[str]:
         """Every key under `prefix` (a plain string prefix, not only whole path parts), sorted."""
@@ -162,21 +203,63 @@ def ctl_key(name: str) -> str:
     return _check_key(f"ctl/{name}")
 
 
-def _json(store: BlobStore, key: str) -> Any:
-    raw = store.get(key)
-    if raw is None:
-        return None
+def _not_allowed(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a value a store object holds")
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):  # "1e400" parses to inf
+        raise ValueError(f"{text[:40]} is not a finite number")
+    return x
+
+
+def loads_object(raw: bytes, where: str, finite: bool = True) -> Any:
+    """One store object's JSON, nesting bounded; `finite`: NaN, Infinity and numbers that
+    overflow to inf are refused too. Every failure is a ValueError naming `where`."""
+    kw = dict(parse_constant=_not_allowed, parse_float=_finite) if finite else {}
     try:
-        return loads_json(raw, _MAX_DEPTH)
-    except ValueError as e:  # UnicodeDecodeError and a nesting too deep are ValueErrors too
-        raise ValueError(f"{store.url} {key}: not UTF-8 JSON ({e}): {raw[:80]!r}") from None
+        return loads_json(raw, _MAX_DEPTH, **kw)
+    except ValueError as e:  # UnicodeDecodeError, a nesting too deep, an int of 5,000 digits too
+        raise ValueError(f"{where}: not UTF-8 JSON ({e}): {bytes(raw[:80])!r}") from None
+
+
+def read_json(store: BlobStore, key: str, finite: bool = True, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """The JSON object under `key`, None if there is none; ValueError naming the key if it is
+    larger than `max_bytes` (then it is not read), or not JSON (see loads_object)."""
+    try:
+        raw = store.get(key, max_bytes)
+    except TooLarge as e:
+        raise ValueError(f"{store.url} {e}") from None
+    return None if raw is None else loads_object(raw, f"{store.url} {key}", finite)
 
 
 def _put_json(store: BlobStore, key: str, obj: Any) -> None:
     store.put(key, json.dumps(obj, separators=(",", ":"), sort_keys=True).encode())
 
 
+def is_count(x: Any) -> bool:
+    """A counter as store objects hold them (versions, seqs, steps): an int in [0, MAX_COUNT)."""
+    return type(x) is int and 0 <= x < MAX_COUNT
+
+
 # Contributions, learner -> syncer.
+
+# What a reader passes on, unread, for a frame over its bound: a prefix declaring a header larger
+# than messages.MAX_HEADER_BYTES, which messages.decode refuses as "too_large" right after the magic,
+# so the syncer quarantines it by its own rule, and a replay of its input log does the same.
+OVERSIZED = messages.MAGIC + struct.pack("<I", messages.MAX_HEADER_BYTES + 1)
+
+
+def get_frame(store: BlobStore, key: str, max_bytes: int | None) -> bytes | None:
+    """A frame object as stored (None if absent), or OVERSIZED, unread, if over `max_bytes`."""
+    try:
+        return store.get(key, max_bytes)
+    except TooLarge:
+        log.warning("%s %s: larger than %d bytes, the largest frame this run can make; not read, "
+                    "passed on to be quarantined as too_large", store.url, key, max_bytes)
+        return OVERSIZED
+
 
 def send_contribution(store: BlobStore, learner: int, incarnation: int, seq: int, frame: bytes) -> str:
     """Write one contribution frame under its own key; returns the key."""
@@ -185,14 +268,16 @@ def send_contribution(store: BlobStore, learner: int, incarnation: int, seq: int
     return key
 
 
-def poll_contributions(store: BlobStore, seen: set[str], limit: int | None = None) -> list[tuple[str, bytes]]:
+def poll_contributions(store: BlobStore, seen: set[str], limit: int | None = None,
+                       max_bytes: int | None = None) -> list[tuple[str, bytes]]:
     """The contributions not in `seen`, sorted by key, i.e. by (learner, incarnation, seq); at most
     `limit` of them, to bound the memory one poll holds (the rest come on the next poll).
 
     Updates `seen` in place: adds what it returns and forgets keys no longer listed (deleted by
     gc; keys are never reused, so they cannot come back), which keeps `seen` bounded. Bytes are
-    returned as stored, unvalidated: a corrupt object is the syncer's to quarantine. A key deleted
-    between list and get is skipped; keys under up/ not in this scheme are ignored.
+    returned as stored, unvalidated: a corrupt object is the syncer's to quarantine, and one over
+    `max_bytes` comes back as OVERSIZED without being read. A key deleted between list and get is
+    skipped; keys under up/ not in this scheme are ignored.
     """
     listed = [k for k in store.list("up/") if _UP.match(k)]
     seen.intersection_update(listed)
@@ -202,7 +287,7 @@ def poll_contributions(store: BlobStore, seen: set[str], limit: int | None = Non
             continue
         if limit is not None and len(out) >= limit:
             break
-        data = store.get(key)
+        data = get_frame(store, key, max_bytes)
         if data is not None:
             out.append((key, data))
             seen.add(key)
@@ -210,10 +295,15 @@ def poll_contributions(store: BlobStore, seen: set[str], limit: int | None = Non
 
 
 def write_ack(store: BlobStore, learner: int, incarnation: int, seq: int) -> int:
-    """Record that the syncer has taken in every contribution of (learner, incarnation) up to `seq`,
-    so gc may delete them. Never lowers a stored ack (a syncer restored from an older checkpoint
-    may repeat itself); returns the stored value. One writer: the syncer."""
-    current = read_ack(store, learner, incarnation)
+    """Record that the syncer has taken in every contribution of (learner, incarnation) up to `seq`.
+    Never lowers a stored ack (a syncer restored from an older checkpoint may repeat itself);
+    returns the stored value. A malformed stored ack is overwritten: the syncer is its one writer.
+    gc deletes no further than what the syncer itself delivered, whatever an ack says."""
+    try:
+        current = read_ack(store, learner, incarnation)
+    except ValueError as e:
+        log.warning("overwriting a malformed ack: %s", e)
+        current = None
     if current is not None and current >= seq:
         return current
     _put_json(store, ack_key(learner, incarnation), {"seq": int(seq)})
@@ -221,11 +311,13 @@ def write_ack(store: BlobStore, learner: int, incarnation: int, seq: int) -> int
 
 
 def read_ack(store: BlobStore, learner: int, incarnation: int) -> int | None:
-    obj = _json(store, ack_key(learner, incarnation))
+    """The stored ack, None if there is none; ValueError naming the key if it is malformed."""
+    key = ack_key(learner, incarnation)
+    obj = read_json(store, key)
     if obj is None:
         return None
-    if not (isinstance(obj, dict) and type(obj.get("seq")) is int):
-        raise ValueError(f"{store.url} {ack_key(learner, incarnation)}: want {{'seq': int}}, got {obj!r}")
+    if not (isinstance(obj, dict) and is_count(obj.get("seq"))):
+        raise ValueError(f"{store.url} {key}: want {{'seq': int in [0, 2**53)}}, got {str(obj)[:200]}")
     return obj["seq"]
 
 
@@ -237,29 +329,78 @@ class Published(NamedTuple):
     merged: tuple[Key, ...]  # the contributions this version's merge took in
 
 
-def latest(store: BlobStore) -> dict[int, Published]:
-    """fragment -> its newest published version, from the `down/latest` pointer ({} before any)."""
-    obj = _json(store, LATEST)
-    if obj is None:
-        return {}
+_FRAGMENT_ID = re.compile(r"0|[1-9][0-9]{0,8}")  # as publish writes them: canonical decimal
+
+
+def parse_pointer(obj: Any, fragments: int | None, where: str = LATEST) -> dict[int, Published]:
+    """The `down/latest` pointer's JSON as fragment -> Published; ValueError naming `where` unless
+    every fragment id is one of the run's `fragments` (any, if None), every version a count >= 1,
+    `delta` a bool and `merged` a list of [learner, incarnation, seq] counts (other keys are
+    ignored, as in every store object: they name nothing a reader acts on)."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{where}: malformed pointer ({why}): {str(obj)[:200]}")
+
+    if not (isinstance(obj, dict) and isinstance(obj.get("fragments"), dict)):
+        raise bad("want {'fragments': {id: entry}}")
+    out = {}
+    for p, e in obj["fragments"].items():
+        if not _FRAGMENT_ID.fullmatch(p) or (fragments is not None and int(p) >= fragments):
+            raise bad(f"fragment id {p[:20]!r} is not one of the run's {fragments}")
+        if not (isinstance(e, dict) and {"version", "delta", "merged"} <= set(e)):
+            raise bad(f"fragment {p}: want the keys version, delta, merged")
+        if not (is_count(e["version"]) and e["version"] >= 1) or type(e["delta"]) is not bool:
+            raise bad(f"fragment {p}: version must be a count >= 1 and delta a bool")
+        merged = e["merged"]
+        if not (isinstance(merged, list)
+                and all(isinstance(k, list) and len(k) == 3 and all(map(is_count, k)) for k in merged)):
+            raise bad(f"fragment {p}: merged must be a list of [learner, incarnation, seq]")
+        out[int(p)] = Published(e["version"], e["delta"], tuple(tuple(k) for k in merged))
+    return out
+
+
+def latest(store: BlobStore, fragments: int | None = None) -> dict[int, Published]:
+    """fragment -> its newest published version, from the `down/latest` pointer ({} before any);
+    ValueError naming the key if the pointer is malformed (see parse_pointer)."""
+    obj = read_json(store, LATEST)
+    return {} if obj is None else parse_pointer(obj, fragments, f"{store.url} {LATEST}")
+
+
+def _rebuilt(store: BlobStore, fragments: int | None) -> dict[int, Published]:
+    """A pointer from what the store lists: per fragment, the newest version with a full copy."""
+    out: dict[int, Published] = {}
+    keys = set(store.list("down/"))
+    for key in sorted(keys):
+        m = _DOWN.match(key)
+        if m and m[3] == "full" and (fragments is None or int(m[1]) < fragments):
+            p, v = int(m[1]), int(m[2])
+            out[p] = Published(v, broadcast_key(p, v, "delta") in keys, ())
+    return out
+
+
+def latest_or_rebuilt(store: BlobStore, fragments: int | None = None) -> dict[int, Published]:
+    """The pointer as its one writer (the syncer) reads it: a malformed one is logged and rebuilt
+    from the listed full copies (their merged keys are lost; readers take those from the frames)."""
     try:
-        return {int(p): Published(int(e["version"]), bool(e["delta"]), tuple(tuple(k) for k in e["merged"]))
-                for p, e in obj["fragments"].items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"{store.url} {LATEST}: malformed pointer ({e!r}): {obj!r}") from None
+        return latest(store, fragments)
+    except ValueError as e:
+        pointer = _rebuilt(store, fragments)
+        log.error("rebuilding a malformed pointer from the store's full copies (%s): %s",
+                  {p: e.version for p, e in pointer.items()}, e)
+        return pointer
 
 
 def publish(store: BlobStore, fragment: int, version: int, delta_frame: bytes | None, full_frame: bytes,
-            merged_keys: Iterable[Key] = ()) -> dict[int, Published]:
+            merged_keys: Iterable[Key] = (), fragments: int | None = None) -> dict[int, Published]:
     """Publish one merged fragment: its payload objects first, then the `down/latest` pointer.
 
     A reader that follows the pointer therefore always finds the objects it names. A publisher
     killed between the two leaves the old pointer and objects no reader is directed to; a retry of
     the same version replaces them (a stale delta is deleted when the retry has none), and gc
     reclaims them once the pointer passes them. The pointer is read-modify-written, so there must
-    be one publisher (the syncer, one thread). Returns the new pointer contents.
+    be one publisher (the syncer, one thread); a malformed one is rebuilt (latest_or_rebuilt).
+    Returns the new pointer contents.
     """
-    pointer = latest(store)
+    pointer = latest_or_rebuilt(store, fragments)
     if fragment in pointer and version <= pointer[fragment].version:
         raise ValueError(f"fragment {fragment}: version {version} is not newer than the published "
                          f"{pointer[fragment].version}; objects are never overwritten")
@@ -276,23 +417,39 @@ def publish(store: BlobStore, fragment: int, version: int, delta_frame: bytes | 
     return pointer
 
 
-def fetch_fragment(store: BlobStore, fragment: int, version: int, want_full: bool) -> bytes | None:
+def fetch_fragment(store: BlobStore, fragment: int, version: int, want_full: bool,
+                   max_bytes: int | None = None) -> bytes | None:
     """The full copy or the delta of one published version; None if absent (no delta was
-    published, or gc removed it: a learner then falls back to the latest full copy)."""
-    return store.get(broadcast_key(fragment, version, "full" if want_full else "delta"))
+    published, or gc removed it: a learner then falls back to the latest full copy); TooLarge,
+    unread, if over `max_bytes`."""
+    return store.get(broadcast_key(fragment, version, "full" if want_full else "delta"), max_bytes)
 
 
-def gc(store: BlobStore, keep_versions: int) -> list[str]:
+def full_versions(store: BlobStore, fragment: int) -> list[int]:
+    """The versions of `fragment` whose full copy the store lists, ascending."""
+    return sorted(int(m[2]) for k in store.list(f"down/{fragment:04d}/")
+                  if (m := _DOWN.match(k)) and m[3] == "full")
+
+
+def gc(store: BlobStore, keep_versions: int, delivered: Mapping[tuple[int, int], int]) -> list[str]:
     """Delete broadcasts older than each fragment's last `keep_versions` published versions, and
-    contributions at or below their (learner, incarnation)'s ack. Returns the deleted keys.
+    contributions at or below both their (learner, incarnation)'s ack and `delivered`, the last
+    seq the syncer itself took in of each. Returns the deleted keys.
 
-    Versions above the pointer (a publish in flight) are kept and do not count, so the version the
-    pointer names always survives.
+    An ack is the syncer's own record in the store, and damage can raise it (one flipped digit);
+    `delivered` bounds what gc may believe, so a contribution the syncer has not taken in is never
+    deleted, and a malformed ack deletes nothing. Versions above the pointer (a publish in flight)
+    are kept and do not count, so the version the pointer names always survives; a malformed
+    pointer deletes no broadcast (the syncer's next publish rewrites it).
     """
     if keep_versions < 1:
         raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
-    pointer = latest(store)
     doomed = []
+    try:
+        pointer = latest(store)
+    except ValueError as e:
+        log.warning("gc keeps every broadcast: %s", e)
+        pointer = {}
     by_fragment: dict[int, list[tuple[int, str]]] = {}
     for key in store.list("down/"):
         m = _DOWN.match(key)
@@ -304,15 +461,20 @@ def gc(store: BlobStore, keep_versions: int) -> list[str]:
         published = sorted({v for v, _ in entries if v <= pointer[p].version})
         keep = set(published[-keep_versions:])
         doomed += [k for v, k in entries if v <= pointer[p].version and v not in keep]
-    acks: dict[tuple[int, int], int | None] = {}
+    bounds: dict[tuple[int, int], int] = {}
     for key in store.list("up/"):
         parsed = parse_contribution_key(key)
         if parsed is None:
             continue
         m, inc, seq = parsed
-        if (m, inc) not in acks:
-            acks[(m, inc)] = read_ack(store, m, inc)
-        if acks[(m, inc)] is not None and seq <= acks[(m, inc)]:
+        if (m, inc) not in bounds:
+            try:
+                ack = read_ack(store, m, inc)
+            except ValueError as e:
+                log.warning("gc keeps every contribution of learner %d incarnation %d: %s", m, inc, e)
+                ack = None
+            bounds[(m, inc)] = -1 if ack is None else min(ack, delivered.get((m, inc), -1))
+        if seq <= bounds[(m, inc)]:
             doomed.append(key)
     for key in doomed:
         store.delete(key)
@@ -327,7 +489,7 @@ def write_control(store: BlobStore, name: str, obj: Any) -> None:
 
 
 def read_control(store: BlobStore, name: str) -> Any:
-    return _json(store, ctl_key(name))
+    return read_json(store, ctl_key(name))
 
 
 def list_control(store: BlobStore, prefix: str = "") -> list[str]:

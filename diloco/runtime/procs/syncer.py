@@ -249,13 +249,14 @@ class ProcSyncer(HostedRuntime):
         """The delta (what learners holding the previous version were sent) and the full copy.
         Learners report what they fetch, so down bytes are booked from their events. Replaying,
         a version the store already has is the one being remade: it stays as it is."""
+        P = len(self.setup.fragments)
         if self.replaying:
-            pub = bs.latest(self.store).get(a.fragment)
+            pub = bs.latest_or_rebuilt(self.store, P).get(a.fragment)
             if pub is not None and a.version <= pub.version:
                 return
         delta = next((f for m, f in sorted(a.frames.items()) if m not in a.full), None)
         full = a.frames[a.full[0]] if a.full else _full_frame(self.host.state, a.fragment, a.version, a.merged)
-        bs.publish(self.store, a.fragment, a.version, delta, full, a.merged)
+        bs.publish(self.store, a.fragment, a.version, delta, full, a.merged, P)
 
     # --- outputs ------------------------------------------------------------------------------
     def _report(self, record: dict, theta: dict | None = None) -> None:
@@ -275,7 +276,7 @@ class ProcSyncer(HostedRuntime):
         c = self.recovery.covered(self, final)
         for (m, inc), seq in c.delivered.items():
             bs.write_ack(self.store, m, inc, seq)
-        bs.gc(self.store, keep_versions=max(2, self.setup.policy.history))
+        bs.gc(self.store, max(2, self.setup.policy.history), c.delivered)
         for m, inc in c.graves:  # its contributions were all delivered or never named by an event
             self.store.delete_prefix(f"up/{m:04d}/{inc:04d}/")
             self.store.delete_prefix(f"ev/{m:04d}/{inc:04d}/")

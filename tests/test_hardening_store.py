@@ -1,0 +1,288 @@
+"""Damage in the object store of the procs runtime: whatever a pointer, ack, control object, event
+or contribution holds, its reader takes it or refuses it on the documented path (ValueError, or a
+quarantine), falls back to another copy, reports what it skipped, and never spins, crashes or hangs
+(docs/design.md#damage-in-the-store).
+
+Each test is built from the trigger of one defect of issue 16; the property tests at the end
+damage valid objects at random."""
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
+
+from diloco.algo import ledger, messages
+from diloco.algo import syncer as sync
+from diloco.config import validate
+from diloco.runtime import blobstore as bs
+from diloco.runtime import events as ev
+from diloco.runtime.procs import learner as pl
+from diloco.runtime.procs import syncer as ps
+from syncer_frames import THETA0, frame, policy, start
+from test_procs import M, STEPS, merge_versions, variant, world  # noqa: F401 - world is a fixture
+
+P = 2  # fragments in tests/test_procs.py's config
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """tests/test_procs.py's procs config and its Setup, built once (no process is started)."""
+    from diloco.data import load_corpus
+    from diloco.model import build
+    from diloco.runtime import build as build_setup
+    from test_procs import make_cfg
+
+    cfg = make_cfg(tmp_path_factory.mktemp("store"))
+    corpus = load_corpus(cfg.data)
+    return cfg, build_setup.build(cfg, corpus, build(cfg.model, corpus.vocab_size, cfg.run.seed))
+
+
+def _store_for(setup) -> bs.BlobStore:
+    """A fresh store with the run's Theta_0 fingerprint, as the supervisor writes it for its children."""
+    store = bs.BlobStore("memory://")
+    bs.write_control(store, "run", {"theta0": pl.fingerprint(setup.theta0), "learners": 2})
+    return store
+
+
+def _at_version(setup, p: int, v: int) -> tuple[bytes, dict]:
+    """Fragment p's full copy at version v (Theta_0 + v), and its values."""
+    st = sync.init(setup.policy, setup.fragments, setup.theta0, {})
+    fs = st.fragments[p]
+    values = {k: x + np.float32(v) for k, x in fs.theta.items()}
+    frags = list(st.fragments)
+    frags[p] = fs._replace(theta=values, version=v, refs=((v, values),))
+    return sync.full_frame(st._replace(fragments=tuple(frags)), p), values
+
+
+def _flip(data: bytes, bit: int) -> bytes:
+    out = bytearray(data)
+    out[bit // 8] ^= 1 << (bit % 8)
+    return bytes(out)
+
+
+# --- item 13: pointer and ack parsing -----------------------------------------------------------
+
+def _pointer(**entry) -> bytes:
+    e = {"version": 3, "delta": True, "merged": [[0, 0, 1]], **entry}
+    return json.dumps({"fragments": {"0": e}}).encode()
+
+
+@pytest.mark.parametrize("raw, why", [
+    (_pointer(version=3).replace(b": 3,", b": 1e400,"), "finite"),  # inf: int(inf) raised OverflowError
+    (_pointer(version="1e400"), "version"),
+    (_pointer(version=True), "version"),
+    (_pointer(version=0), "version"),
+    (_pointer(version=-3), "version"),
+    (_pointer(version=2 ** 60), "version"),
+    (_pointer(merged="abc"), "merged"),  # was accepted as ('a',), ('b',), ('c',)
+    (_pointer(merged=[[0, 0]]), "merged"),
+    (_pointer(merged=[[0, 0, -1]]), "merged"),
+    (_pointer(delta=1), "delta"),
+    (_pointer(delta=None), "delta"),
+    (json.dumps({"fragments": {"0": {"version": 3, "delta": True}}}).encode(), "keys"),
+    (json.dumps({"fragments": {"7": {"version": 3, "delta": True, "merged": []}}}).encode(), "fragment id"),
+    (json.dumps({"fragments": {"+1": {"version": 3, "delta": True, "merged": []}}}).encode(), "fragment id"),
+    (json.dumps({"fragments": {"01": {"version": 3, "delta": True, "merged": []}}}).encode(), "fragment id"),
+    (json.dumps({"fragments": []}).encode(), "fragments"),
+    (b'{"fragments": {"0": {"version": ' + b"9" * 5000 + b', "delta": true, "merged": []}}}', "JSON"),
+    (b"[" * 5000, "JSON"),
+])
+def test_a_malformed_pointer_is_a_value_error_naming_the_key(raw, why):
+    store = bs.BlobStore("memory://")
+    store.put(bs.LATEST, raw)
+    with pytest.raises(ValueError, match=why) as e:
+        bs.latest(store, P)  # P: the run's fragments; an id outside them is damage (was a KeyError later)
+    assert "down/latest" in str(e.value)
+
+
+def test_a_pointer_too_large_is_refused_unread():
+    store = bs.BlobStore("memory://")
+    store.put(bs.LATEST, b" " * (bs.MAX_JSON_BYTES + 1))
+    with pytest.raises(ValueError, match="larger than"):
+        bs.latest(store)
+
+
+def test_an_ack_that_grew_never_makes_gc_delete_an_undelivered_contribution():
+    """One flipped digit raised the ack from 3 to 93; gc deleted seqs 4..9, which the syncer had not
+    delivered, and then booked them as lost ("cannot happen")."""
+    store = bs.BlobStore("memory://")
+    for seq in range(10):
+        bs.send_contribution(store, 0, 0, seq, b"c")
+    bs.write_ack(store, 0, 0, 3)
+    store.put(bs.ack_key(0, 0), b'{"seq":93}')
+    deleted = bs.gc(store, 2, delivered={(0, 0): 3})
+    assert deleted == [bs.contribution_key(0, 0, s) for s in range(4)]
+    assert store.list("up/") == [bs.contribution_key(0, 0, s) for s in range(4, 10)]
+    # an ack below what was delivered deletes no further than the ack; none deletes nothing
+    bs.send_contribution(store, 1, 0, 0, b"c")
+    store.put(bs.ack_key(0, 0), b'{"seq":5}')
+    assert bs.gc(store, 2, delivered={(0, 0): 8, (1, 0): 0}) == [bs.contribution_key(0, 0, s) for s in (4, 5)]
+
+
+@pytest.mark.parametrize("raw", [b'{"seq": 1e400}', b'{"seq": "7"}', b'{"seq": -1}', b'{"sq": 7}',
+                                 b"\xff", b"[" * 3000, b'{"seq": true}'])
+def test_a_malformed_ack_keeps_its_contributions_and_is_overwritten_by_the_syncer(raw, caplog):
+    store = bs.BlobStore("memory://")
+    bs.send_contribution(store, 0, 0, 0, b"c")
+    store.put(bs.ack_key(0, 0), raw)
+    with pytest.raises(ValueError, match="ack/0000/0000"):
+        bs.read_ack(store, 0, 0)
+    with caplog.at_level(logging.WARNING, logger="diloco.runtime.blobstore"):
+        assert bs.gc(store, 2, delivered={(0, 0): 0}) == []
+        assert bs.write_ack(store, 0, 0, 0) == 0
+    assert "ack/0000/0000" in caplog.text
+    assert bs.gc(store, 2, delivered={(0, 0): 0}) == [bs.contribution_key(0, 0, 0)]
+
+
+def test_the_syncer_rebuilds_a_malformed_pointer_from_the_full_copies_it_listed(caplog):
+    store = bs.BlobStore("memory://")
+    bs.publish(store, 0, 1, None, b"f1", fragments=P)
+    bs.publish(store, 0, 2, b"d2", b"f2", fragments=P)
+    bs.publish(store, 1, 1, None, b"g1", fragments=P)
+    store.put(bs.LATEST, _flip(store.get(bs.LATEST), 8 * 3))
+    assert bs.gc(store, 1, delivered={}) == []  # a malformed pointer deletes no broadcast
+    with caplog.at_level(logging.ERROR, logger="diloco.runtime.blobstore"):
+        assert bs.latest_or_rebuilt(store, P) == {0: bs.Published(2, True, ()), 1: bs.Published(1, False, ())}
+        bs.publish(store, 1, 2, None, b"g2", fragments=P)
+    assert "rebuilding" in caplog.text
+    assert bs.latest(store, P) == {0: bs.Published(2, True, ()), 1: bs.Published(2, False, ())}
+
+
+# --- item 14: objects bounded before they are read -----------------------------------------------
+
+class _Reads:
+    """Wraps a BlobStore's kvstore and records how many bytes each read returned."""
+
+    def __init__(self, kv):
+        self.kv, self.sizes = kv, []
+
+    def __getattr__(self, name):
+        return getattr(self.kv, name)
+
+    def read(self, key, **kw):
+        result = self.kv.read(key, **kw).result()
+        self.sizes.append(len(result.value))
+
+        class Done:
+            def result(self_):
+                return result
+        return Done()
+
+
+def test_an_oversized_contribution_is_passed_on_unread_and_quarantined_as_too_large():
+    """A 64 MiB object raised the syncer's RSS by 192 MB before too_large could run: now one byte
+    past the bound is read, and the syncer quarantines the stand-in by its own rule."""
+    store = bs.BlobStore("memory://")
+    bs.send_contribution(store, 0, 0, 0, b"\0" * (64 << 20))
+    good = frame({k: v + 1 for k, v in THETA0[0].items()}, THETA0[0], seq=1)
+    bs.send_contribution(store, 0, 0, 1, good)
+    store._kv = reads = _Reads(store._kv)
+    got = bs.poll_contributions(store, set(), max_bytes=1 << 20)
+    assert got == [(bs.contribution_key(0, 0, 0), bs.OVERSIZED), (bs.contribution_key(0, 0, 1), good)]
+    assert reads.sizes == [1, len(good)]  # the oversized one: a 1-byte probe; the other: a refused probe, a read
+    with pytest.raises(messages.MessageError) as e:
+        messages.decode(bs.OVERSIZED)
+    assert e.value.reason == "too_large"
+    pol = policy()
+    st, actions = sync.on_contribution(pol, start(pol), bs.OVERSIZED, 1.0)
+    assert st.quarantined == {"too_large": 1} and actions == (sync.Outcome(None, "quarantined:too_large"),)
+
+
+# --- property tests: random damage of every kind of store object -----------------------------------
+
+_HOSTILE = [b"1e400", b"-1", b"true", b'"abc"', b"null", b"[]", b"{}", b"NaN", b"-Infinity", b"9" * 30,
+            b"9" * 5000, b"[" * 100, b'"\\ud800"', b"\xff\xfe", b"0.5", b"[0,0]"]
+
+
+def damaged(valid: bytes):
+    """Random bytes, bit flips, truncations, splices and hostile JSON tokens put into `valid`."""
+    n = len(valid)
+
+    def flips(bits):
+        out = valid
+        for b in bits:
+            out = _flip(out, b)
+        return out
+
+    splice = lambda t: valid[:min(t[0], t[1])] + t[2] + valid[max(t[0], t[1]):]  # noqa: E731
+    return hs.one_of(
+        hs.binary(max_size=2 * n),
+        hs.lists(hs.integers(0, 8 * n - 1), min_size=1, max_size=4).map(flips),
+        hs.integers(0, n - 1).map(lambda k: valid[:k]),
+        hs.tuples(hs.integers(0, n), hs.integers(0, n), hs.binary(max_size=12)).map(splice),
+        hs.tuples(hs.integers(0, n), hs.integers(0, n), hs.sampled_from(_HOSTILE)).map(splice),
+    )
+
+
+_PROPS = dict(deadline=None, database=None, max_examples=300,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                     HealthCheck.function_scoped_fixture])
+_VALID_POINTER = json.dumps({"fragments": {"0": {"version": 3, "delta": True, "merged": [[0, 0, 1], [1, 2, 30]]},
+                                           "1": {"version": 12, "delta": False, "merged": []}}}).encode()
+
+
+@settings(**_PROPS)
+@given(hs.data())
+def test_a_damaged_pointer_parses_to_valid_entries_or_is_a_value_error(data):
+    store = bs.BlobStore("memory://")
+    store.put(bs.LATEST, data.draw(damaged(_VALID_POINTER)))
+    try:
+        pointer = bs.latest(store, P)
+    except ValueError:
+        return
+    for p, e in pointer.items():
+        assert p in range(P) and bs.is_count(e.version) and e.version >= 1 and type(e.has_delta) is bool
+        assert all(len(k) == 3 and all(map(bs.is_count, k)) for k in e.merged)
+
+
+@settings(**_PROPS)
+@given(hs.data(), hs.integers(0, 12), hs.integers(-1, 12))
+def test_a_damaged_ack_never_lets_gc_delete_an_undelivered_contribution(data, ack, delivered):
+    store = bs.BlobStore("memory://")
+    for seq in range(12):
+        bs.send_contribution(store, 0, 0, seq, b"c")
+    store.put(bs.ack_key(0, 0), data.draw(damaged(json.dumps({"seq": ack}).encode())))
+    try:
+        stored = bs.read_ack(store, 0, 0)
+    except ValueError:
+        stored = None
+    assert stored is None or bs.is_count(stored)
+    bs.gc(store, 1, delivered={(0, 0): delivered})
+    left = {bs.parse_contribution_key(k)[2] for k in store.list("up/")}
+    assert set(range(delivered + 1, 12)) <= left  # never past what the syncer delivered
+    assert left == set(range(12)) - set(range(min(delivered, -1 if stored is None else stored) + 1))
+    assert bs.write_ack(store, 0, 0, max(delivered, 0)) >= max(delivered, 0)  # the syncer can always write
+
+
+@settings(**_PROPS)
+@given(hs.data())
+def test_a_damaged_control_object_reads_as_json_or_a_value_error(data):
+    store = bs.BlobStore("memory://")
+    store.put("ctl/died/0000/0000", data.draw(damaged(b'{"at":12.5,"exitcode":-9}')))
+    try:
+        bs.read_control(store, "died/0000/0000")
+    except ValueError:
+        pass
+
+
+@settings(**_PROPS)
+@given(hs.data())
+def test_a_damaged_contribution_object_is_quarantined_or_admitted_never_raised(data):
+    valid = frame({k: v + 1 for k, v in THETA0[0].items()}, THETA0[0], seq=1)
+    store = bs.BlobStore("memory://")
+    bs.send_contribution(store, 0, 0, 1, data.draw(damaged(valid)))
+    [(_, got)] = bs.poll_contributions(store, set(), max_bytes=len(valid))
+    assert got == bs.OVERSIZED or len(got) <= len(valid)
+    pol = policy()
+    st, actions = sync.on_contribution(pol, start(pol), got, 1.0)
+    outcomes = [a.outcome for a in actions if isinstance(a, sync.Outcome)]
+    assert all(o == "merged" or o.split(":", 1)[1] in messages.QUARANTINE_REASONS for o in outcomes if o != "merged")
