@@ -197,6 +197,105 @@ def test_an_oversized_contribution_is_passed_on_unread_and_quarantined_as_too_la
     assert st.quarantined == {"too_large": 1} and actions == (sync.Outcome(None, "quarantined:too_large"),)
 
 
+def test_every_reader_bounds_what_it_reads(small):
+    """The bound of a run's frames covers its full copies; events, reports and control are bounded too."""
+    _, setup = small
+    limit = pl.max_frame(setup)
+    full, _ = _at_version(setup, 0, 1)
+    assert len(full) < limit < 8 * len(full) + (2 << 20)
+    store = bs.BlobStore("memory://")
+    store.put("ctl/huge", b"0" * (bs.MAX_JSON_BYTES + 1))
+    with pytest.raises(ValueError, match="larger than"):
+        bs.read_control(store, "huge")
+    assert store.get("ctl/huge", bs.MAX_JSON_BYTES + 1) is not None and store.get("ctl/none", 10) is None
+
+
+# --- items 11 and 12: a learner falls back from a damaged copy to another one ---------------------
+
+def test_rejoin_view_falls_back_from_a_missing_or_corrupt_newest_full_copy(small, caplog):
+    """The pointer named a full copy gc had removed (the loop spun with no sleep or limit), or a
+    corrupt one (MessageError escaped and failed the run): the older copy gc kept is used."""
+    _, setup = small
+    store = _store_for(setup)
+    for v in (1, 2, 3):
+        bs.publish(store, 0, v, None, _at_version(setup, 0, v)[0], fragments=P)
+    store.delete(bs.broadcast_key(0, 3, "full"))  # gone between the pointer read and the get
+    full2 = store.get(bs.broadcast_key(0, 2, "full"))
+    store.put(bs.broadcast_key(0, 2, "full"), _flip(full2, 8 * len(full2) - 1))  # its payload's last bit
+    skipped = Counter()
+    with caplog.at_level(logging.WARNING, logger="diloco.runtime.procs.learner"):
+        view, fetched = pl.store_view(store, setup, timeout_s=5.0, skipped=skipped)
+    assert view.fragments[0].version == 1 and view.fragments[1].version == 0
+    _, values = _at_version(setup, 0, 1)
+    assert all((view.fragments[0].refs[-1][1][k] == values[k]).all() for k in values)
+    assert skipped == {"full": 1} and "version 2" in caplog.text
+    assert [p for p, _ in fetched] == [0, 0]  # the corrupt copy's bytes flowed too
+
+
+def test_rejoin_view_gives_up_on_a_fragment_after_its_timeout_and_says_so(small, caplog):
+    _, setup = small
+    store = _store_for(setup)
+    bs.publish(store, 1, 1, None, b"DLC1 not a frame", fragments=P)
+    now, sleeps = [0.0], []
+
+    def sleep(dt):
+        sleeps.append(dt)
+        now[0] += dt
+
+    skipped = Counter()
+    with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.learner"):
+        view, _ = pl.store_view(store, setup, timeout_s=3.0, skipped=skipped, sleep=sleep, clock=lambda: now[0])
+    assert view.fragments[1].version == 0 and now[0] == pytest.approx(3.0)
+    assert sleeps[0] == pl.POLL_MIN and max(sleeps) <= pl.POLL_MAX  # backs off, never spins
+    assert skipped["full"] == 1 and skipped["fragment"] == 1 and "no readable full copy of fragment 1" in caplog.text
+
+
+@pytest.fixture
+def learner(small):
+    """A ProcLearner (learner 0, incarnation 0) in this process, over a memory store, and its unit."""
+    from diloco.runtime.build import new_unit
+
+    cfg, setup = small
+    store = _store_for(setup)
+    rt = pl.ProcLearner(store, cfg, None, 0, 0, os.getppid())
+    unit = new_unit(rt.setup, 0, 0, sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0}))
+    return store, rt, unit
+
+
+def test_an_undecodable_delta_falls_back_to_the_full_copy_of_the_same_version(learner, small, caplog):
+    """The receive loop ended at the corrupt delta and the next poll fetched it again: the intact
+    full copy of that version was never tried, and the learner stayed behind until gc."""
+    store, rt, unit = learner
+    _, setup = small
+    full1, values1 = _at_version(setup, 0, 1)
+    bs.publish(store, 0, 1, b"DLC1 a damaged delta", full1, fragments=P)
+    with caplog.at_level(logging.WARNING, logger="diloco.runtime.procs.learner"):
+        assert rt.receive(unit)
+    assert unit.latest[0][0] == 1 and all((unit.latest[0][1][k] == values1[k]).all() for k in values1)
+    assert rt.skipped == {"delta": 1} and unit.dropped_frames == 1 and "000000000001.delta" in caplog.text
+    assert [f[2] for f in rt.fetched] == [len(b"DLC1 a damaged delta"), len(full1)]
+
+    # v2: its delta and full copy both damaged, v3 intact: the learner goes on at v3, and the
+    # damaged objects are not fetched again at the next poll
+    bs.publish(store, 0, 2, b"DLC1 bad", b"DLC1 bad too", fragments=P)
+    assert not rt.receive(unit) and unit.latest[0][0] == 1
+    n = len(rt.fetched)
+    assert not rt.receive(unit) and len(rt.fetched) == n
+    bs.publish(store, 0, 3, None, _at_version(setup, 0, 3)[0], fragments=P)
+    assert rt.receive(unit) and unit.latest[0][0] == 3
+    assert rt.skipped == {"delta": 2, "full": 1} and rt.bad == set()
+
+
+def test_a_learner_keeps_its_versions_over_a_malformed_pointer_and_logs_it_once(learner, caplog):
+    store, rt, unit = learner
+    store.put(bs.LATEST, _pointer(version=3).replace(b": 3,", b": 1e400,"))
+    with caplog.at_level(logging.WARNING, logger="diloco.runtime.procs.learner"):
+        assert not rt.receive(unit) and not rt.receive(unit)
+    assert rt.skipped == {"pointer": 2} and caplog.text.count("down/latest") == 1
+    bs.publish(store, 0, 9, None, b"x" * (rt.max_frame + 1), fragments=P)  # too large to be a frame
+    assert not rt.receive(unit) and rt.skipped["full"] == 1 and rt.fetched == []  # never read
+
+
 # --- property tests: random damage of every kind of store object -----------------------------------
 
 _HOSTILE = [b"1e400", b"-1", b"true", b'"abc"', b"null", b"[]", b"{}", b"NaN", b"-Infinity", b"9" * 30,

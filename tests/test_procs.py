@@ -106,7 +106,7 @@ def test_two_learner_processes_train_merge_and_balance(world, tmp_path):
 def test_kill_9_learner_restarts_rejoins_and_balances(world, tmp_path):
     """kill -9 of learner 1's process mid-run: the supervisor restarts it as incarnation 1, which
     rejoins from the store's Theta; the syncer books the death, drops nothing twice, finishes."""
-    cfg, setup, run_dir = variant(world, tmp_path, speeds=(1.0, 3.0), learner_checkpoint_every=4)
+    cfg, setup, run_dir = variant(world, tmp_path, speeds=(1.0, 3.0), learner_checkpoint_every=4, restart_s=1.0)
     killed, stop = [], threading.Event()
 
     def killer():
@@ -138,6 +138,9 @@ def test_kill_9_learner_restarts_rejoins_and_balances(world, tmp_path):
     for p, vs in merge_versions(run_dir).items():  # no version applied twice or skipped
         assert vs == list(range(1, len(vs) + 1)), (p, vs)
     assert summary["uptime"] > 0
+    # runtime.restart_s once its devices were back (at once: a kill), on top of spawn and compile
+    [r] = rt.rejoins
+    assert r["time"] - r["down_until"] >= 1.0 and r["down_until"] >= r["died_at"]
 
 
 def test_kill_9_syncer_restarts_from_its_checkpoint_and_skips_or_repeats_no_version(world, tmp_path):
@@ -251,8 +254,8 @@ def test_sigterm_stops_every_process_and_prints_a_partial_summary(world, tmp_pat
 def test_a_chaos_tape_drives_the_learner_processes(world, tmp_path):
     """A hand-written tape file replayed on the wall clock: learner 1 computes half its batch from
     the start, loses its last slice 0.05 s in (its process exits with EXIT_DOWN) and gets one back at
-    2 s; its successor waits for that, rejoins and finishes. Down time is booked until the tape's
-    return, the ledger balances, and no version is skipped or repeated."""
+    2 s; its successor waits for that and runtime.restart_s, rejoins and finishes. Down time is
+    booked until the tape's return, the ledger balances, and no version is skipped or repeated."""
     from diloco.chaos import tapes
 
     tape = tapes.Tape(M, 2, 100.0, (1.0, 1.0), 0.0, 0, (
@@ -260,13 +263,14 @@ def test_a_chaos_tape_drives_the_learner_processes(world, tmp_path):
         tapes.Event(2.0, "slice_up", 1, 1)))
     path = tmp_path / "tape.json"
     path.write_text(tapes.to_json(tape))
-    cfg, setup, run_dir = variant(world, tmp_path)
+    cfg, setup, run_dir = variant(world, tmp_path, restart_s=0.5)
     cfg = validate(replace(cfg, chaos=replace(cfg.chaos, enabled=True, tape_file=str(path))))
     rt, summary = procs.run(cfg, setup, run_dir, None)
 
     assert ("learner-1", 0, procs_learner.EXIT_DOWN) in rt.exits
     assert [(r["learner"], r["incarnation"]) for r in rt.rejoins] == [(1, 1)]
-    assert rt.rejoins[0]["time"] >= 2.0  # not before the tape gave a slice back
+    assert rt.rejoins[0]["time"] >= 2.0 + 0.5  # not before the tape gave a slice back, then restart_s
+    assert rt.rejoins[0]["time"] - rt.rejoins[0]["down_until"] >= 0.5 and rt.rejoins[0]["down_until"] >= 2.0
     assert summary["token_ledger_imbalance"] == 0 and 0 < summary["goodput"] < 1
     assert rt.finished["steps"] == {"0": STEPS, "1": STEPS}
     versions = merge_versions(run_dir)

@@ -15,21 +15,27 @@ objects in the store (diloco/runtime/blobstore.py):
   version newer than the one held is fetched in order (the delta against the held one if there
   is one, else that version's full copy), so each merge's `merged` keys reach the learner state
   machine as they do from a threads mailbox. A version gc already removed is skipped for the
-  newest full copy.
+  newest full copy. A damaged object (undecodable, or larger than any frame of the run) is
+  logged, counted and never fetched again; the next candidate is tried: the full copy of the same
+  version after its delta, then the newest full copy, then older ones
+  (docs/design.md#damage-in-the-store).
 * A restarted incarnation (the supervisor spawns it) compiles, then waits until the syncer has
-  booked its predecessor's death (`ctl/buried/...`), and rejoins (diloco/runtime/rejoin.py) from
-  the newest full copies in the store: the syncer's current references, never its own init.
+  booked its predecessor's death (`ctl/buried/...`), waits out its tape's down time and
+  `runtime.restart_s`, and rejoins (diloco/runtime/rejoin.py) from the newest readable full copies
+  in the store: the syncer's current references, never its own init.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import sys
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,8 +56,14 @@ from diloco.runtime.learner_loop import run_incarnation
 from diloco.runtime.unit import LearnerUnit, Pace
 from diloco.runtime.walltape import WallTape, chaos_tape
 
+log = logging.getLogger(__name__)
+
 POLL_MIN, POLL_MAX = 0.002, 0.05  # seconds: back-off bounds of every procs poll loop
 EXIT_DOWN = 75  # a learner whose chaos tape took all its slices (EX_TEMPFAIL): restarted, not an error
+# Seconds a rejoining learner looks for a readable full copy of a fragment before it gives up on
+# it and starts that fragment from Theta_0 at version 0 (its sends are then stale until it catches
+# up): the store is damaged beyond what fallbacks mend, and crashing would fail the whole run.
+VIEW_TIMEOUT_S = 60.0
 
 
 def event_key(learner: int, incarnation: int, n: int) -> str:
@@ -59,7 +71,8 @@ def event_key(learner: int, incarnation: int, n: int) -> str:
 
 
 def died(learner: int, incarnation: int) -> str:
-    """Control name the supervisor writes once the process of (learner, incarnation) has exited."""
+    """Control name the supervisor writes once the process of (learner, incarnation) has exited,
+    with its exit code: 0 (finished, its Done the last event) as well as a crash."""
     return f"died/{learner:04d}/{incarnation:04d}"
 
 
@@ -122,27 +135,88 @@ def wait_for(poll: Callable[[], Any], parent: int) -> Any:
     return found
 
 
-def store_view(store: bs.BlobStore, setup: Setup) -> tuple[sync.SyncerState, dict[int, int]]:
-    """The syncer's current references as far as a learner can see them: the newest full copy of
-    every published fragment (Theta_0 for the others), as a SyncerState that new_unit and
-    rejoin_unit read (refs[-1] and version only); also the bytes fetched per fragment."""
+def max_frame(setup: Setup) -> int:
+    """The largest frame of this run, up or down: the prefix (magic, header length), the header
+    bound and the syncer's payload bound (diloco/algo/syncer.py), which no codec's payload exceeds
+    and a full FP32 copy (4 bytes a value) is below; a larger object in the store is damage."""
+    st = sync.init(setup.policy, setup.fragments, setup.theta0, {})
+    return len(messages.MAGIC) + 4 + messages.MAX_HEADER_BYTES + sync._max_payload(st)
+
+
+def full_copy(frame: bytes, p: int, version: int, expected: dict) -> dict:
+    """The values of fragment p's full copy of `version`; MessageError if the frame is not one."""
+    msg = messages.decode(frame)
+    h = msg.header
+    if (h["kind"], h["fragment"], h["version"], h["delta_against"]) != ("fragment", p, version, None):
+        raise messages.MessageError("bad_header", f"not the full copy of fragment {p} version {version}: "
+                                    f"{h['kind']} {h['fragment']} {h['version']} {h['delta_against']}")
+    return messages.unpack_fragment(h, msg.payload, None, expected)
+
+
+def store_view(store: bs.BlobStore, setup: Setup, timeout_s: float = VIEW_TIMEOUT_S,
+               skipped: Counter | None = None, sleep: Callable[[float], Any] | None = None,
+               clock: Callable[[], float] = time.monotonic) -> tuple[sync.SyncerState, list[tuple[int, int]]]:
+    """The syncer's current references as far as a learner can see them: the newest readable full
+    copy of every published fragment (Theta_0 for the others), as a SyncerState that new_unit and
+    rejoin_unit read (refs[-1] and version only); also (fragment, bytes) of every object fetched.
+
+    The pointer names the newest version; gc may remove it between the pointer read and the get,
+    and damage may leave it unreadable. Then the older full copies gc kept are tried, newest
+    first, and if none is readable the pointer is read again with back-off (it moves on with the
+    next merge), for at most `timeout_s` per fragment; after that the fragment stays at Theta_0,
+    logged as an error. Every skip is counted in `skipped` by reason and logged.
+    """
+    skipped = Counter() if skipped is None else skipped
     view = sync.init(setup.policy, setup.fragments, setup.theta0, {})
-    frags, fetched = list(view.fragments), {}
+    frags, fetched, limit = list(view.fragments), [], max_frame(setup)
     for p, fs in enumerate(frags):
-        frame = None
-        while frame is None:  # gc may remove the version between the pointer read and the get
-            pub = bs.latest(store).get(p)
-            if pub is None:
-                break
-            frame = bs.fetch_fragment(store, p, pub.version, want_full=True)
-        if frame is None:
-            continue
-        msg = messages.decode(frame)
         expected = {path: (x.shape, np.float32) for path, x in fs.theta.items()}
-        values = messages.unpack_fragment(msg.header, msg.payload, None, expected)
-        version = msg.header["version"]
+        tried: set[int] = set()  # versions found unreadable: objects are never rewritten
+
+        def attempt() -> tuple[int, dict] | bool | None:
+            try:
+                pub = bs.latest(store, len(frags)).get(p)
+            except ValueError as e:
+                skipped["pointer"] += 1
+                log.warning("rejoin: %s; reading it again", e)
+                return None
+            if pub is None:
+                return True  # never published: Theta_0 is the syncer's reference too
+            def versions():  # the one the pointer names, then (listed only if needed) older ones
+                yield pub.version
+                yield from (v for v in reversed(bs.full_versions(store, p)) if v < pub.version)
+
+            for v in versions():
+                if v in tried:
+                    continue
+                try:
+                    frame = bs.fetch_fragment(store, p, v, True, limit)
+                except bs.TooLarge as e:
+                    frame, why = None, str(e)
+                else:
+                    if frame is None:
+                        continue  # collected by gc since the pointer or listing was read
+                    fetched.append((p, len(frame)))
+                    try:
+                        return v, full_copy(frame, p, v, expected)
+                    except messages.MessageError as e:
+                        why = str(e)
+                tried.add(v)
+                skipped["full"] += 1
+                log.warning("rejoin: fragment %d version %d's full copy is unreadable (%s); trying an older one",
+                            p, v, why[:200])
+            return None
+
+        poller = bs.Poller(POLL_MIN, POLL_MAX, deadline=clock() + timeout_s, sleep=sleep, clock=clock)
+        found = poller.until(attempt)
+        if found is None:
+            skipped["fragment"] += 1
+            log.error("rejoin: no readable full copy of fragment %d in %.0f s; it starts from Theta_0 at "
+                      "version 0 and catches up with the next version it can read", p, timeout_s)
+        if not isinstance(found, tuple):
+            continue
+        version, values = found
         frags[p] = fs._replace(theta=values, version=version, refs=((version, values),))
-        fetched[p] = len(frame)
     return view._replace(fragments=tuple(frags)), fetched
 
 
@@ -169,6 +243,10 @@ class ProcLearner:
         self.t0 = 0.0
         self.nap_until = float("inf")
         self.poller = bs.Poller(POLL_MIN, POLL_MAX, sleep=self._nap)
+        self.max_frame = max_frame(self.setup)
+        self.bad: set[str] = set()  # broadcast keys found unreadable: never fetched again
+        self.skipped: Counter = Counter()  # what damage made it skip, by kind (also logged)
+        self._bad_pointer: str | None = None  # the last malformed pointer logged, not to log it each poll
 
     def clock(self) -> float:
         return time.time() - self.t0  # wall time: every process (and host) shares the syncer's t0
@@ -202,15 +280,17 @@ class ProcLearner:
         before = wait_for(lambda: bs.read_control(self.store, buried(m, self.inc - 1)), self.parent)
         if before["done"]:
             return None
+        r = self.cfg.runtime
         down_until = self.clock()
         if self.tape is not None:  # its slices are still down: wait for the tape to return one
             down_until = max(down_until, self.tape.back_at(m, down_until))
-            while self.clock() < down_until:
-                self._nap(min(POLL_MAX, down_until - self.clock()))
-        view, fetched = store_view(self.store, s)
+        # As in sim and threads, coming back takes runtime.restart_s once the devices are back
+        # (here on top of the real spawn and compile, which the process has just paid).
+        while self.clock() < down_until + r.restart_s:
+            self._nap(min(POLL_MAX, down_until + r.restart_s - self.clock()))
+        view, fetched = store_view(self.store, s, skipped=self.skipped, sleep=self._nap)
         now = self.clock()
-        self.fetched += [[now, p, n, "fp32"] for p, n in fetched.items()]
-        r = self.cfg.runtime
+        self.fetched += [[now, p, n, "fp32"] for p, n in fetched]
         at_least = Pace.rejoin_step(r.step_period_s, r.rejoin_at, now, self.speed, self.cfg.run.steps)
         unit, how = rejoin_unit(s, m, self.inc, view, self.checkpoints, r.max_rejoin_staleness,
                                 before["step"], at_least)
@@ -241,25 +321,59 @@ class ProcLearner:
         pass  # the loss rides on the StepDone event; the syncer reports it
 
     def receive(self, unit: LearnerUnit) -> bool:
-        """Fetch every published version newer than the one held, in order; True if any arrived."""
+        """Fetch every published version newer than the one held, in order; True if any arrived.
+        A malformed pointer is logged (once per content) and read again at the next poll."""
+        try:
+            pointer = bs.latest(self.store, len(unit.latest))
+        except ValueError as e:
+            self.skipped["pointer"] += 1
+            if str(e) != self._bad_pointer:
+                self._bad_pointer = str(e)
+                log.warning("learner %d: %s; keeping the versions held", self.m, e)
+            return False
         got = False
-        for p, pub in sorted(bs.latest(self.store).items()):
-            while unit.latest[p][0] < pub.version:
-                held = unit.latest[p][0]
-                frame, codec = None, "fp32"
-                if held + 1 < pub.version or pub.has_delta:
-                    frame, codec = bs.fetch_fragment(self.store, p, held + 1, False), self.setup.policy.down_spec
-                if frame is None:
-                    frame, codec = bs.fetch_fragment(self.store, p, held + 1, True), "fp32"
-                if frame is None:  # collected by gc: jump to the newest copy (its answers may be lost)
-                    frame = bs.fetch_fragment(self.store, p, pub.version, True)
-                if frame is None:  # that one too: the pointer has moved on; the next poll follows it
-                    break
-                self.fetched.append([self.clock(), p, len(frame), codec])
-                if unit.receive(frame) is None:  # undecodable (counted in unit.dropped_frames)
-                    break
+        for p, pub in sorted(pointer.items()):
+            while unit.latest[p][0] < pub.version and self._advance(unit, p, pub):
                 got = True
         return got
+
+    def _advance(self, unit: LearnerUnit, p: int, pub: bs.Published) -> bool:
+        """Take fragment p past the version held, from the first readable of: the next version's
+        delta (if there may be one), its full copy, the newest full copy, older full copies. An
+        unreadable object is logged, counted and remembered, so it is never fetched again (keys
+        are never rewritten once the pointer names them); False if none is readable yet."""
+        held = unit.latest[p][0]
+        for key, codec in self._candidates(p, held, pub):
+            if key in self.bad:
+                continue
+            try:
+                frame = self.store.get(key, self.max_frame)
+            except bs.TooLarge as e:
+                frame, why = None, str(e)
+            else:
+                if frame is None:  # collected by gc, or no delta was published
+                    continue
+                self.fetched.append([self.clock(), p, len(frame), codec])
+                if unit.receive(frame) is not None:
+                    new = unit.latest[p][0]  # a bad key of a version now held is never asked for again
+                    self.bad = {k for k in self.bad if not (k.startswith(f"down/{p:04d}/") and _version(k) <= new)}
+                    return True
+                why = "undecodable (counted in dropped_frames)"
+            self.bad.add(key)
+            self.skipped["delta" if key.endswith(".delta") else "full"] += 1
+            log.warning("learner %d: %s is %s; trying the next copy", self.m, key, why[:200])
+        return False
+
+    def _candidates(self, p: int, held: int, pub: bs.Published):
+        """(key, codec) in the order _advance tries them; older full copies listed only if reached."""
+        if held + 1 < pub.version or pub.has_delta:
+            yield bs.broadcast_key(p, held + 1, "delta"), self.setup.policy.down_spec
+        yield bs.broadcast_key(p, held + 1, "full"), "fp32"
+        if pub.version > held + 1:
+            yield bs.broadcast_key(p, pub.version, "full"), "fp32"
+            for v in reversed(bs.full_versions(self.store, p)):
+                if held + 1 < v < pub.version:
+                    yield bs.broadcast_key(p, v, "full"), "fp32"
 
     def wait(self, unit: LearnerUnit, until: float) -> None:
         """Blocked: one poll, then a back-off nap (never past `until`) if nothing came."""
@@ -268,6 +382,11 @@ class ProcLearner:
             return
         self.nap_until = until
         self.poller.wait(False)
+
+
+def _version(key: str) -> int:
+    """The version of a broadcast key, down/<fragment>/<version>.<kind>."""
+    return int(key.rsplit("/", 1)[1].split(".", 1)[0])
 
 
 def learner_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m: int, incarnation: int,

@@ -217,7 +217,9 @@ class ProcSyncer(HostedRuntime):
         if isinstance(e, (ev.StepDone, ev.Flushed)) and e.sends:
             self.delivered[(m, inc)] = e.sends[-1][1]
         if isinstance(e, ev.Rejoined):
-            self._report({"kind": "rejoin", "time": e.at, **e.rejoin})
+            # with its down and restarting intervals: what recovery took, as the host booked it
+            self._report({"kind": "rejoin", "time": e.at, "died_at": e.died_at, "down_until": e.down_until,
+                          **e.rejoin})
 
     def _on_step(self, e: ev.StepDone) -> None:
         """A step is booked; its contributions are not delivered yet."""
