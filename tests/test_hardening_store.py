@@ -296,6 +296,83 @@ def test_a_learner_keeps_its_versions_over_a_malformed_pointer_and_logs_it_once(
     assert not rt.receive(unit) and rt.skipped["full"] == 1 and rt.fetched == []  # never read
 
 
+# --- items 14 and 16: the syncer's event streams ----------------------------------------------------
+
+@pytest.fixture
+def syncer(small):
+    """A ProcSyncer over a memory store, in this process, without a run directory."""
+    cfg, setup = small
+    store = _store_for(setup)
+    rt = ps.ProcSyncer(store, cfg, None, want_evals=False)
+    rt.gap_timeout = 0.0
+    return store, rt, cfg.data.batch_size * cfg.data.seq_len
+
+
+def _emit(store, m, inc, n, event):
+    store.put(pl.event_key(m, inc, n), json.dumps(ev.to_json(event)).encode())
+
+
+def test_a_gap_in_an_event_stream_is_skipped_after_its_timeout_and_done_is_booked(syncer, caplog, monkeypatch):
+    """Event 2 of learner 0 is missing: its bookkeeping stopped there with no log, and the run hung
+    after the learners exited (done was never booked). Learner 1's Done event itself is missing."""
+    store, rt, tokens = syncer
+    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
+    for n in range(5):
+        if n != 2:
+            _emit(store, 0, 0, n, ev.StepDone(0, 0, n + 1, float(n), n + 0.5, tokens, ()) if n < 4
+                  else ev.Done(0, 0, 5.0))
+    _emit(store, 1, 0, 0, ev.StepDone(1, 0, 1, 0.0, 0.5, tokens, ()))
+    with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.syncer"):
+        assert rt._poll(0) and rt._poll(1)
+        assert rt.host.done == {0} and rt.steps == {0: 4, 1: 1} and rt.cursor == {0: 5, 1: 1}
+        bs.write_control(store, pl.died(1, 0), {"at": 3.0, "exitcode": 0})  # the supervisor saw it exit 0
+        assert rt._poll(1)
+    assert rt.host.done == {0, 1} and rt.host.finished_at[1] == 3.0
+    assert "events 2 to 2 are missing" in caplog.text and "without a readable Done" in caplog.text
+    assert rt.skipped == 1 and not rt._poll(0) and not rt._poll(1)  # nothing booked twice
+
+
+def test_a_gap_waits_for_its_timeout_while_the_learner_runs(syncer, monkeypatch):
+    store, rt, tokens = syncer
+    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
+    rt.gap_timeout = 3600.0
+    _emit(store, 0, 0, 1, ev.StepDone(0, 0, 2, 1.0, 1.5, tokens, ()))
+    assert not rt._poll(0) and rt.cursor[0] == 0  # maybe a store slow to show event 0: wait
+    bs.write_control(store, pl.died(0, 0), {"at": 2.0, "exitcode": -9})
+    assert rt._poll(0) and rt.cursor == {0: 0, 1: 0} and rt.current[0] == 1  # exited: skipped at once, buried
+    assert rt.steps[0] == 2 and bs.read_control(store, pl.buried(0, 0)) == {"step": 2, "done": False}
+
+
+@pytest.mark.parametrize("raw", [
+    b"not json", b"[" * 3000, b'{"kind": "StepDone"}', b'{"kind": ["StepDone"]}', b"[]", b"7", b'{"kind": "Died", "learner": 0, "incarnation": 0, "at": 1}',
+    json.dumps(ev.to_json(ev.StepDone(1, 0, 1, 0.0, 0.5, 1, ()))).encode(),  # another learner's event
+    json.dumps(ev.to_json(ev.StepDone(0, 0, 1, 0.0, 0.5, 10 ** 9, ()))).encode(),  # more tokens than a batch
+    json.dumps(ev.to_json(ev.StepDone(0, 0, 1, 0.0, 0.5, 1, ((5, 1),)))).encode(),  # no fragment 5
+    json.dumps(ev.to_json(ev.StepDone(0, 0, 1, 0.0, 0.5, 1, ((0, 1), (1, 1))))).encode(),  # seq 1 twice
+    json.dumps(ev.to_json(ev.Done(0, 0, 1.0, ((2.0, 1.0),)))).encode(),  # a stall ending before it starts
+    json.dumps({**ev.to_json(ev.Done(0, 0, 1.0)), "at": "soon"}).encode(),
+    b" " * (bs.MAX_JSON_BYTES + 1),
+])
+def test_a_malformed_event_is_logged_and_skipped(syncer, raw, caplog):
+    store, rt, tokens = syncer
+    store.put(pl.event_key(0, 0, 0), raw)
+    _emit(store, 0, 0, 1, ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ()))
+    with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.syncer"):
+        assert rt._poll(0)
+    assert rt.cursor[0] == 2 and rt.steps[0] == 1 and rt.skipped == 1 and "event 0 skipped" in caplog.text
+
+
+def test_an_oversized_contribution_named_by_an_event_is_quarantined_and_its_tokens_dropped(syncer):
+    store, rt, tokens = syncer
+    bs.send_contribution(store, 0, 0, 1, b"\0" * (rt.max_frame + 1))
+    _emit(store, 0, 0, 0, ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ((0, 1),)))
+    assert rt._poll(0)
+    assert rt.host.state.quarantined == {"too_large": 1}
+    assert rt.host.tokens.dropped["quarantined:too_large"][0] == tokens  # the step's tokens of fragment 0
+    assert (0, 0, 1) not in rt.host.tokens.in_flight
+    ledger.check_balance(rt.host.tokens)
+
+
 # --- property tests: random damage of every kind of store object -----------------------------------
 
 _HOSTILE = [b"1e400", b"-1", b"true", b'"abc"', b"null", b"[]", b"{}", b"NaN", b"-Infinity", b"9" * 30,
@@ -371,6 +448,25 @@ def test_a_damaged_control_object_reads_as_json_or_a_value_error(data):
         bs.read_control(store, "died/0000/0000")
     except ValueError:
         pass
+
+
+_EVENTS = [ev.StepDone(0, 1, 7, 1.5, 2.25, 512, ((0, 3), (1, 4)), stalls=((1.0, 1.5),), loss=2.5,
+                       fetched=((1.2, 0, 900, "int8+zstd1"),)),
+           ev.Rejoined(0, 1, 0.0, 1.0, 1.25, {"learner": 0, "incarnation": 1, "step": 4, "restored_from": 4,
+                                               "staleness": 0}),
+           ev.Applied(0, 1, (0, 1)), ev.Flushed(0, 1, 3.0, ((1, 5),)), ev.Done(0, 1, 4.0)]
+
+
+@settings(**_PROPS)
+@given(hs.data(), hs.sampled_from(_EVENTS))
+def test_a_damaged_event_parses_to_an_event_of_its_learner_or_is_a_value_error(data, event):
+    raw = data.draw(damaged(json.dumps(ev.to_json(event)).encode()))
+    try:
+        parsed = ps.parse_event(raw, 0, 1, P, 512, 2)
+    except ValueError:
+        return
+    e = ev.from_json(parsed, (None,) * len(parsed.get("sends", ())))
+    assert (e.learner, e.incarnation) == (0, 1) and not isinstance(e, ev.Died)
 
 
 @settings(**_PROPS)

@@ -30,14 +30,17 @@ summary is printed, then KeyboardInterrupt is raised as in threads.
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
+import math
 import multiprocessing as mp
 import os
 import tempfile
 import time
 from multiprocessing.connection import wait as wait_for_exit
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+import numpy as np
 
 from diloco import report
 from diloco.config import TrainConfig
@@ -50,10 +53,22 @@ from diloco.runtime import build as build_setup
 from diloco.runtime.build import Setup
 from diloco.runtime.walltape import run_tape
 
+log = logging.getLogger(__name__)
+
 POLL = 0.05  # seconds the supervisor waits for a process exit before reading reports again
 JOIN_TIMEOUT = 30.0  # seconds a stopping child gets before it is killed
 MAX_RESTARTS = 10  # per learner, and for the syncer: one killed this often is not coming back
 _PREFIXES = ("up/", "down/", "ack/", "ctl/", "ev/", "rep/")  # every key scheme of a procs run
+
+
+# What each kind of report must hold (diloco/runtime/procs/syncer.py writes them).
+_REPORT_FIELDS = {
+    "train": {"learner", "step", "time", "tokens", "loss"},
+    "rejoin": {"time", "learner", "incarnation", "step"},
+    "eval": {"step", "time", "tokens", "merges", "paths"},
+    "end": {"time", "summary", "steps", "tokens", "dead", "finished_at", "merges", "processed0", "complete",
+            "paths"},
+}
 
 
 class Procs:
@@ -153,8 +168,9 @@ class Procs:
         self.exits.append(("syncer", inc, code))
         error = self._error("syncer")
         if code == 0 or error or not restartable(self.cfg, self.run_dir):
-            why = "" if error or code == 0 else (" and cannot be restarted: that needs a run directory and "
-                                                 f"run.checkpoint_every > 0, got {self.cfg.run.checkpoint_every}")
+            why = "" if error else " without a readable end report (see the log)" if code == 0 else (
+                " and cannot be restarted: that needs a run directory and "
+                f"run.checkpoint_every > 0, got {self.cfg.run.checkpoint_every}")
             raise RuntimeError(f"the syncer process exited with code {code}{why}{error}")
         if inc >= MAX_RESTARTS:
             raise RuntimeError(f"the syncer died {inc + 1} times (last exit code {code}); not restarting it again")
@@ -167,6 +183,8 @@ class Procs:
         self.exits.append((f"learner-{m}", inc, p.exitcode))
         if p.exitcode == 0:
             self.done.add(m)
+            # The syncer books it done from its Done event; should that event be lost, from this.
+            bs.write_control(self.store, died(m, inc), {"at": self.clock(), "exitcode": 0})
             return
         error = self._error(f"learner-{m:04d}-{inc:04d}")
         if error:  # a Python error is a bug to report, not a failure to ride out
@@ -184,25 +202,66 @@ class Procs:
         return "" if found is None else f"; its traceback:\n{found['traceback']}"
 
     def _read_reports(self, evaluate: bool = True) -> None:
-        """The syncer's reports, in order: metrics records, eval requests, the end."""
-        while (raw := self.store.get(rep_key(self.reports, "json"))) is not None:
-            record = json.loads(raw)
-            theta = None
-            if "paths" in record:
-                theta = unpack_theta(record.pop("paths"), self.store.get(rep_key(self.reports, "npz")))
-            kind = record["kind"]
-            if kind == "end":
-                self.finished, self.summary, self.theta = record, record["summary"], theta
-            elif kind == "eval":
-                if evaluate and self.evaluate is not None:
-                    self._eval(record["time"], record["step"], theta, record["tokens"], record["merges"])
-            else:  # train, rejoin
-                if kind == "rejoin":
-                    self.rejoins.append(record)
-                self._write(record)
-            self.store.delete(rep_key(self.reports, "json"))
+        """The syncer's reports, in order: metrics records, eval requests, the end. A malformed one
+        (not JSON, too large, fields or Theta not what its kind needs) is logged and skipped."""
+        while True:
+            key = rep_key(self.reports, "json")
+            try:
+                record = bs.read_json(self.store, key, finite=False)  # a loss may be NaN
+                if record is None:
+                    return
+                theta = self._report_theta(record)
+            except ValueError as e:
+                log.error("report %d skipped: %s", self.reports, e)
+            else:
+                self._take(record, theta, evaluate)
+            self.store.delete(key)
             self.store.delete(rep_key(self.reports, "npz"))
             self.reports += 1
+
+    def _report_theta(self, record: Any) -> dict | None:
+        """The Theta a report carries (eval, end), checked against the run's shapes; ValueError if
+        the record is not a report of its kind or its Theta is unreadable."""
+        kind = record.get("kind") if isinstance(record, dict) else None
+        if not (isinstance(kind, str) and _REPORT_FIELDS.get(kind, {None}) <= set(record)):
+            raise ValueError(f"not a report: {str(record)[:200]}")
+        numbers = [record[k] for k in _REPORT_FIELDS[kind] & {"time", "step", "merges", "processed0"}]
+        if kind in ("train", "eval"):
+            numbers.append(record["tokens"])
+        if not all(type(x) in (int, float) and math.isfinite(x) for x in numbers):
+            raise ValueError(f"a {record['kind']} report with a field that is not a finite number")
+        if record["kind"] == "end" and not (isinstance(record["summary"], dict) and isinstance(record["steps"], dict)
+                                            and type(record["steps"].get("0")) is int):
+            raise ValueError("an end report without its summary or steps")
+        if record["kind"] not in ("eval", "end"):
+            return None
+        want = {path: x.shape for frag in self.setup.theta0 for path, x in frag.items()}
+        paths = record.pop("paths", None)
+        if not (isinstance(paths, list) and all(isinstance(q, list) and all(isinstance(x, str) for x in q)
+                                                for q in paths)):
+            raise ValueError(f"a {record['kind']} report without the paths of its Theta")
+        limit = sum(4 * int(np.prod(shape)) + 4096 for shape in want.values()) + 65536  # npz: float32 + headers
+        try:
+            blob = self.store.get(rep_key(self.reports, "npz"), limit)
+            theta = None if blob is None else unpack_theta(paths, blob)
+        except Exception as e:  # noqa: BLE001 - np.load of damaged bytes raises many kinds; all mean "unreadable"
+            raise ValueError(f"its Theta is unreadable ({type(e).__name__}: {e})") from None
+        if theta is None or {p: (x.shape, x.dtype) for p, x in theta.items()} != {
+                p: (shape, np.float32) for p, shape in want.items()}:
+            raise ValueError("its Theta is missing or not the run's paths and float32 shapes")
+        return theta
+
+    def _take(self, record: dict, theta: dict | None, evaluate: bool) -> None:
+        kind = record["kind"]
+        if kind == "end":
+            self.finished, self.summary, self.theta = record, record["summary"], theta
+        elif kind == "eval":
+            if evaluate and self.evaluate is not None:
+                self._eval(record["time"], record["step"], theta, record["tokens"], record["merges"])
+        else:  # train, rejoin
+            if kind == "rejoin":
+                self.rejoins.append(record)
+            self._write(record)
 
     def _eval(self, t: float, step: int, theta: dict, tokens: int, merges: int) -> None:
         loss = self.evaluate(theta)

@@ -24,6 +24,12 @@ published again, a report the supervisor already read is not written again. The 
 booked events, acked contributions and dead incarnations only once a completed checkpoint covers
 them, so whatever the replay needs is still there; learners never wait for the syncer except at
 their tau bound, and see the versions they would have seen.
+
+Damage in the store (docs/design.md#damage-in-the-store): an event that is not JSON, too large or
+not an event of its learner is logged and skipped; a gap in an event stream (event n missing, a
+later one there) is skipped after GAP_TIMEOUT_S with an error logged, at once when the process
+has exited; a contribution larger than any frame of the run is passed on unread, to be
+quarantined as too_large; a learner that exited 0 without a readable Done event is booked done.
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ from __future__ import annotations
 import heapq
 import io
 import json
+import logging
+import math
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -46,11 +55,19 @@ from diloco.config import TrainConfig
 from diloco.runtime import blobstore as bs
 from diloco.runtime import events as ev
 from diloco.runtime.host import HostedRuntime, SyncerHost
-from diloco.runtime.procs.learner import POLL_MAX, POLL_MIN, buried, child_main, child_setup, died, event_key
+from diloco.runtime.procs.learner import (POLL_MAX, POLL_MIN, buried, child_main, child_setup, died, event_key,
+                                          max_frame)
 from diloco.runtime.procs.recovery import Recovery
 from diloco.runtime.runlog import write_decisions
 
+log = logging.getLogger(__name__)
+
 GC_EVERY = 1.0  # seconds between acks + garbage collection of old versions and booked events
+# A learner writes its events one after another, each whole before the next, so event n missing
+# while a later one is listed is damage (or a store slow to show it): after this long it is
+# skipped, with an error, and the stream booked on from the next event there.
+GAP_TIMEOUT_S = 5.0
+GAP_CHECK_S = 1.0  # seconds of silence on a stream before its keys are listed to look for a gap
 
 
 def rep_key(n: int, ext: str) -> str:
@@ -68,6 +85,70 @@ def pack_theta(theta: dict) -> tuple[list, bytes]:
 def unpack_theta(paths: list, blob: bytes) -> dict:
     with np.load(io.BytesIO(blob), allow_pickle=False) as z:
         return {tuple(p): z[f"arr_{i}"] for i, p in enumerate(paths)}
+
+
+_FIELDS = {  # the fields events.to_json writes, per kind; a Died never comes from a learner
+    "StepDone": {"step", "start", "end", "tokens", "sends", "stalls", "loss", "fetched"},
+    "Flushed": {"at", "sends", "fetched"},
+    "Applied": {"fragments", "fetched"},
+    "Rejoined": {"died_at", "down_until", "at", "rejoin", "fetched"},
+    "Done": {"at", "stalls", "fetched"},
+}
+
+
+_EVENT_KEY = re.compile(r"^ev/\d{4}/\d{4}/(\d{12})$")
+
+
+def _event_n(key: str) -> int | None:
+    """n of an event key (diloco/runtime/procs/learner.py event_key); None for a stray key."""
+    found = _EVENT_KEY.match(key)
+    return None if found is None else int(found[1])
+
+
+def _number(x) -> bool:
+    return type(x) in (int, float) and math.isfinite(x)
+
+
+def _rows(x, *checks) -> bool:
+    return isinstance(x, list) and all(isinstance(r, list) and len(r) == len(checks)
+                                       and all(c(v) for c, v in zip(checks, r)) for r in x)
+
+
+def parse_event(raw: bytes, m: int, inc: int, fragments: int, max_tokens: int, last_seq: int) -> dict:
+    """Event JSON of learner m's incarnation inc, checked field by field against what the host
+    books (diloco/runtime/events.py): ValueError, naming what is wrong, for anything else. Its
+    sends must follow `last_seq`, the last seq booked of this incarnation, in order."""
+    data = bs.loads_object(raw, f"event of learner {m} incarnation {inc}", finite=False)  # a loss may be NaN
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if not isinstance(kind, str) or kind not in _FIELDS or set(data) != _FIELDS[kind] | {"kind", "learner", "incarnation"}:
+        raise ValueError(f"not a learner event: {str(data)[:200]}")
+    if (data["learner"], data["incarnation"]) != (m, inc) or type(data["learner"]) is not int \
+            or type(data["incarnation"]) is not int:
+        raise ValueError(f"event of learner {data['learner']!r} incarnation {data['incarnation']!r} "
+                         f"under learner {m} incarnation {inc}'s key")
+    fragment = lambda p: type(p) is int and 0 <= p < fragments  # noqa: E731
+    ok = all(_number(data[k]) for k in ("start", "end", "at", "died_at", "down_until") if k in data)
+    ok = ok and _rows(data["fetched"], _number, fragment, bs.is_count, lambda c: isinstance(c, str) and len(c) <= 64)
+    ok = ok and _rows(data.get("stalls", []), _number, _number) and all(a <= b for a, b in data.get("stalls", []))
+    if "sends" in data:
+        ok = ok and _rows(data["sends"], fragment, bs.is_count)
+        seqs = [last_seq] + [seq for _, seq in data["sends"]] if ok else []
+        ok = ok and all(a < b for a, b in zip(seqs, seqs[1:]))
+    if kind == "StepDone":
+        ok = ok and bs.is_count(data["step"]) and data["start"] <= data["end"]
+        ok = ok and bs.is_count(data["tokens"]) and data["tokens"] <= max_tokens
+        ok = ok and (data["loss"] is None or type(data["loss"]) in (int, float))
+    if kind == "Applied":
+        ok = ok and isinstance(data["fragments"], list) and all(map(fragment, data["fragments"]))
+    if kind == "Rejoined":
+        r = data["rejoin"]
+        ok = ok and isinstance(r, dict) and set(r) == {"learner", "incarnation", "step", "restored_from", "staleness"}
+        ok = ok and (r["learner"], r["incarnation"]) == (m, inc) and bs.is_count(r["step"])
+        ok = ok and (r["restored_from"] is None or bs.is_count(r["restored_from"]))
+        ok = ok and type(r["staleness"]) is int and -1 <= r["staleness"] < bs.MAX_COUNT
+    if not ok:
+        raise ValueError(f"malformed {kind} event: {str(data)[:300]}")
+    return data
 
 
 class ProcSyncer(HostedRuntime):
@@ -100,6 +181,11 @@ class ProcSyncer(HostedRuntime):
         self.now = 0.0  # the clock time of the journal entry being executed
         self.stopping = False
         self.parent = os.getppid()  # the supervisor: if it is gone, nobody waits for the result
+        self.max_frame = max_frame(s)  # a contribution object larger than this is not read
+        self.gap_timeout = GAP_TIMEOUT_S
+        self.heard = dict.fromkeys(range(self.M), time.monotonic())  # a stream's last event or listing
+        self.gaps: dict[tuple[int, int, int], float] = {}  # (m, inc, n) missing -> when first seen
+        self.skipped = 0  # events and gaps skipped as damage (each logged)
 
     def clock(self) -> float:
         return time.time() - self.t0
@@ -164,7 +250,22 @@ class ProcSyncer(HostedRuntime):
                 raise RuntimeError(f"journal entry {entry} does not follow learner {m}'s incarnation "
                                    f"{self.current[m]} event {self.cursor[m]}")
             self.cursor[m] += 1
-            self._on_event(m, inc, json.loads(raw))
+            try:
+                data = parse_event(raw, m, inc, len(self.setup.fragments), self.setup.spec.batch_size
+                                   * self.setup.spec.seq_len, self.delivered.get((m, inc), -1))
+            except ValueError as e:
+                self.skipped += 1
+                log.error("learner %d incarnation %d event %d skipped: %s", m, inc, n, e)
+                return
+            self._on_event(m, inc, data)
+        elif kind == "skip":  # a gap in the stream: the events from n to `to` are missing
+            m, inc = entry["m"], entry["inc"]
+            if (inc, entry["n"]) != (self.current[m], self.cursor[m]) or entry["to"] <= entry["n"]:
+                raise RuntimeError(f"journal entry {entry} does not follow learner {m}'s incarnation "
+                                   f"{self.current[m]} event {self.cursor[m]}")
+            self.cursor[m] = entry["to"]
+        elif kind == "done":  # it exited 0, but its Done event never came: its last event is lost
+            self.host.on_event(ev.Done(entry["m"], entry["inc"], entry["at"]), self.now)
         elif kind == "deadline":
             _, _, p = heapq.heappop(self.deadlines)
             if p != entry["fragment"]:
@@ -181,7 +282,7 @@ class ProcSyncer(HostedRuntime):
         for entry in entries:
             raw = None
             if entry["do"] == "event":
-                raw = self.store.get(event_key(entry["m"], entry["inc"], entry["n"]))
+                raw = self._read_event(entry["m"], entry["inc"], entry["n"])
                 if raw is None:
                     raise RuntimeError(f"journal entry {entry}: the event is gone from the store, so the "
                                        f"checkpoint restored is older than the one the store was collected to")
@@ -192,23 +293,82 @@ class ProcSyncer(HostedRuntime):
     def _poll(self, m: int) -> bool:
         inc = self.current[m]
         got = self._drain(m, inc)
-        notice = bs.read_control(self.store, died(m, inc))
+        notice = self._notice(m, inc)
         if notice is not None:
-            self._drain(m, inc)  # it exited before the notice: now every event of it is visible
-            self._do({"do": "bury", "m": m, "inc": inc, "at": float(notice["at"])})
-            got = True
+            self._drain(m, inc, exited=True)  # it exited before the notice: every event of it is there
+            if notice["exitcode"] != 0:
+                self._do({"do": "bury", "m": m, "inc": inc, "at": notice["at"]})
+                return True
+            if m not in self.host.done:
+                log.error("learner %d incarnation %d exited 0 without a readable Done event (its last "
+                          "event); booking it done at its exit", m, inc)
+                self._do({"do": "done", "m": m, "inc": inc, "at": notice["at"]})
+                got = True
         return got
 
-    def _drain(self, m: int, inc: int) -> bool:
+    def _notice(self, m: int, inc: int) -> dict | None:
+        """The supervisor's exit notice of (m, inc), if any; a malformed one is an exit now, a crash."""
+        try:
+            notice = bs.read_control(self.store, died(m, inc))
+        except ValueError as e:
+            notice = {"malformed": str(e)}
+        if notice is None:
+            return None
+        if not (isinstance(notice, dict) and _number(notice.get("at")) and type(notice.get("exitcode")) is int):
+            log.error("learner %d incarnation %d: malformed exit notice, taken as a crash now: %s",
+                      m, inc, str(notice)[:200])
+            return {"at": self.clock(), "exitcode": -1}
+        return {"at": float(notice["at"]), "exitcode": notice["exitcode"]}
+
+    def _drain(self, m: int, inc: int, exited: bool = False) -> bool:
         got = False
-        while (raw := self.store.get(event_key(m, inc, self.cursor[m]))) is not None:
-            self._do({"do": "event", "m": m, "inc": inc, "n": self.cursor[m]}, raw)
+        while True:
+            raw = self._read_event(m, inc, self.cursor[m])
+            if raw is not None:
+                self._do({"do": "event", "m": m, "inc": inc, "n": self.cursor[m]}, raw)
+                self.heard[m] = time.monotonic()
+                got = True
+                continue
+            to = self._gap(m, inc, exited)
+            if to is None:
+                return got
+            self._do({"do": "skip", "m": m, "inc": inc, "n": self.cursor[m], "to": to})
             got = True
-        return got
+
+    def _read_event(self, m: int, inc: int, n: int) -> bytes | None:
+        """Event n's bytes, None if absent; one too large to be an event comes back as b"" (not
+        JSON), so its journal entry skips it, here and in any replay."""
+        try:
+            return self.store.get(event_key(m, inc, n), bs.MAX_JSON_BYTES)
+        except bs.TooLarge:
+            return b""
+
+    def _gap(self, m: int, inc: int, exited: bool) -> int | None:
+        """The next event listed after a missing one, once the gap is GAP_TIMEOUT_S old (at once if
+        the process has exited: it wrote all it ever will); else None. Lists at most every
+        GAP_CHECK_S of silence, and not for a learner that is done (Done is its last event)."""
+        now = time.monotonic()
+        if m in self.host.done or (not exited and now - self.heard[m] < GAP_CHECK_S):
+            return None
+        self.heard[m] = now
+        n = self.cursor[m]
+        later = [k for key in self.store.list(f"ev/{m:04d}/{inc:04d}/")
+                 if (k := _event_n(key)) is not None and k > n]
+        if not later:
+            return None
+        since = self.gaps.setdefault((m, inc, n), now)
+        if not exited and now - since < self.gap_timeout:
+            return None
+        del self.gaps[(m, inc, n)]
+        self.skipped += 1
+        log.error("learner %d incarnation %d: events %d to %d are missing from the store (for %.1f s); "
+                  "skipping them, what they booked is lost", m, inc, n, min(later) - 1, now - since)
+        return min(later)
 
     def _on_event(self, m: int, inc: int, data: dict) -> None:
         """Book one learner event (diloco/runtime/events.py), its contributions read from the store."""
-        frames = tuple(self.store.get(bs.contribution_key(m, inc, seq)) for _, seq in data.get("sends", ()))
+        frames = tuple(bs.get_frame(self.store, bs.contribution_key(m, inc, seq), self.max_frame)
+                       for _, seq in data.get("sends", ()))
         e = ev.from_json(data, frames)
         if isinstance(e, ev.Rejoined):  # the syncer, not the learner, knows when its predecessor died
             e = e._replace(died_at=self.died_at.pop(m, e.at))
@@ -285,7 +445,7 @@ class ProcSyncer(HostedRuntime):
         self.graves -= c.graves
         for m, inc in c.current.items():
             for key in self.store.list(f"ev/{m:04d}/{inc:04d}/"):
-                if int(key.rsplit("/", 1)[1]) < c.cursor[m]:
+                if (n := _event_n(key)) is not None and n < c.cursor[m]:
                     self.store.delete(key)
 
     def finish(self) -> None:
@@ -297,7 +457,8 @@ class ProcSyncer(HostedRuntime):
         self._report({"kind": "end", "time": end, "summary": summary, "steps": self.steps,
                       "tokens": ledger.token_totals(self.tokens), "dead": sorted(self.tokens.dead),
                       "finished_at": self.host.finished_at, "merges": self.syncer.merges,
-                      "processed0": int(self.tokens.processed[0]), "complete": len(self.host.done) == self.M},
+                      "processed0": int(self.tokens.processed[0]), "complete": len(self.host.done) == self.M,
+                      "skipped": self.skipped},
                      sync.theta(self.syncer))
         # The result is with the supervisor: nothing is replayed any more, so the store keeps only
         # the newest versions, acks and control.
