@@ -373,6 +373,58 @@ def test_an_oversized_contribution_named_by_an_event_is_quarantined_and_its_toke
     ledger.check_balance(rt.host.tokens)
 
 
+# --- item 17: every kept syncer checkpoint stays restorable ------------------------------------------
+
+def test_a_torn_newest_syncer_checkpoint_falls_back_to_an_older_one_the_store_still_serves(world, tmp_path):
+    """The syncer deleted events and acked contributions as far as its newest checkpoint covered, so
+    restoring an older one (the newest torn) replayed journal entries whose events were gone, and
+    the run died. Now the store keeps them back to the oldest checkpoint kept: kill -9 the syncer
+    once gc has run past its newest checkpoint, tear that one, and the restarted syncer restores
+    the one before, replays, and the run finishes as an uninterrupted one would."""
+    # paced, so checkpoints (every 4 merges) come seconds apart, more than a gc interval
+    cfg, setup, run_dir = variant(world, tmp_path, speeds=(1.0, 2.0), step_period_s=0.25)
+    cfg = validate(replace(cfg, run=replace(cfg.run, checkpoint_every=4)))
+    killed, stop = [], threading.Event()
+
+    def killer():
+        saved, seen = run_dir / "syncer", {}
+        while not stop.is_set() and not killed:
+            steps = sorted(int(d.name) for d in saved.iterdir() if d.name.isdigit()) if saved.is_dir() else []
+            for step in steps:
+                seen.setdefault(step, time.monotonic())  # renamed into place: complete
+            # two kept, and the newest complete for longer than a gc interval: gc has collected to it
+            if len(steps) >= 2 and time.monotonic() - seen[steps[-1]] > 1.5 * ps.GC_EVERY:
+                store = bs.BlobStore(f"file://{run_dir}/store")
+                os.kill(bs.read_control(store, "procs")["syncer"], signal.SIGKILL)
+                (saved / str(steps[-1]) / "meta" / "metadata").write_bytes(b'{"torn')
+                killed.append(steps)
+            stop.wait(0.005)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    try:
+        rt, summary = ps_run(cfg, setup, run_dir)
+    finally:
+        stop.set()
+        thread.join()
+
+    assert killed and ("syncer", 0, -signal.SIGKILL) in rt.exits, (killed, rt.exits)
+    assert rt.finished["complete"] and rt.finished["steps"] == {"0": STEPS, "1": STEPS}
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    assert rt.finished["tokens"]["processed"] == P * M * STEPS * tokens_per_step  # no step booked twice
+    assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
+    for p, vs in merge_versions(run_dir).items():  # no version made twice or skipped
+        assert vs == list(range(1, len(vs) + 1)), (p, vs)
+    store = bs.BlobStore(f"file://{run_dir}/store")
+    assert store.list("rep/") == [] and store.list("ev/") == [] and store.list("up/") == []
+
+
+def ps_run(cfg, setup, run_dir):
+    from diloco.runtime import procs
+
+    return procs.run(cfg, setup, run_dir, None)
+
+
 # --- property tests: random damage of every kind of store object -----------------------------------
 
 _HOSTILE = [b"1e400", b"-1", b"true", b'"abc"', b"null", b"[]", b"{}", b"NaN", b"-Infinity", b"9" * 30,

@@ -19,11 +19,12 @@ truncates both logs to those offsets and re-executes the journal after them: it 
 state its predecessor died in, having re-published nothing (a version the store already has is
 skipped: it is that same version) and re-reported nothing the supervisor read. Then it goes on.
 
-That needs every event and contribution the replay reads still in the store, so the syncer deletes
-booked events, acks contributions (gc deletes acked ones) and removes dead incarnations' objects
-only as far as the newest *completed* checkpoint covers them (`Covered`). Contributions are thus
-re-sent in the object-store sense: a learner's contribution object stays until a checkpoint that
-took it in is on disk, and a restarted syncer reads it again.
+That needs every event and contribution the replay reads still in the store, and the replay may
+start from any checkpoint kept: a torn or unreadable newest one falls back to an older one. So the
+syncer deletes booked events, acks contributions (gc deletes acked ones) and removes dead
+incarnations' objects only as far as the *oldest* checkpoint kept covers them (`Covered`).
+Contributions are thus re-sent in the object-store sense: a learner's contribution object stays
+until every checkpoint kept has taken it in, and a restarted syncer reads it again.
 """
 
 from __future__ import annotations
@@ -128,7 +129,9 @@ class Recovery:
         self.journal: Journal | None = None
         self.saved_merges = 0
         self.pending: tuple[int, Covered] | None = None  # a save in flight and what it covers
-        self.done: Covered | None = None  # what the newest completed checkpoint covers
+        # What each completed checkpoint of this process covers, by step; None for one a
+        # predecessor wrote, whose cover this process does not know (it keeps everything for it).
+        self.covers: dict[int, Covered | None] = {}
 
     def open(self, rt, restart: bool) -> list[dict]:
         """Set up the logs of `rt` (a fresh ProcSyncer); after a restart, restore it from the newest
@@ -153,7 +156,7 @@ class Recovery:
             bookkeeping_in(rt, arrays.get("extra", {}), meta["extra"])
             offsets = meta["extra"]["offsets"]
             self.saved_merges = state.merges
-            self.done = covered_now(rt)
+            self.covers[offsets["journal"]] = covered_now(rt)  # its step is its journal offset
         entries, end = read_journal(self.run_dir / JOURNAL, offsets["journal"])
         rt.host.inputs = InputLog(self.run_dir / INPUTS, keep=offsets["inputs"])
         self.journal = Journal(self.run_dir / JOURNAL, keep=end)
@@ -179,15 +182,25 @@ class Recovery:
 
     def covered(self, rt, final: bool = False) -> Covered:
         """What the store may forget: all that is booked when recovery is off or the run's result
-        is out (`final`), else what the newest completed checkpoint covers (nothing before one)."""
+        is out (`final`), else what the oldest checkpoint on disk covers (nothing before one, nor
+        while it is one a predecessor wrote): a restore may fall back to any of them."""
         if not self.enabled or final:
             return covered_now(rt)
         self._promote()
-        return self.done or Covered({}, {}, {}, frozenset())
+        kept = self._steps()
+        self.covers = {step: c for step, c in self.covers.items() if step in kept}  # Orbax kept the last k
+        oldest = self.covers.get(min(kept)) if kept else None
+        return oldest or Covered({}, {}, {}, frozenset())
+
+    def _steps(self) -> set[int]:
+        """The steps of the checkpoints on disk; a save in progress has a temporary name."""
+        directory = self.run_dir / CHECKPOINTS
+        return {int(d.name) for d in directory.iterdir() if d.name.isdigit()} if directory.is_dir() else set()
 
     def _promote(self) -> None:
         if self.pending is not None and (self.run_dir / CHECKPOINTS / str(self.pending[0])).is_dir():
-            self.done, self.pending = self.pending[1], None
+            self.covers[self.pending[0]] = self.pending[1]
+            self.pending = None
 
     def close(self, rt) -> None:
         for f in (rt.host.inputs, self.journal):

@@ -21,9 +21,9 @@ time every input it delivers carries; every `run.checkpoint_every` merges the wh
 checkpointed. A syncer restarted by the supervisor restores the newest checkpoint and executes the
 journal after it again, which remakes the same versions: a version the store already has is not
 published again, a report the supervisor already read is not written again. The store forgets
-booked events, acked contributions and dead incarnations only once a completed checkpoint covers
-them, so whatever the replay needs is still there; learners never wait for the syncer except at
-their tau bound, and see the versions they would have seen.
+booked events, acked contributions and dead incarnations only once the oldest checkpoint kept
+covers them, so whatever a replay from any of them needs is still there; learners never wait for
+the syncer except at their tau bound, and see the versions they would have seen.
 
 Damage in the store (docs/design.md#damage-in-the-store): an event that is not JSON, too large or
 not an event of its learner is logged and skipped; a gap in an event stream (event n missing, a
