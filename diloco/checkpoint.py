@@ -1,21 +1,34 @@
-"""Orbax checkpoints of pytree states: async, atomic, keep the last k, restore into abstract targets.
+"""Orbax checkpoints of pytree states: async, atomic, keep the last k, restore into abstract targets,
+every one verified against digests written with it.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a torn
-checkpoint is never listed; `restore_latest` still falls back to older steps if one fails to read.
+checkpoint is never listed. What Orbax does not catch is damage after the rename (a flipped byte
+in a data file restores as a wrong value, an edited JSON field restores as edited), so `save`
+writes a digest of every array and of the meta next to them, and every restore checks it
+(docs/design.md#checkpoint-integrity). `newest` is the one fallback rule: a step that fails to
+read or to verify is skipped with a warning naming it, and the next older one is tried.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
+DIGEST = "diloco.digest/1"  # blake2b-128 per array (dtype, shape, bytes) and over the canonical meta
+T = TypeVar("T")
+
+
+class Damaged(ValueError):
+    """A checkpoint whose arrays or meta differ from what was saved, or that lacks a field."""
 
 
 def open_manager(directory: str | Path, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
@@ -36,11 +49,73 @@ def open_manager(directory: str | Path, keep: int, async_save: bool = True) -> o
     return ocp.CheckpointManager(Path(directory).absolute(), options=options)
 
 
+# --- digests ---------------------------------------------------------------------------------------
+def _path(path) -> str:
+    """A leaf's path as "a/b/0": the same for the saved tree (dataclasses, tuples, NamedTuples) and
+    for the dicts and lists an untyped restore gives back."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _array_digest(x) -> str:
+    a = np.ascontiguousarray(np.asarray(x))
+    h = hashlib.blake2b(digest_size=16)
+    # dtype.name tells bfloat16 from other 2-byte types, which share dtype.str ("<V2")
+    h.update(f"{a.dtype.name}|{a.dtype.str}|{a.shape}|".encode())
+    h.update(a.reshape(-1).view(np.uint8))
+    return h.hexdigest()
+
+
+def _canonical(meta: dict) -> bytes:
+    # Round-trip first: JSON turns tuples into lists and int keys into strings, as the restored
+    # meta has them, so the digest of the saved and of the restored meta agree.
+    return json.dumps(json.loads(json.dumps(meta)), sort_keys=True, separators=(",", ":")).encode()
+
+
+def digests(state: Any, meta: dict) -> dict:
+    """The integrity record of (state, meta): a digest per array leaf, keyed by its path, and one
+    over the canonical meta together with those, so an edit of either or of the record shows."""
+    host = jax.device_get(state)
+    arrays = {_path(p): _array_digest(x) for p, x in jax.tree_util.tree_leaves_with_path(host)}
+    whole = hashlib.blake2b(_canonical({"meta": meta, "arrays": arrays}), digest_size=16).hexdigest()
+    return {"format": DIGEST, "arrays": arrays, "meta": whole}
+
+
+def verify(state: Any, meta: dict, record: Any) -> None:
+    """Raise `Damaged` naming what differs between (state, meta) and the record saved with them."""
+    kind = record.get("format") if isinstance(record, dict) else type(record).__name__
+    if kind != DIGEST:
+        raise Damaged(f"integrity record of format {kind!r}, want {DIGEST!r}")
+    saved = record.get("arrays")
+    if not isinstance(saved, dict):
+        raise Damaged("integrity record without array digests")
+    now = digests(state, meta)
+    missing, extra = sorted(set(saved) - set(now["arrays"])), sorted(set(now["arrays"]) - set(saved))
+    if missing or extra:
+        raise Damaged(f"arrays differ from those saved: missing {missing[:3]}, unexpected {extra[:3]}")
+    wrong = sorted(p for p, d in now["arrays"].items() if saved[p] != d)
+    if wrong:
+        raise Damaged(f"digest mismatch of {len(wrong)} array(s), e.g. {wrong[0]!r}")
+    if record.get("meta") != now["meta"]:
+        raise Damaged("digest mismatch of the meta (its JSON was changed)")
+
+
+# --- save and restore ------------------------------------------------------------------------------
 def save(manager: ocp.CheckpointManager, step: int, state: Any, meta: dict | None = None) -> None:
-    """Start saving `state` (any pytree) and a small JSON `meta` at `step`; returns before the write ends."""
+    """Start saving `state` (any pytree) and a small JSON `meta` at `step`, with their digests;
+    returns before the write ends (the digests are taken now, from a host copy)."""
+    meta = meta or {}
     manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
-        meta=ocp.args.JsonSave(meta or {}),
+        meta=ocp.args.JsonSave(meta),
+        integrity=ocp.args.JsonSave(digests(state, meta)),
     ))
 
 
@@ -53,35 +128,61 @@ def abstract_like(state: Any) -> Any:
     return jax.tree.map(leaf, state)
 
 
+def _restore(manager: ocp.CheckpointManager, step: int, state_args) -> tuple[Any, dict]:
+    """(state, meta) at `step`, verified against its digests; one of the checkpoints written before
+    they existed (no "integrity" item) is returned unverified, with a warning."""
+    signed = (Path(manager.directory) / str(step) / "integrity").exists()
+    items = dict(state=state_args, meta=ocp.args.JsonRestore())
+    if signed:
+        items["integrity"] = ocp.args.JsonRestore()
+    restored = manager.restore(step, args=ocp.args.Composite(**items))
+    state, meta = restored["state"], restored["meta"]
+    if not isinstance(meta, dict):
+        raise Damaged(f"meta is a {type(meta).__name__}, not a JSON object")
+    if signed:
+        verify(state, meta, restored["integrity"])
+    else:
+        log.warning("checkpoint %s step %d carries no digest (written before checkpoints had one): "
+                    "restored unverified", manager.directory, step)
+    return state, dict(meta)
+
+
 def restore(manager: ocp.CheckpointManager, step: int, target: Any) -> tuple[Any, dict]:
     """Restore (state, meta) at `step` into the structure, dtypes and shardings of `target`."""
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_like(target)),
-        meta=ocp.args.JsonRestore(),
-    ))
-    return restored["state"], dict(restored["meta"] or {})
+    return _restore(manager, step, ocp.args.StandardRestore(abstract_like(target)))
 
 
 def restore_untyped(manager: ocp.CheckpointManager, step: int) -> tuple[Any, dict]:
     """(state, meta) at `step` as saved: host numpy arrays in the saved tree, for states whose
     structure depends on what the run did (open rounds, learners that joined)."""
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
-    return jax.tree.map(np.asarray, restored["state"]), dict(restored["meta"] or {})
+    state, meta = _restore(manager, step, ocp.args.StandardRestore())
+    return jax.tree.map(np.asarray, state), meta
 
 
-def restore_latest(manager: ocp.CheckpointManager, target: Any) -> tuple[int, Any, dict] | None:
-    """The newest readable checkpoint as (step, state, meta), or None if there is none.
+def newest(manager: ocp.CheckpointManager, read: Callable[[int], T], what: str = "checkpoint") -> tuple[int, T] | None:
+    """(step, read(step)) of the newest step that `read` accepts, or None if none does.
 
-    A checkpoint that fails to read (corrupt files) is skipped with a warning, so a damaged latest
-    step costs the work since the previous one instead of the run.
-    """
+    `read` raises for a step it cannot use: unreadable files, a digest mismatch, a missing field, a
+    state from another run. That step is skipped with a warning naming it and why, so a damaged
+    newest checkpoint costs the work since the previous one instead of the run."""
     for step in sorted(manager.all_steps(), reverse=True):
         try:
-            state, meta = restore(manager, step, target)
-        except Exception as err:  # noqa: BLE001 - any read failure means "try the previous one"
-            log.warning("checkpoint step %d unreadable (%s: %s); trying an older one",
+            return step, read(step)
+        except Exception as err:  # noqa: BLE001 - any failure means "try the previous one"
+            log.warning("%s %s step %d unusable (%s: %s); trying an older one", what, manager.directory,
                         step, type(err).__name__, err)
-            continue
-        return step, state, meta
     return None
+
+
+def restore_latest(manager: ocp.CheckpointManager, target: Any,
+                   check: Callable[[int, Any, dict], None] | None = None) -> tuple[int, Any, dict] | None:
+    """The newest usable checkpoint as (step, state, meta), or None if there is none. `check(step,
+    state, meta)` raises for one the caller cannot use (a missing field, one from the future)."""
+    def read(step: int):
+        state, meta = restore(manager, step, target)
+        if check is not None:
+            check(step, state, meta)
+        return state, meta
+
+    found = newest(manager, read)
+    return None if found is None else (found[0], *found[1])

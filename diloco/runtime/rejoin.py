@@ -9,17 +9,26 @@ learner's own weights are at best a few merges old, and a brand-new one must nev
 model. What a checkpoint is worth keeping is the inner optimizer's state (AdamW moments) and the
 step (the learning-rate schedule and the data position): they are kept when no fragment has moved
 more than `max_rejoin_staleness` versions since the checkpoint, and reset otherwise.
+
+A checkpoint is used only if it verifies (diloco/checkpoint.py) and has every field. Anything else
+is skipped with a warning, and with none left the learner rejoins fresh from the syncer's Theta: a
+bad checkpoint never stops a rejoin (docs/design.md#checkpoint-integrity).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
+
+import jax
 
 from diloco import checkpoint
 from diloco.algo import syncer as sync
 from diloco.runtime.build import Setup, new_unit
 from diloco.runtime.unit import LearnerUnit
+
+log = logging.getLogger(__name__)
 
 
 class Rejoin(NamedTuple):
@@ -71,12 +80,15 @@ class LearnerCheckpoints:
                 checkpoint.save(self._manager(unit.learner), step, unit.state, meta)
         return True
 
-    def latest(self, m: int, target) -> tuple[int, object, dict] | None:
+    def latest(self, m: int, target, check: Callable[[int, object, dict], None] | None = None
+               ) -> tuple[int, object, dict] | None:
+        """The newest of learner m's checkpoints that verifies and that `check(step, state, meta)`
+        accepts (it raises for one it does not), or None."""
         if not self.enabled or not (self.root / f"learner-{m}").exists():
             return None
         manager = self._manager(m)
         manager.wait_until_finished()
-        return checkpoint.restore_latest(manager, target)
+        return checkpoint.restore_latest(manager, target, check)
 
     def close(self) -> None:
         for manager in self._managers.values():
@@ -90,6 +102,31 @@ def staleness(syncer_state: sync.SyncerState, versions: list[int]) -> int:
     return max(fs.version - v for fs, v in zip(syncer_state.fragments, versions))
 
 
+def usable(m: int, incarnation: int, syncer_state: sync.SyncerState, stopped_at: int
+           ) -> Callable[[int, object, dict], None]:
+    """A check for `LearnerCheckpoints.latest`: raise `checkpoint.Damaged` for a checkpoint of
+    learner m that lacks a field or whose fields disagree."""
+    def check(step: int, state, meta: dict) -> None:
+        def field(name, kind=int):
+            value = meta.get(name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise checkpoint.Damaged(f"meta field {name!r} is {value!r}, not a {kind.__name__}")
+            return value
+
+        versions = field("versions", list)
+        if len(versions) != len(syncer_state.fragments) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions):
+            raise checkpoint.Damaged(f"meta field 'versions' is {versions!r}, not "
+                                     f"{len(syncer_state.fragments)} fragment versions")
+        if field("learner") != m:
+            raise checkpoint.Damaged(f"written by learner {meta['learner']}, not {m}")
+        if field("step") != step or int(jax.device_get(state.step)) != step:
+            raise checkpoint.Damaged(f"saved as step {step}, but its meta says {meta['step']} and its "
+                                     f"state {int(jax.device_get(state.step))}")
+
+    return check
+
+
 def rejoin_unit(setup: Setup, m: int, incarnation: int, syncer_state: sync.SyncerState,
                 checkpoints: LearnerCheckpoints, max_staleness: int, fallback_step: int,
                 at_least: int = 0) -> tuple[LearnerUnit, Rejoin]:
@@ -97,8 +134,15 @@ def rejoin_unit(setup: Setup, m: int, incarnation: int, syncer_state: sync.Synce
     inner optimizer state and step from its newest checkpoint if fresh enough, else a fresh
     optimizer at `fallback_step` (where the dead incarnation stopped). `at_least` moves the step
     forward (runtime.rejoin_at=schedule: take up the step the other learners are at, skipping the
-    steps missed while down, so the fragment schedule is in phase with theirs again)."""
-    found = checkpoints.latest(m, setup.compiled[m % len(setup.compiled)].abstract_state)
+    steps missed while down, so the fragment schedule is in phase with theirs again). A checkpoint
+    that cannot be used is skipped (see `usable`); this never raises for one."""
+    target = setup.compiled[m % len(setup.compiled)].abstract_state
+    try:
+        found = checkpoints.latest(m, target, usable(m, incarnation, syncer_state, fallback_step))
+    except Exception as err:  # noqa: BLE001 - an unreadable directory must not stop the rejoin
+        log.warning("learner %d: its checkpoints cannot be read (%s: %s); rejoining fresh from the "
+                    "syncer's Theta", m, type(err).__name__, err)
+        found = None
     if found is not None:
         step, state, meta = found
         stale = staleness(syncer_state, meta["versions"])

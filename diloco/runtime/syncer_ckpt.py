@@ -4,8 +4,9 @@ contributions admitted into them, versions, live incarnations, sequence numbers,
 estimates, quarantine counts and the decision records.
 
 Arrays go through Orbax (async, written to a temporary directory and renamed, so a torn
-checkpoint is never listed; `restore_latest` falls back to the previous one if the newest fails to
-read); everything else is a JSON document saved in the same step. The state is cut at an input
+checkpoint is never listed); everything else is a JSON document saved in the same step, and both
+are verified against digests saved with them (diloco/checkpoint.py): a newest checkpoint that fails
+to read or to verify falls back to the previous one. The state is cut at an input
 boundary, and the metadata records how many syncer inputs it has seen, so a restarted syncer
 continues from exactly that input: no fragment version is applied twice or skipped.
 """
@@ -150,17 +151,20 @@ class SyncerCheckpoints:
 
     def latest_raw(self, policy: sync.Policy,
                    fragments: tuple[Fragment, ...]) -> tuple[sync.SyncerState, dict, dict] | None:
-        """(state, arrays, meta) of the newest readable checkpoint (arrays and meta as saved,
-        with "extra" if the save had it), or None."""
+        """(state, arrays, meta) of the newest usable checkpoint (arrays and meta as saved, with
+        "extra" if the save had it), or None. A step that fails to read, to verify against its
+        digests or to rebuild a syncer (a missing field) is skipped with a warning naming it, and the
+        next older one is tried (docs/design.md#checkpoint-integrity)."""
         self.manager.wait_until_finished()
-        for step in sorted(self.manager.all_steps(), reverse=True):
-            try:
-                arrays, meta = checkpoint.restore_untyped(self.manager, step)
-                return from_checkpoint(arrays, meta, policy, fragments), arrays, meta
-            except Exception as err:  # noqa: BLE001 - any read failure means "try the previous one"
-                log.warning("syncer checkpoint %d unreadable (%s: %s); trying an older one",
-                            step, type(err).__name__, err)
-        return None
+
+        def read(step: int):
+            arrays, meta = checkpoint.restore_untyped(self.manager, step)
+            if not isinstance(meta.get("inputs_seen"), int) or meta["inputs_seen"] < 0:
+                raise checkpoint.Damaged(f"inputs_seen is {meta.get('inputs_seen')!r}, not a count")
+            return from_checkpoint(arrays, meta, policy, fragments), arrays, meta
+
+        found = checkpoint.newest(self.manager, read, "syncer checkpoint")
+        return None if found is None else found[1]
 
     def close(self) -> None:
         self.manager.wait_until_finished()

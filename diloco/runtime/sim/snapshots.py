@@ -5,7 +5,9 @@ The sim is one process with a virtual clock, so everything is captured at an eve
 syncer (diloco/runtime/syncer_ckpt.py), each learner's train state, held anchors, codec residuals
 and state machine, the three ledgers, the event heap with the frames in flight on every link, the
 link clocks and the jitter generator. Arrays go through Orbax (atomic: a torn snapshot is never
-listed, an unreadable newest one falls back to the previous); the rest is one JSON document.
+listed); the rest is one JSON document. Both are verified against digests saved with them
+(diloco/checkpoint.py), and a newest snapshot that fails to read or to verify, or lacks a field,
+falls back to the previous one (docs/design.md#checkpoint-integrity).
 """
 
 from __future__ import annotations
@@ -134,6 +136,27 @@ def snapshot(sim) -> tuple[dict, dict]:
     return arrays, meta
 
 
+_FIELDS = ("syncer", "ledgers", "heap", "order", "units", "now", "link_up", "link_down", "rng",
+           "stalled_since", "stall_armed", "waking", "restarting", "removed", "flushed", "alive",
+           "died_at", "rejoins", "evals", "steps_done", "inputs_seen")
+_UNIT_FIELDS = ("learner", "incarnation", "step", "seq", "c_steps", "c_tokens", "versions", "in_flight",
+                "pending", "anchor_versions", "latest_versions", "codec_paths", "sent", "dropped_frames")
+
+
+def check(arrays: dict, meta: dict) -> None:
+    """Raise `checkpoint.Damaged` for a snapshot that lacks a field `restore` reads: the digests
+    vouch for what was saved, this for what an old, unverified snapshot holds."""
+    if meta.get("format") != FORMAT:
+        raise checkpoint.Damaged(f"not a sim snapshot: format {meta.get('format')!r}, want {FORMAT!r}")
+    missing = [k for k in _FIELDS if k not in meta]
+    missing += [f"units/{m}/{k}" for m, um in (meta.get("units") or {}).items() for k in _UNIT_FIELDS
+                if not isinstance(um, dict) or k not in um]
+    missing += [k for k in ("syncer", "ledgers", "units") if not isinstance(arrays.get(k, {}), dict)]
+    missing += [f"arrays units/{m}" for m in (meta.get("units") or {}) if m not in arrays.get("units", {})]
+    if missing:
+        raise checkpoint.Damaged(f"sim snapshot lacks {', '.join(missing[:5])}")
+
+
 def restore(sim, arrays: dict, meta: dict) -> None:
     """Load a snapshot into a freshly built Sim of the same config and setup."""
     if meta.get("format") != FORMAT:
@@ -185,16 +208,18 @@ class SimSnapshots:
                           type(err).__name__, err)
 
     def latest(self) -> tuple[dict, dict] | None:
+        """(arrays, meta) of the newest usable snapshot, or None."""
         if self.manager is None:
             return None
         self.manager.wait_until_finished()
-        for step in sorted(self.manager.all_steps(), reverse=True):
-            try:
-                return checkpoint.restore_untyped(self.manager, step)
-            except Exception as err:  # noqa: BLE001 - any read failure means "try the previous one"
-                log.warning("sim snapshot %d unreadable (%s: %s); trying an older one",
-                            step, type(err).__name__, err)
-        return None
+
+        def read(step: int) -> tuple[dict, dict]:
+            arrays, meta = checkpoint.restore_untyped(self.manager, step)
+            check(arrays, meta)
+            return arrays, meta
+
+        found = checkpoint.newest(self.manager, read, "sim snapshot")
+        return None if found is None else found[1]
 
     def close(self) -> None:
         if self.manager is not None:
