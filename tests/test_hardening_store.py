@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
-from diloco.algo import ledger, messages
+from diloco.algo import auth, ledger, messages
 from diloco.algo import syncer as sync
 from diloco.config import validate
 from diloco.runtime import blobstore as bs
@@ -308,8 +308,15 @@ def syncer(small):
     return store, rt, cfg.data.batch_size * cfg.data.seq_len
 
 
-def _emit(store, m, inc, n, event):
-    store.put(pl.event_key(m, inc, n), json.dumps(ev.to_json(event)).encode())
+def _put_event(rt, store, m, inc, n, raw: bytes):
+    """An event blob as learner m writes it: sealed under its key when the run authenticates."""
+    secret = rt.setup.policy.auth
+    key = pl.event_key(m, inc, n)
+    store.put(key, raw if secret is None else auth.seal(secret.learner_key(m), key, raw))
+
+
+def _emit(rt, store, m, inc, n, event):
+    _put_event(rt, store, m, inc, n, json.dumps(ev.to_json(event)).encode())
 
 
 def test_a_gap_in_an_event_stream_is_skipped_after_its_timeout_and_done_is_booked(syncer, caplog, monkeypatch):
@@ -319,9 +326,9 @@ def test_a_gap_in_an_event_stream_is_skipped_after_its_timeout_and_done_is_booke
     monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
     for n in range(5):
         if n != 2:
-            _emit(store, 0, 0, n, ev.StepDone(0, 0, n + 1, float(n), n + 0.5, tokens, ()) if n < 4
+            _emit(rt, store, 0, 0, n, ev.StepDone(0, 0, n + 1, float(n), n + 0.5, tokens, ()) if n < 4
                   else ev.Done(0, 0, 5.0))
-    _emit(store, 1, 0, 0, ev.StepDone(1, 0, 1, 0.0, 0.5, tokens, ()))
+    _emit(rt, store, 1, 0, 0, ev.StepDone(1, 0, 1, 0.0, 0.5, tokens, ()))
     with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.syncer"):
         assert rt._poll(0) and rt._poll(1)
         assert rt.host.done == {0} and rt.steps == {0: 4, 1: 1} and rt.cursor == {0: 5, 1: 1}
@@ -336,7 +343,7 @@ def test_a_gap_waits_for_its_timeout_while_the_learner_runs(syncer, monkeypatch)
     store, rt, tokens = syncer
     monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
     rt.gap_timeout = 3600.0
-    _emit(store, 0, 0, 1, ev.StepDone(0, 0, 2, 1.0, 1.5, tokens, ()))
+    _emit(rt, store, 0, 0, 1, ev.StepDone(0, 0, 2, 1.0, 1.5, tokens, ()))
     assert not rt._poll(0) and rt.cursor[0] == 0  # maybe a store slow to show event 0: wait
     bs.write_control(store, pl.died(0, 0), {"at": 2.0, "exitcode": -9})
     assert rt._poll(0) and rt.cursor == {0: 0, 1: 0} and rt.current[0] == 1  # exited: skipped at once, buried
@@ -355,17 +362,38 @@ def test_a_gap_waits_for_its_timeout_while_the_learner_runs(syncer, monkeypatch)
 ])
 def test_a_malformed_event_is_logged_and_skipped(syncer, raw, caplog):
     store, rt, tokens = syncer
-    store.put(pl.event_key(0, 0, 0), raw)
-    _emit(store, 0, 0, 1, ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ()))
+    _put_event(rt, store, 0, 0, 0, raw)
+    _emit(rt, store, 0, 0, 1, ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ()))
     with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.syncer"):
         assert rt._poll(0)
     assert rt.cursor[0] == 2 and rt.steps[0] == 1 and rt.skipped == 1 and "event 0 skipped" in caplog.text
 
 
+@pytest.mark.parametrize("forgery", ["unsealed", "other_key", "moved"])
+def test_a_forged_event_is_logged_and_skipped(syncer, forgery, caplog):
+    """Event blobs are sealed under their learner's key and store key: one written without the key,
+    with another learner's, or copied from another position is skipped like a malformed one."""
+    store, rt, tokens = syncer
+    assert rt.setup.policy.auth is not None  # procs authenticates by default
+    raw = json.dumps(ev.to_json(ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ()))).encode()
+    key = pl.event_key(0, 0, 0)
+    if forgery == "unsealed":
+        store.put(key, raw)
+    elif forgery == "other_key":
+        store.put(key, auth.seal(rt.setup.policy.auth.learner_key(1), key, raw))
+    else:
+        store.put(key, auth.seal(rt.setup.policy.auth.learner_key(0), pl.event_key(0, 0, 7), raw))
+    _emit(rt, store, 0, 0, 1, ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ()))
+    with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.syncer"):
+        assert rt._poll(0)
+    assert rt.cursor[0] == 2 and rt.skipped == 1 and "unauthenticated" in caplog.text
+    assert rt.host.tokens.processed[0] == tokens  # only the real event was booked
+
+
 def test_an_oversized_contribution_named_by_an_event_is_quarantined_and_its_tokens_dropped(syncer):
     store, rt, tokens = syncer
     bs.send_contribution(store, 0, 0, 1, b"\0" * (rt.max_frame + 1))
-    _emit(store, 0, 0, 0, ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ((0, 1),)))
+    _emit(rt, store, 0, 0, 0, ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ((0, 1),)))
     assert rt._poll(0)
     assert rt.host.state.quarantined == {"too_large": 1}
     assert rt.host.tokens.dropped["quarantined:too_large"][0] == tokens  # the step's tokens of fragment 0

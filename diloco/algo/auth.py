@@ -76,3 +76,27 @@ def verify(secret: Secret, header: Mapping[str, Any], payload: bytes) -> str:
     if not hmac.compare_digest(got.encode("ascii", "replace"), want.encode("ascii")):
         return f"mac does not verify under learner {header['learner']}'s key"
     return ""
+
+
+# Objects other than frames that a learner writes where the syncer reads them (procs' event blobs)
+# are sealed the same way: the tag covers the object's store key too, so a real event cannot be
+# copied to another position of the stream or another learner's.
+def seal(key: bytes, name: str, data: bytes) -> bytes:
+    """`data`, stored under `name`, prefixed with its tag and a space."""
+    return _blob_tag(key, name, data).encode("ascii") + b" " + bytes(data)
+
+
+def unseal(secret: Secret, learner: int, name: str, blob: bytes) -> bytes:
+    """The data of a sealed object of `learner` stored under `name`; ValueError if its tag does not
+    verify (forged, damaged, moved, or written without a key)."""
+    tag_, data = blob[:MAC_HEX], blob[MAC_HEX + 1:]
+    want = _blob_tag(secret.learner_key(learner), name, data).encode("ascii")
+    if len(blob) <= MAC_HEX or blob[MAC_HEX:MAC_HEX + 1] != b" " or not hmac.compare_digest(tag_, want):
+        raise ValueError(f"{name}: its tag does not verify under learner {learner}'s key (unauthenticated)")
+    return data
+
+
+def _blob_tag(key: bytes, name: str, data: bytes) -> str:
+    h = hmac.new(key, b"diloco/object\0" + name.encode("utf-8") + b"\0", hashlib.sha256)
+    h.update(data)
+    return h.hexdigest()

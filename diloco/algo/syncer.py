@@ -166,7 +166,7 @@ def _with_fragment(st: SyncerState, p: int, fs: FragmentState) -> SyncerState:
 def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> tuple[SyncerState, tuple]:
     """Validate, decode and admit one contribution frame; merge if the round's decision says so."""
     try:
-        msg = messages.decode(frame, max_payload=_max_payload(st))
+        msg = messages.decode(frame, max_payload=max_payload(st))
     except messages.MessageError as e:
         return _quarantine(st, e.reason, None, now, e.detail)
     h = msg.header
@@ -433,7 +433,8 @@ def full_frames(st: SyncerState) -> dict[int, bytes]:
     return {p: full_frame(st, p) for p in range(len(st.fragments))}
 
 
-def _max_payload(st: SyncerState) -> int:
+def max_payload(st: SyncerState) -> int:
+    """The largest payload a contribution of any fragment of `st` can honestly have, in bytes."""
     # Per tensor of n values no codec sends more than top-k at fraction 1 (a uint32 index and a
     # float32 value each: 8n, twice fp32), and zstd adds at most n/32 of that plus 64 bytes and a
     # 22-byte frame header and checksum (ZSTD_COMPRESSBOUND); a larger payload is hostile.

@@ -42,7 +42,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from diloco.algo import messages
+from diloco.algo import auth, messages
 from diloco.algo import syncer as sync
 from diloco.config import TrainConfig
 from diloco.data import load_corpus
@@ -140,7 +140,7 @@ def max_frame(setup: Setup) -> int:
     bound and the syncer's payload bound (diloco/algo/syncer.py), which no codec's payload exceeds
     and a full FP32 copy (4 bytes a value) is below; a larger object in the store is damage."""
     st = sync.init(setup.policy, setup.fragments, setup.theta0, {})
-    return len(messages.MAGIC) + 4 + messages.MAX_HEADER_BYTES + sync._max_payload(st)
+    return len(messages.MAGIC) + 4 + messages.MAX_HEADER_BYTES + sync.max_payload(st)
 
 
 def full_copy(frame: bytes, p: int, version: int, expected: dict) -> dict:
@@ -262,7 +262,9 @@ class ProcLearner:
         for (_, seq), frame in zip(getattr(event, "sends", ()), getattr(event, "frames", ())):
             bs.send_contribution(self.store, self.m, self.inc, seq, frame)
         data = ev.to_json(event._replace(fetched=tuple(map(tuple, self.fetched))))
-        self.store.put(event_key(self.m, self.inc, self.n), json.dumps(data).encode())
+        key, raw = event_key(self.m, self.inc, self.n), json.dumps(data).encode()
+        secret = self.setup.policy.auth  # sealed under this learner's key, as its frames are signed
+        self.store.put(key, raw if secret is None else auth.seal(secret.learner_key(self.m), key, raw))
         self.n += 1
         self.fetched = []
 

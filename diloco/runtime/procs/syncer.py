@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from diloco import report
-from diloco.algo import ledger, quorum
+from diloco.algo import auth, ledger, quorum
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
 from diloco.config import TrainConfig
@@ -251,6 +251,8 @@ class ProcSyncer(HostedRuntime):
                                    f"{self.current[m]} event {self.cursor[m]}")
             self.cursor[m] += 1
             try:
+                if self.setup.policy.auth is not None:  # forged, moved or damaged: skipped like malformed
+                    raw = auth.unseal(self.setup.policy.auth, m, event_key(m, inc, n), raw)
                 data = parse_event(raw, m, inc, len(self.setup.fragments), self.setup.spec.batch_size
                                    * self.setup.spec.seq_len, self.delivered.get((m, inc), -1))
             except ValueError as e:
