@@ -19,6 +19,7 @@ import yaml
 
 from diloco.config import ConfigError, DataConfig, from_dict
 from diloco.data import eval_batches, load_corpus
+from diloco.data.corpus import val_bytes_per_token
 from diloco.data.errors import DataError
 from diloco.data.sources import files_text, resolve_paths
 from diloco.generation import resolve
@@ -116,9 +117,7 @@ def _on_validation_split(pre: Pretrained, run_dir: Path, cfg: EvaluateConfig) ->
     batches = eval_batches(corpus.val, batch_size=data.batch_size, seq_len=cfg.seq_len or data.seq_len,
                            n=saved["run"]["eval_batches"])
     nats = mean_loss(pre, batches)
-    per_token = None
-    if corpus.tokenizer is not None:
-        per_token = len(corpus.tokenizer.decode(corpus.val).encode("utf-8")) / len(corpus.val)
+    per_token = val_bytes_per_token(corpus)
     return {"text": f"{run_dir} validation split ({corpus.name})", "tokens": int(sum(b[:, 1:].size for b in batches)),
             "nats_per_token": nats, "bits_per_byte": None if per_token is None else bits_per_byte(nats, per_token)}
 

@@ -71,6 +71,88 @@ def format_table(rows: Iterable[tuple[str, Any]], title: str = "summary") -> str
     return "\n".join(lines)
 
 
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def render_summary(summary: dict[str, Any], title: str) -> str:
+    """The summary for a person: grouped lines with units (the same numbers, under their
+    documented keys, are in summary.json; docs/design.md#the-summary). Lines whose keys a run
+    lacks are left out; a final loss above the unigram baseline gets a warning."""
+    g = summary.get
+    head = [str(g(k)) for k in ("algo", "corpus") if g(k) is not None]
+    if g("learners"):
+        head.append(f"{g('learners')} learners")
+    if g("params"):
+        head.append(f"{g('params'):,} parameters")
+    lines: list[tuple[str, str]] = []
+    if g("eval_loss") is not None:
+        text = f"{g('eval_loss'):.4f} nats/token"
+        if g("eval_bits_per_byte") is not None:
+            text += f"  {g('eval_bits_per_byte'):.4f} bits/byte"
+        if g("unigram_loss") is not None:
+            text += f"  (unigram baseline {g('unigram_loss'):.4f}"
+            text += f", entropy floor {g('entropy_floor'):.4f})" if g("entropy_floor") is not None else ")"
+        lines.append(("eval loss", text))
+    if g("train_loss") is not None and not math.isnan(g("train_loss")):
+        lines.append(("train loss", f"{g('train_loss'):.4f} nats/token (last logged)"))
+    times = []
+    if g("clock") == "virtual" and g("clock_s") is not None:
+        times.append(f"{g('clock_s'):,.1f} s virtual")
+    if g("wall_s") is not None:
+        times.append(f"{g('wall_s'):,.1f} s wall")
+    if g("compile_s"):
+        times.append(f"{g('compile_s'):,.1f} s compiling")
+    if g("tokens_per_s"):
+        times.append(f"{g('tokens_per_s'):,.0f} tokens/s")
+    if times:
+        lines.append(("time", ", ".join(times)))
+    tokens = g("tokens_processed", g("tokens"))
+    if tokens is not None:
+        text = f"{tokens:,}" + (f", {_pct(g('tokens_merged_share'))} merged" if g("tokens_merged_share") is not None else "")
+        lines.append(("tokens", text))
+    if g("merges") is not None and g("algo") == "diloco":
+        text = f"{g('merges'):,}"
+        if g("quorum_mean") is not None:
+            text += f", quorum mean {g('quorum_mean'):.2f} (min {g('quorum_min')})"
+        if g("grace_mean_s") is not None:
+            text += f", grace mean {g('grace_mean_s'):.2f} s (max {g('grace_max_s'):.2f} s)"
+        lines.append(("merges", text))
+    if g("bytes_up") is not None:
+        text = f"up {_bytes(g('bytes_up'))}, down {_bytes(g('bytes_down', 0))}"
+        if g("peak_rate_up"):
+            text += f", peak up {_bytes(g('peak_rate_up'))}/s"
+        if g("dp_bytes_over_diloco"):
+            text += f"; {g('dp_bytes_over_diloco'):.1f}x fewer bytes than data parallel"
+        lines.append(("traffic", text))
+    if g("goodput") is not None:
+        lines.append(("goodput, uptime", f"{_pct(g('goodput'))}, {_pct(g('uptime', 0.0))}"))
+    failures = [f"{g(k):,} {label}" for k, label in (("failures", "learner failures"), ("rejoins", "rejoins"),
+                                                     ("stalls", "stalls"), ("quarantined", "quarantined frames"))
+                if g(k) is not None]
+    if failures:
+        imbalance = g("token_ledger_imbalance")
+        lines.append(("failures", ", ".join(failures) + ("" if imbalance is None else
+                      ", token ledger balanced" if imbalance == 0 else f", token ledger off by {imbalance:,}")))
+    if g("model_dir"):
+        lines.append(("model", str(g("model_dir"))))
+    width = max([len(k) for k, _ in lines] + [1])
+    rule = "-" * 72
+    out = [rule, f"{title}: " + ", ".join(head), rule] + [f"{k:<{width}}   {v}" for k, v in lines] + [rule]
+    if g("eval_loss") is not None and g("unigram_loss") is not None and g("eval_loss") > g("unigram_loss"):
+        out.append(f"warning: the final eval loss {g('eval_loss'):.4f} is above the unigram baseline "
+                   f"{g('unigram_loss'):.4f}: the model predicts worse than token frequencies alone "
+                   "(too few steps, or a learning rate too high?)")
+    return "\n".join(out)
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         if math.isnan(v):

@@ -111,3 +111,19 @@ def test_every_curve_shares_the_runs_total_tokens(tmp_path, monkeypatch):
     assert (tmp_path / "loss.png").stat().st_size > 0
     assert lines == [("learner 0 train loss", [1280, 3840], [3.5, 3.1]), ("learner 1 train loss", [2560], [3.4]),
                      ("global eval loss", [2560], [3.3])]
+
+
+def test_the_summary_reads_with_units_and_warns_above_the_unigram_baseline():
+    summary = {"corpus": "shakespeare-byte", "algo": "diloco", "params": 820352, "learners": 4, "clock": "virtual",
+               "clock_s": 41.0, "wall_s": 92.6, "merges": 10, "tokens_processed": 163840, "tokens_merged_share": 0.925,
+               "bytes_up": 4428749, "bytes_down": 9253172, "peak_rate_up": 1622950.0, "goodput": 1.0, "uptime": 0.975,
+               "quorum_mean": 4.0, "quorum_min": 4, "grace_mean_s": 1.0, "grace_max_s": 1.0, "stalls": 0,
+               "quarantined": 0, "rejoins": 2, "token_ledger_imbalance": 0, "eval_loss": 3.2488,
+               "eval_bits_per_byte": 4.687, "train_loss": 3.31, "unigram_loss": 3.292, "dp_bytes_over_diloco": 57.56}
+    text = report.render_summary(summary, "run r")
+    for want in ["3.2488 nats/token  4.6870 bits/byte  (unigram baseline 3.2920)", "41.0 s virtual, 92.6 s wall",
+                 "163,840, 92.5% merged", "up 4.43 MB, down 9.25 MB, peak up 1.62 MB/s; 57.6x fewer",
+                 "100.0%, 97.5%", "2 rejoins, 0 stalls, 0 quarantined frames, token ledger balanced"]:
+        assert want in text, want
+    assert "warning" not in text
+    assert "above the unigram baseline" in report.render_summary({**summary, "eval_loss": 3.4}, "run r")

@@ -126,6 +126,14 @@ def _open(root: Path, name: str, cfg: DataConfig, where: str) -> Corpus:
                   unigram_loss=unigram_loss(train, val, vocab_size))
 
 
+def val_bytes_per_token(corpus: Corpus) -> float | None:
+    """UTF-8 bytes per token of the validation split (None without a tokenizer: synthetic tokens
+    are no text): what turns nats/token into bits/byte, so runs with different tokenizers compare."""
+    if corpus.tokenizer is None or len(corpus.val) == 0:
+        return None
+    return len(corpus.tokenizer.decode(corpus.val).encode("utf-8")) / len(corpus.val)
+
+
 def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
     """Cross-entropy (nats/token) of val under train's add-one smoothed unigram distribution."""
     counts = np.bincount(train, minlength=vocab_size).astype(np.float64) + 1.0
