@@ -22,10 +22,35 @@ from diloco.train.trainer import evaluate, train_dp
 
 # A resumed run may change how it is watched, never what it computes.
 _RESUMABLE_CHANGES = {("run", "resume"), ("run", "progress"), ("run", "plot")}
+# What a run leaves in its directory (docs/design.md#outputs-of-a-run); any of them means "used".
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "loss.png", "model", "checkpoints",
+               "decisions.jsonl", "syncer_inputs.bin", "chaos_tape.json", "learners", "sim", "store",
+               "syncer", "syncer_journal.jsonl")
+
+
+def used_by_a_run(run_dir: Path) -> list[str]:
+    """The outputs of an earlier run in `run_dir` (none for a new or empty directory, or one that
+    holds only other files, such as Hydra's log)."""
+    return [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+
+
+def check_run_dir(cfg: TrainConfig) -> None:
+    """Refuse a new run into a directory an earlier run used (docs/design.md#run-directory-reuse):
+    its learner checkpoints, metrics and snapshots would mix into the new run's."""
+    run_dir = Path(cfg.run.out_dir)
+    found = used_by_a_run(run_dir)
+    if cfg.run.resume or not found:
+        return
+    resumable = cfg.algo == "dp" or cfg.runtime.kind == "sim"
+    how = ("pass run.resume=true to continue it, or choose another run.out_dir" if resumable else
+           f"choose another run.out_dir, or delete this one (runtime.kind={cfg.runtime.kind} cannot resume)")
+    raise ConfigError(f"run.out_dir={run_dir} already holds a run ({', '.join(found)}); {how}")
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:
-    """Create the run directory and write the resolved config; on resume, refuse a changed config."""
+    """Create the run directory and write the resolved config; refuse a directory an earlier run
+    used unless resuming, and on resume a changed config."""
+    check_run_dir(cfg)
     run_dir = Path(cfg.run.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"

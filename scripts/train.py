@@ -23,10 +23,10 @@ def main(raw: DictConfig) -> None:
     # The one place a DictConfig is seen: converted once to frozen, validated dataclasses.
     try:
         cfg = load(OmegaConf.to_container(raw, resolve=True))
+        run(cfg)  # also a ConfigError: a used run.out_dir, a resume whose config differs
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    run(cfg)
 
 
 if __name__ == "__main__":

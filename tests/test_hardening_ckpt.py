@@ -10,7 +10,10 @@ syncer and learner checkpoints at random."""
 import contextlib
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -23,9 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 from diloco import checkpoint
+from diloco import run as drun
 from diloco.algo import syncer as sync
 from diloco.algo.replay import replay
-from diloco.config import validate
+from diloco.config import ConfigError, validate
 from diloco.runtime.build import new_unit
 from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
 from diloco.runtime.sim import snapshots as snaps
@@ -33,6 +37,9 @@ from diloco.runtime.sim.runtime import Sim
 from diloco.runtime.syncer_ckpt import SyncerCheckpoints, to_checkpoint
 from test_sim import SGD, build, corpus, make_cfg, model  # noqa: F401  (fixtures)
 from test_syncer_ckpt import recorded  # noqa: F401  (fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+
 
 # --- helpers ---------------------------------------------------------------------------------------
 @contextlib.contextmanager
@@ -314,6 +321,88 @@ def test_an_unreadable_learner_directory_rejoins_fresh(tmp_path, learner_world, 
     unit, how = rejoin(setup, pristine, at_1, stopped_at=6)
     assert (how.restored_from, how.step, how.staleness) == (None, 6, -1)
     assert "Input/output error" in caplog.text and "rejoining fresh" in caplog.text
+
+
+# --- item 18: checkpoints from the future, reused run directories ----------------------------------
+@pytest.mark.parametrize("case", ["versions ahead", "step ahead", "incarnation"])
+def test_a_learner_checkpoint_from_the_future_is_not_used(tmp_path, learner_world, case, caplog):
+    """The trigger: an earlier run's checkpoint in the same directory, at versions the new run's
+    syncer has not reached (negative staleness passed max_rejoin_staleness) and a later step."""
+    setup, directory, saved, base, at_1 = learner_world
+    syncer_state, stopped_at, incarnation = at_1, 8, 1
+    if case == "versions ahead":
+        syncer_state = base  # the syncer is at (0, 0); the checkpoints hold (1, 1)
+    elif case == "step ahead":
+        stopped_at = 3  # the dead incarnation stopped before either checkpoint's step
+    else:
+        incarnation = 0  # the rejoining incarnation did not write them
+    unit, how = rejoin(setup, directory, syncer_state, stopped_at=stopped_at, incarnation=incarnation)
+    assert (how.restored_from, how.step) == (None, stopped_at), how
+    assert "from the future" in caplog.text and "step 8 unusable" in caplog.text
+
+
+def test_a_learner_checkpoint_from_the_past_is_still_used(learner_world):
+    setup, directory, saved, _, at_1 = learner_world
+    unit, how = rejoin(setup, directory, at_1, stopped_at=6)  # step 8 is ahead; step 4 is not
+    assert (how.restored_from, how.step) == (4, 4)
+    assert bitwise_equal(jax.device_get(unit.state.opt_state), saved[4])
+
+
+def _cfg(tmp_path, kind: str, algo: str = "diloco", resume: bool = False):
+    cfg = make_cfg(tmp_path, runtime=dict(kind=kind))
+    return validate(replace(cfg, algo=algo, run=replace(cfg.run, resume=resume)))
+
+
+def _used(run_dir: Path) -> None:
+    """What an earlier run leaves: its config, metrics and a learner checkpoint directory."""
+    (run_dir / "learners" / "learner-1" / "8").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("earlier: run\n")
+    (run_dir / "metrics.jsonl").write_text('{"kind": "train"}\n')
+
+
+@pytest.mark.parametrize("kind", ["sim", "threads", "procs"])
+def test_a_new_run_into_a_used_run_dir_is_refused(tmp_path, kind):
+    cfg = _cfg(tmp_path, kind)
+    run_dir = Path(cfg.run.out_dir)
+    _used(run_dir)
+    with pytest.raises(ConfigError) as err:
+        drun.run(cfg)
+    message = str(err.value)
+    assert f"run.out_dir={run_dir}" in message and "already holds a run" in message
+    assert "learners" in message and "choose another run.out_dir" in message
+    assert ("pass run.resume=true" in message) == (kind == "sim")
+    # refused before anything was written: the earlier run's files are as they were
+    assert (run_dir / "config.yaml").read_text() == "earlier: run\n"
+    assert (run_dir / "metrics.jsonl").read_text() == '{"kind": "train"}\n'
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "learners", "metrics.jsonl"]
+
+
+def test_a_run_dir_is_accepted_when_new_empty_holding_other_files_or_resumed(tmp_path):
+    drun.check_run_dir(_cfg(tmp_path, "sim"))  # does not exist yet
+    run_dir = Path(_cfg(tmp_path, "sim").run.out_dir)
+    run_dir.mkdir()
+    drun.check_run_dir(_cfg(tmp_path, "sim"))
+    (run_dir / "train.log").write_text("hydra's log\n")  # Hydra writes it before the run starts
+    drun.check_run_dir(_cfg(tmp_path, "sim"))
+    _used(run_dir)
+    drun.check_run_dir(_cfg(tmp_path, "sim", resume=True))
+    drun.check_run_dir(_cfg(tmp_path, "sim", algo="dp", resume=True))
+    with pytest.raises(ConfigError, match="pass run.resume=true"):
+        drun.check_run_dir(_cfg(tmp_path, "sim", algo="dp"))
+
+
+def test_the_cli_reports_a_used_run_dir_in_one_line_and_exits_nonzero(tmp_path):
+    run_dir = tmp_path / "run"
+    _used(run_dir)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "model=tiny", "data=synthetic",
+                           f"data.data_dir={tmp_path / 'data'}", f"run.out_dir={run_dir}", "run.progress=false"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert f"error: run.out_dir={run_dir} already holds a run" in proc.stderr
+    assert "pass run.resume=true to continue it, or choose another run.out_dir" in proc.stderr
+    assert (run_dir / "config.yaml").read_text() == "earlier: run\n"
 
 
 # --- property tests: random damage -----------------------------------------------------------------

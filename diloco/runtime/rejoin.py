@@ -10,9 +10,12 @@ model. What a checkpoint is worth keeping is the inner optimizer's state (AdamW 
 step (the learning-rate schedule and the data position): they are kept when no fragment has moved
 more than `max_rejoin_staleness` versions since the checkpoint, and reset otherwise.
 
-A checkpoint is used only if it verifies (diloco/checkpoint.py) and has every field. Anything else
-is skipped with a warning, and with none left the learner rejoins fresh from the syncer's Theta: a
-bad checkpoint never stops a rejoin (docs/design.md#checkpoint-integrity).
+A checkpoint is used only if it verifies (diloco/checkpoint.py), has every field, and is from this
+learner's past: written by an earlier incarnation of it, at or before the step where the dead one
+stopped, holding no version the syncer has not made yet. Anything else (damage, a field missing, a
+checkpoint left by another run into the same directory) is skipped with a warning, and with none
+left the learner rejoins fresh from the syncer's Theta: a bad checkpoint never stops a rejoin
+(docs/design.md#checkpoint-integrity).
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def staleness(syncer_state: sync.SyncerState, versions: list[int]) -> int:
 def usable(m: int, incarnation: int, syncer_state: sync.SyncerState, stopped_at: int
            ) -> Callable[[int, object, dict], None]:
     """A check for `LearnerCheckpoints.latest`: raise `checkpoint.Damaged` for a checkpoint of
-    learner m that lacks a field or whose fields disagree."""
+    learner m that is not from its past as the syncer knows it, or lacks a field."""
     def check(step: int, state, meta: dict) -> None:
         def field(name, kind=int):
             value = meta.get(name)
@@ -123,6 +126,20 @@ def usable(m: int, incarnation: int, syncer_state: sync.SyncerState, stopped_at:
         if field("step") != step or int(jax.device_get(state.step)) != step:
             raise checkpoint.Damaged(f"saved as step {step}, but its meta says {meta['step']} and its "
                                      f"state {int(jax.device_get(state.step))}")
+        # From the future: a checkpoint this learner's past cannot have written (one left in the
+        # directory by another run, or by a part of this run that a resume undid).
+        if field("incarnation") >= incarnation:
+            raise checkpoint.Damaged(f"from the future: written by incarnation {meta['incarnation']}, "
+                                     f"and incarnation {incarnation} is the one rejoining")
+        if step > stopped_at:
+            raise checkpoint.Damaged(f"from the future: step {step} is past step {stopped_at}, where "
+                                     f"the syncer knows the learner stopped")
+        ahead = [(p, v, fs.version) for p, (fs, v) in enumerate(zip(syncer_state.fragments, versions))
+                 if v > fs.version]
+        if ahead:
+            p, v, now = ahead[0]
+            raise checkpoint.Damaged(f"from the future: holds version {v} of fragment {p}, the syncer "
+                                     f"is at {now}")
 
     return check
 
