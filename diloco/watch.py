@@ -20,6 +20,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+# tqdm's monitor thread only tunes miniters; a run's thread accounting (threads runtime) needs none left.
+tqdm.monitor_interval = 0
+
 from diloco.report import GlobalTokens
 
 

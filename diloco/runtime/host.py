@@ -103,11 +103,12 @@ class SyncerHost:
         """Why event `e` cannot be booked as it stands, or "" (checked before any of it is)."""
         m, inc = e.learner, e.incarnation
         P = len(self.setup.fragments)
-        if m not in self.incarnations:
-            return f"learner {m} was never started"
         sends = getattr(e, "sends", ())
-        if isinstance(e, ev.Rejoined) and inc <= self.incarnations[m]:
-            return f"learner {m} is already at incarnation {self.incarnations[m]}, not before {inc}"
+        if isinstance(e, ev.Rejoined):  # a scavenged learner's first event: it joins, never started
+            if m in self.incarnations and inc <= self.incarnations[m]:
+                return f"learner {m} is already at incarnation {self.incarnations[m]}, not before {inc}"
+        elif m not in self.incarnations:
+            return f"learner {m} was never started"
         if isinstance(e, (ev.StepDone, ev.Flushed)) and (m, inc) in self.tokens.dead:
             return f"learner {m} incarnation {inc} is dead"
         if any(not 0 <= p < P for p, _ in sends) or any(not 0 <= p < P for p in getattr(e, "fragments", ())):
