@@ -43,6 +43,7 @@ from typing import Any, Callable
 import numpy as np
 
 from diloco import report
+from diloco import watch as run_watch
 from diloco.config import TrainConfig
 from diloco.runtime import blobstore as bs
 from diloco.runtime.crew import sigterm_as_interrupt
@@ -316,7 +317,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
         url = cfg.runtime.store_url or f"file://{root / 'store'}"
         writer = None
         if run_dir is not None:
-            writer = report.MetricsWriter(run_dir / "metrics.jsonl")
+            writer = report.MetricsWriter(run_dir / "metrics.jsonl", run_watch.for_run(cfg, run_dir, "wall"))
             stack.callback(writer.close)
         run_tape(cfg, run_dir)  # for the record: every learner process derives the same tape
         rt = Procs(cfg, setup, run_dir, evaluate, writer, url, str(root / "xla_cache"))
@@ -325,4 +326,6 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
             rt._eval(rt.finished["time"], rt.finished["steps"]["0"], rt.theta, rt.finished["processed0"],
                      rt.finished["merges"])
             summary["eval_loss"] = rt.evals[-1][2]
+        if writer is not None:
+            writer.summary(summary)
         return rt, summary
