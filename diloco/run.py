@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -14,6 +15,8 @@ from diloco.algo import syncer as sync
 from diloco.bandwidth.analytic import dp_bytes_per_step
 from diloco.config import ConfigError, TrainConfig, to_dict
 from diloco.data import Corpus, eval_batches, load_corpus
+from diloco.data.corpus import val_bytes_per_token
+from diloco.evaluation import bits_per_byte
 from diloco.model import Model, build, count_params
 from diloco.runtime import build as build_setup
 from diloco.runtime import procs, sim, threads
@@ -21,11 +24,11 @@ from diloco.train.mesh import make_mesh
 from diloco.train.trainer import evaluate, train_dp
 
 # A resumed run may change how it is watched, never what it computes.
-_RESUMABLE_CHANGES = {("run", "resume"), ("run", "progress"), ("run", "plot")}
+_RESUMABLE_CHANGES = {("run", "resume"), ("run", "progress"), ("run", "plot"), ("run", "tensorboard")}
 # What a run leaves in its directory (docs/design.md#outputs-of-a-run); any of them means "used".
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "loss.png", "model", "checkpoints",
                "decisions.jsonl", "syncer_inputs.bin", "chaos_tape.json", "learners", "sim", "store",
-               "syncer", "syncer_journal.jsonl")
+               "syncer", "syncer_journal.jsonl", "tensorboard")
 
 
 def used_by_a_run(run_dir: Path) -> list[str]:
@@ -118,19 +121,44 @@ def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path) ->
     return summary
 
 
+def _from_records(run_dir: Path) -> dict:
+    """Summary numbers only the metrics records hold: the last logged train loss (the mean over
+    learners of each one's last) and the rejoins."""
+    records = report.read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    last = {r.get("learner", 0): r["loss"] for r in records if r.get("kind") == "train" and "loss" in r}
+    out = {"rejoins": sum(r.get("kind") == "rejoin" for r in records)}
+    if last:
+        out["train_loss"] = sum(last.values()) / len(last)
+    return out
+
+
 def run(cfg: TrainConfig) -> dict:
-    """Train as `cfg` says, write outputs into cfg.run.out_dir, print and return the summary."""
-    run_dir = prepare_run_dir(cfg)
+    """Train as `cfg` says, write outputs into cfg.run.out_dir, print and return the summary.
+    What can fail on the user's input (the run directory, the data, the devices) is checked
+    before the run directory is written."""
+    check_run_dir(cfg)
     corpus = load_corpus(cfg.data)
-    model = build(cfg.model, corpus.vocab_size, cfg.run.seed)
-    head = {"corpus": corpus.name, "algo": cfg.algo, "params": count_params(model.params)}
     if cfg.algo == "diloco":
-        summary = {**head, "learners": cfg.runtime.learners, **run_diloco(cfg, corpus, model, run_dir)}
+        build_setup.check_devices(cfg)
+    model = build(cfg.model, corpus.vocab_size, cfg.run.seed)
+    run_dir = prepare_run_dir(cfg)
+    head = {"corpus": corpus.name, "algo": cfg.algo, "params": count_params(model.params)}
+    t0 = time.perf_counter()
+    if cfg.algo == "diloco":
+        summary = {**head, "learners": cfg.runtime.learners, "runtime": cfg.runtime.kind,
+                   **run_diloco(cfg, corpus, model, run_dir)}
     else:
         mesh = make_mesh(cfg.mesh, cfg.data.batch_size)
         state, result = train_dp(cfg, corpus, model, mesh, run_dir)
         summary = {**head, "devices": f"{mesh.devices.size} x {jax.devices()[0].platform}", **result,
                    "model_dir": str(export_model(run_dir, cfg, corpus, state.params))}
+    summary.setdefault("wall_s", time.perf_counter() - t0)
+    if cfg.algo == "diloco" and summary["wall_s"] > 0:
+        summary["tokens_per_s"] = summary["tokens_processed"] / summary["wall_s"]
+    summary.update(_from_records(run_dir))
+    per_token = val_bytes_per_token(corpus)
+    if per_token is not None and summary.get("eval_loss") is not None:
+        summary["eval_bits_per_byte"] = bits_per_byte(summary["eval_loss"], per_token)
     summary["unigram_loss"] = corpus.unigram_loss
     if corpus.entropy_floor is not None:
         summary["entropy_floor"] = corpus.entropy_floor
@@ -140,5 +168,7 @@ def run(cfg: TrainConfig) -> dict:
         if corpus.entropy_floor is not None:
             baselines["entropy floor"] = corpus.entropy_floor
         report.plot_losses(report.read_metrics(run_dir / "metrics.jsonl"), run_dir / "loss.png", baselines)
-    print(report.format_table(summary.items(), title=f"run {run_dir}"))
+    print(report.render_summary(summary, f"run {run_dir}"))
+    print(f"all numbers: {run_dir / 'summary.json'}; TensorBoard: tensorboard --logdir {run_dir.parent}"
+          if cfg.run.tensorboard else f"all numbers: {run_dir / 'summary.json'}")
     return summary

@@ -150,10 +150,11 @@ class RunWatch:
             self.tb = None
 
 
-def for_run(cfg, run_dir: Path | None, clock: str, initial: int = 0) -> RunWatch:
-    """The watch of a run of config `cfg`: its status line (run.progress) and, with a run
-    directory and run.tensorboard, event files in <run>/tensorboard."""
+def for_run(cfg, run_dir: Path | None, clock: str, progress: bool | None = None) -> RunWatch:
+    """The watch of a run of config `cfg`: its status line (run.progress, unless `progress` says
+    otherwise: the data-parallel trainer draws its own bar) and, with a run directory and
+    run.tensorboard, event files in <run>/tensorboard."""
     learners = cfg.runtime.learners if cfg.algo == "diloco" else 1
     tb = run_dir / "tensorboard" if run_dir is not None and cfg.run.tensorboard else None
-    return RunWatch(steps=cfg.run.steps, learners=learners, progress=cfg.run.progress, tensorboard_dir=tb,
-                    clock=clock, log_every=cfg.run.log_every, initial=initial)
+    return RunWatch(steps=cfg.run.steps, learners=learners, tensorboard_dir=tb, clock=clock,
+                    progress=cfg.run.progress if progress is None else progress, log_every=cfg.run.log_every)

@@ -2,32 +2,93 @@
 
     python scripts/train.py model=tiny run.steps=200
     python scripts/train.py run.out_dir=runs/x run.resume=true
+    python scripts/train.py --describe          # every option, its default and meaning
+
+A user's mistake (config, data, devices, checkpoints, a used run directory) prints one `error:`
+block and exits 2 without a traceback; `--debug` or HYDRA_FULL_ERROR=1 shows it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from diloco.config import ConfigError, load
-from diloco.run import run
+from diloco.config.describe import describe, unknown_keys
+from diloco.data.errors import DataError
+from diloco.hf import CheckpointError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+# The errors a user's input causes; anything else is a bug and keeps its traceback.
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
+DEBUG = "--debug" in sys.argv or os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def _groups() -> dict[str, list[str]]:
+    """Config group -> its presets (configs/<group>/*.yaml): `model=tiny` picks one."""
+    return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(CONFIGS.iterdir()) if d.is_dir()}
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _preflight(argv: list[str]) -> list[str]:
+    """What scripts/train.py answers before Hydra: --describe/--help, and mistyped keys (Hydra
+    would only say "use +key=value", adding the typo as a new key)."""
+    if "--describe" in argv or "--help" in argv or "-h" in argv:
+        presets = "\n".join(f"  {g}: {' | '.join(names)}" for g, names in _groups().items())
+        print(__doc__.strip() + "\n\nPresets (group=name):\n" + presets + "\n\n" + describe())
+        sys.exit(0)
+    errors = unknown_keys([a for a in argv if not a.startswith("-")], set(_groups()))
+    if errors:
+        _fail("\n  ".join(["the command line names options that do not exist:", *errors]))
+    return [a for a in argv if a != "--debug"]
+
+
+def _ours(run_dir: Path) -> bool:
+    """Whether `run_dir` holds nothing before this start but what Hydra just wrote (train.log)."""
+    return not run_dir.is_dir() or all(p.name == "train.log" for p in run_dir.iterdir())
+
+
+def _clean_failed_start(run_dir: Path) -> None:
+    """A start that failed leaves only what it wrote itself (Hydra's train.log, our config.yaml):
+    remove those, and the directory if that empties it, so no half-made run is left behind."""
+    for name in ("train.log", "config.yaml"):
+        (run_dir / name).unlink(missing_ok=True)
+    if run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
 
 
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def main(raw: DictConfig) -> None:
     # Orbax logs every checkpoint step at INFO through absl; keep the console for the run itself.
     logging.getLogger("absl").setLevel(logging.WARNING)
+    # JAX reports at INFO that it found no TPU, which reads as an error on a laptop.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    from diloco.run import run  # after the preflight: importing JAX takes seconds
+
     # The one place a DictConfig is seen: converted once to frozen, validated dataclasses.
+    plain = OmegaConf.to_container(raw, resolve=True)
+    run_dir = Path(str(plain.get("run", {}).get("out_dir", "")))
+    fresh = bool(run_dir.parts) and _ours(run_dir)  # a directory this start made, not an earlier run's
     try:
-        cfg = load(OmegaConf.to_container(raw, resolve=True))
-        run(cfg)  # also a ConfigError: a used run.out_dir, a resume whose config differs
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        cfg = load(plain)
+        run(cfg)
+    except USER_ERRORS as err:
+        if fresh:
+            _clean_failed_start(run_dir)
+        if DEBUG:
+            raise
+        _fail(str(err))
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = _preflight(sys.argv[1:])
     main()

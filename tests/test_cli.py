@@ -34,7 +34,9 @@ def test_run_writes_config_metrics_checkpoints_summary_and_plot(tmp_path):
     assert summary["steps"] == 6 and summary["eval_loss"] < summary["unigram_loss"] + 1.0
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["3", "6"]
     assert (out / "loss.png").stat().st_size > 10_000
-    assert "eval_loss" in proc.stdout  # the summary table
+    assert "eval loss" in proc.stdout and "nats/token" in proc.stdout  # the summary, with units
+    assert summary["wall_s"] > 0 and summary["rejoins"] == 0 and "train_loss" in summary
+    assert (out / "tensorboard").is_dir()
     # The trained model is exported as a Hugging Face folder (docs/models.md).
     from diloco.hf import load
     exported = load(out / "model")
@@ -49,3 +51,31 @@ def test_unknown_key_and_bad_value_fail_before_training(tmp_path):
     assert proc.returncode == 2
     assert "data.seq_len=1000 exceeds model.max_seq_len=128" in proc.stderr
     assert not (tmp_path / "y").exists() or not (tmp_path / "y" / "metrics.jsonl").exists()
+
+
+def test_every_kind_of_user_error_is_one_block_without_a_traceback_and_leaves_no_run(tmp_path):
+    """Config, data and device errors (before: a 20-line Hydra traceback, and a runs/<time>/ that
+    looked like a real run), a mistyped key (before: Hydra's "use +runtime.lerners=4")."""
+    cases = [
+        (["run.steps=20", "inner.warmup_steps=50"], "for a run this short set inner.warmup_steps=2"),
+        (["data=files", "data.paths=[missing.txt]"], "file 'missing.txt' not found"),
+        (["algo=diloco", "runtime.learners=4", "runtime.devices_per_learner=2"], "only 2 are visible"),
+        (["runtime.lerners=4"], "did you mean runtime.learners?"),
+    ]
+    for i, (overrides, message) in enumerate(cases):
+        out = tmp_path / f"run{i}"
+        proc = train(tmp_path, *TINY_RUN[:-1], *overrides, f"run.out_dir={out}")
+        assert proc.returncode == 2, (overrides, proc.stderr[-2000:])
+        assert message in proc.stderr and proc.stderr.startswith("error: "), (overrides, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        assert not out.exists(), (overrides, list(out.iterdir()))
+    proc = train(tmp_path, "--debug", *TINY_RUN, "inner.warmup_steps=50", f"run.out_dir={tmp_path / 'dbg'}")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr  # --debug shows where it came from
+
+
+def test_describe_lists_every_option_and_the_presets(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--describe"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "runtime: procs | sim | threads" in proc.stdout
+    assert "  runtime.auth = 'auto'" in proc.stdout and "syncer.clip = 0.0" in proc.stdout

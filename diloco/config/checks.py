@@ -86,7 +86,8 @@ def inner_errors(i: InnerConfig, steps: int) -> list[str]:
     check(e, i.schedule in ("cosine", "constant"), f"inner.schedule={i.schedule!r} not in cosine|constant")
     check(e, i.lr > 0, f"inner.lr={i.lr} must be > 0")
     check(e, 0 <= i.warmup_steps <= steps,
-           f"inner.warmup_steps={i.warmup_steps} must be in [0, run.steps={steps}]")
+           f"inner.warmup_steps={i.warmup_steps} must be in [0, run.steps={steps}]"
+           + (f": for a run this short set inner.warmup_steps={max(steps // 10, 0)}" if i.warmup_steps > steps else ""))
     check(e, 0.0 <= i.min_lr_ratio <= 1.0, f"inner.min_lr_ratio={i.min_lr_ratio} must be in [0, 1]")
     check(e, i.clip_norm >= 0, f"inner.clip_norm={i.clip_norm} must be >= 0")
     check(e, i.weight_decay >= 0, f"inner.weight_decay={i.weight_decay} must be >= 0")

@@ -88,15 +88,22 @@ def policy(cfg: TrainConfig) -> sync.Policy:
                        auth=auth_secret(cfg), clip=s.clip)
 
 
+def check_devices(cfg: TrainConfig) -> None:
+    """ConfigError unless the learners' sub-meshes fit on the visible devices."""
+    r = cfg.runtime
+    need, have = r.learners * r.devices_per_learner, len(jax.devices())
+    if need > have:
+        raise ConfigError(f"runtime.learners={r.learners} x runtime.devices_per_learner="
+                          f"{r.devices_per_learner} = {need} devices, but only {have} are visible "
+                          f"(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={need}, or lower "
+                          f"runtime.learners or runtime.devices_per_learner)")
+
+
 def learner_meshes(cfg: TrainConfig) -> list:
     """M disjoint sub-meshes of devices_per_learner devices each, data-parallel inside."""
     r = cfg.runtime
+    check_devices(cfg)
     devices = jax.devices()
-    need = r.learners * r.devices_per_learner
-    if need > len(devices):
-        raise ConfigError(f"runtime.learners={r.learners} x runtime.devices_per_learner="
-                          f"{r.devices_per_learner} = {need} devices, but only {len(devices)} are visible "
-                          f"(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={need})")
     mesh_cfg = MeshConfig(data=r.devices_per_learner, fsdp=1, devices=r.devices_per_learner)
     return [make_mesh(mesh_cfg, cfg.data.batch_size, devices[m * r.devices_per_learner:(m + 1) * r.devices_per_learner])
             for m in range(r.learners)]

@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from diloco import checkpoint, report
+from diloco import watch as run_watch
 from diloco.config import TrainConfig
 from diloco.data import Corpus, batch_at, eval_batches
 from diloco.model import Model
@@ -69,7 +70,7 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir
     val = eval_batches(corpus.val, batch_size=data.batch_size, seq_len=data.seq_len, n=run.eval_batches)
     tokens_per_step = data.batch_size * data.seq_len
     manager = checkpoint.open_manager(run_dir / "checkpoints", run.keep_checkpoints)
-    writer = report.MetricsWriter(run_dir / "metrics.jsonl")
+    writer = report.MetricsWriter(run_dir / "metrics.jsonl", run_watch.for_run(cfg, run_dir, "wall", progress=False))
     try:
         state, start = compiled.init(model.params), 0
         if run.resume:
@@ -82,6 +83,7 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir
         state, summary = _loop(cfg, corpus, compiled, state, start, tokens_per_step, val, manager, writer,
                                stop)
         manager.wait_until_finished()
+        writer.summary(summary)
         return state, summary
     finally:
         writer.close()
