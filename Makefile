@@ -16,7 +16,7 @@ PARITY := .venv-parity/.installed
 
 .PHONY: train test test-slow bench smollm2 parity-fixtures test-parity clean-venv
 
-PIP := $(PY) -m pip --quiet --disable-pip-version-check
+PIP := $(PY) -m pip -qq --disable-pip-version-check  # -qq: errors only, no warnings
 
 $(STAMP): requirements.lock pyproject.toml
 	@echo "Setting up $(VENV) from requirements.lock (first run only; a few minutes)..."
