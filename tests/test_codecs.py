@@ -1,6 +1,10 @@
 """Wire codecs: analytic error bounds, exact byte counts, error feedback, zstd framing, rejection."""
 
+import hashlib
+import json
 import math
+import os
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -374,3 +378,59 @@ def test_names_record_the_options():
     assert make_codec("int4").name == "int4(block=64)"
     assert make_codec("fp32", error_feedback=True).name == "error_feedback(fp32)"
     assert make_codec("topk", topk_fraction=0.1, zstd_level=2).name == "zstd(topk(fraction=0.1),level=2)"
+
+
+# Today's wire bytes, pinned: the codecs may get faster, never different (the wire format is
+# docs/algorithm.md#codecs). After an intended format change, regenerate with
+#     UPDATE_GOLDEN=1 pytest tests/test_codecs.py -k golden
+# and say why in the commit message.
+GOLDEN = Path(__file__).parent / "golden" / "codecs.json"
+
+
+def golden_inputs():
+    """Named float32 inputs: odd sizes, partial blocks, exact rounding ties, a size past 2**16."""
+    r = rng(7)
+    ties = np.concatenate([[7.0], np.arange(-6.5, 7.0, 0.5), [-7.0], np.arange(-0.75, 0.8, 0.25)])
+    return {
+        "gaussian_1000": gaussian(1000),
+        "adversarial": adversarial(),
+        "ties_and_signed_zeros": np.r_[ties, [0.0, -0.0] * 9].astype(np.float32).reshape(6, 9),
+        "odd_7": r.standard_normal(7).astype(np.float32) * np.float32(1e-3),
+        "gaussian_70001": r.standard_normal(70_001).astype(np.float32),
+    }
+
+
+def golden_codecs():
+    return {
+        **{name: CODECS[name]() for name in sorted(CODECS)},
+        "int8_b32": C.int8(block=32), "int4_b128": C.int4(block=128), "fp4_b2048": C.fp4_e3m0(block=2048),
+        "2bit_b4": C.two_bit(block=4), "topk_0.05": C.topk(0.05),
+        "int4_zstd1": make_codec("int4", zstd_level=1), "int8_zstd3": make_codec("int8", zstd_level=3),
+    }
+
+
+def digest(data) -> str:
+    return hashlib.sha256(bytes(data)).hexdigest()
+
+
+def test_golden_wire_bytes():
+    got = {"inputs": {k: digest(x.astype("<f4").tobytes()) for k, x in golden_inputs().items()}, "payloads": {}}
+    for cname, codec in golden_codecs().items():
+        for xname, x in golden_inputs().items():
+            payload, _ = codec.encode(x, codec.init(x.shape))
+            decoded = codec.decode(payload, x.shape)
+            got["payloads"][f"{cname}/{xname}"] = [len(payload), digest(payload), digest(decoded.astype("<f4").tobytes())]
+    # error feedback: the second payload depends on the first one's residual
+    ef = make_codec("2bit", error_feedback=True)
+    x = golden_inputs()["gaussian_1000"]
+    state = ef.init(x.shape)
+    for step in range(3):
+        payload, state = ef.encode(x, state)
+        got["payloads"][f"ef_2bit/gaussian_1000/step{step}"] = [len(payload), digest(payload), digest(state.residual.astype("<f4").tobytes())]
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    want = json.loads(GOLDEN.read_text())
+    assert got["inputs"] == want["inputs"], "golden inputs changed (numpy's generator?), not the codecs"
+    changed = sorted(k for k in want["payloads"] if got["payloads"].get(k) != want["payloads"][k])
+    assert not changed and got["payloads"].keys() == want["payloads"].keys(), (
+        f"wire bytes changed for {changed}; see the comment above GOLDEN")
