@@ -23,6 +23,7 @@ from diloco.runtime import procs
 from diloco.runtime.procs import learner as procs_learner
 from diloco.runtime.procs.learner import store_view
 from diloco.runtime.runlog import read_decisions, read_inputs
+from diloco.runtime.stop import RunStopped
 
 TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
 STEPS, M, P = 20, 2, 2
@@ -205,9 +206,9 @@ def test_kill_9_syncer_restarts_from_its_checkpoint_and_skips_or_repeats_no_vers
     assert store.list("rep/") == [] and store.list("ev/") == [] and store.list("up/") == []
 
 
-def test_sigterm_stops_every_process_and_prints_a_partial_summary(world, tmp_path, capsys):
+def test_sigterm_stops_every_process_and_gives_a_partial_summary(world, tmp_path):
     """SIGTERM to the supervisor (as from a process manager) mid-run: the learners checkpoint and
-    exit, the syncer finishes with what it booked, its summary is printed, KeyboardInterrupt is raised."""
+    exit, the syncer finishes with what it booked, RunStopped carries its summary."""
     # Learner 1 keeps it going for seconds: paced (20 x 5 ms a step), so however fast the machine,
     # the run cannot end before the SIGTERM lands.
     cfg, setup, run_dir = variant(world, tmp_path, speeds=(1.0, 20.0), step_period_s=0.005)
@@ -232,7 +233,7 @@ def test_sigterm_stops_every_process_and_prints_a_partial_summary(world, tmp_pat
     thread = threading.Thread(target=terminate_once_started)
     thread.start()
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(RunStopped) as info:  # a KeyboardInterrupt, carrying the partial summary
             procs.run(cfg, setup, run_dir, None)
     finally:
         stop.set()
@@ -243,8 +244,12 @@ def test_sigterm_stops_every_process_and_prints_a_partial_summary(world, tmp_pat
     for pid in [pids["syncer"], *(x["pid"] for x in pids["learners"].values())]:
         with pytest.raises(ProcessLookupError):  # reaped: no process, not even a zombie
             os.kill(pid, 0)
-    out = capsys.readouterr().out
-    assert "partial summary" in out and "token_ledger_imbalance" in out
+    assert isinstance(info.value, KeyboardInterrupt) and info.value.resumable and not info.value.forced
+    assert info.value.summary["token_ledger_imbalance"] == 0 and info.value.run_dir == run_dir
+    # what a resume needs: the stop's clock and reports read, and every learner's exit notice
+    assert bs.read_control(store, "stopped")["at"] > 0
+    for m in range(M):
+        assert bs.read_control(store, f"died/{m:04d}/0000")["exitcode"] == 128 + signal.SIGTERM
     # each learner checkpointed where SIGTERM found it (the periodic interval, 50, was never reached)
     for m in range(M):
         saved = [int(d.name) for d in (run_dir / "learners" / f"learner-{m}").iterdir() if d.name.isdigit()]

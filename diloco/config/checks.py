@@ -168,9 +168,11 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
            f"runtime.step_time={r.step_time}, bandwidth={r.bandwidth} must be > 0; latency={r.latency}, "
            f"jitter={r.jitter} >= 0")
     if cfg.algo == "diloco":
-        check(e, not cfg.run.resume or r.kind == "sim",
-               f"run.resume=true with algo=diloco needs runtime.kind=sim (got {r.kind!r}): only the sim "
-               "runtime snapshots a whole run; start a new run.out_dir")
+        # sim resumes from its snapshots; threads and procs from the syncer checkpoint a stop saves
+        # (procs: and its journal, kept only with run.checkpoint_every > 0), docs/design.md#stopping-a-run
+        check(e, not cfg.run.resume or r.kind != "procs" or cfg.run.checkpoint_every > 0,
+               f"run.resume=true with runtime.kind=procs needs run.checkpoint_every > 0 (got "
+               f"{cfg.run.checkpoint_every}): the syncer's checkpoints and journal are what it resumes from")
         check(e, cfg.data.batch_size % r.devices_per_learner == 0,
                f"data.batch_size={cfg.data.batch_size} is not divisible by "
                f"runtime.devices_per_learner={r.devices_per_learner}")

@@ -1,28 +1,13 @@
 """A crew of worker threads that live and die together: the first error (or Ctrl-C) in any of them
 sets one stop event, every blocking call in the workers polls it, and the crew is joined with a
-timeout that names the threads that did not stop."""
+timeout that names the threads that did not stop. A second Ctrl-C while joining forces the stop
+(docs/design.md#stopping-a-run): the join gives up on the workers still running."""
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import threading
 import time
 from typing import Any, Callable
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """SIGTERM (a process manager stopping the job) raises KeyboardInterrupt as Ctrl-C does, in the
-    main thread only; the previous handler is back afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 class Stopped(Exception):
@@ -34,12 +19,15 @@ class Crew:
         self.stop = threading.Event()
         self.error: BaseException | None = None
         self.threads: list[threading.Thread] = []
+        self.forced = False  # a second interrupt while joining: the workers still running are left
         self._lock = threading.Lock()
         self._on_stop = on_stop  # e.g. abort a barrier the workers may be waiting at
         self.join_timeout = join_timeout
 
     def add(self, name: str, body: Callable, *args: Any) -> None:
-        self.threads.append(threading.Thread(target=self._guard, args=(body, *args), name=name, daemon=False))
+        # daemon: a forced stop leaves workers that are still inside a long step or save, and the
+        # interpreter must not wait for them at exit; an unforced stop joins every one.
+        self.threads.append(threading.Thread(target=self._guard, args=(body, *args), name=name, daemon=True))
 
     def start(self) -> None:
         for t in self.threads:
@@ -65,16 +53,23 @@ class Crew:
         self.stop.set()
         self._on_stop()
 
-    def join(self) -> None:
+    def join(self, threads: list[threading.Thread] | None = None) -> None:
+        """Wait for `threads` (all by default) to end, at most join_timeout. A KeyboardInterrupt
+        while waiting stops the crew if it was running, and forces the stop if it was stopping
+        already: the join returns at once, leaving the threads still running."""
         limit = time.monotonic() + self.join_timeout
-        for t in self.threads:
-            while t.ident is not None and t.is_alive() and time.monotonic() < limit:
+        which = self.threads if threads is None else threads
+        for t in which:
+            while t.ident is not None and t.is_alive() and time.monotonic() < limit and not self.forced:
                 try:
-                    t.join(max(0.0, limit - time.monotonic()))
-                except KeyboardInterrupt as e:  # another Ctrl-C: keep waiting for the stopping threads
-                    self.fail(e)
-        stuck = [t.name for t in self.threads if t.is_alive()]
-        if stuck:
+                    t.join(max(0.0, min(0.1, limit - time.monotonic())))
+                except KeyboardInterrupt as e:
+                    if self.stop.is_set():
+                        self.forced = True
+                    else:
+                        self.fail(e)
+        stuck = [t.name for t in which if t.is_alive()]
+        if stuck and not self.forced:
             message = f"threads {stuck} still running {self.join_timeout:.0f} s after the stop"
             if self.error is None:
                 self.error = RuntimeError(message)

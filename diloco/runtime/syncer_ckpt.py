@@ -24,9 +24,11 @@ from diloco.algo import quorum
 from diloco.algo import syncer as sync
 from diloco.algo.eventlog import Records
 from diloco.algo.fragments import Fragment
+from diloco.runtime import ledger_ckpt
 
 log = logging.getLogger(__name__)
 FORMAT = "diloco.syncer/1"
+SYNCER_DIR = "syncer"  # <run>/syncer/: the syncer checkpoints of a threads or procs run
 
 
 def _values(paths, values: dict) -> dict[str, np.ndarray]:
@@ -110,12 +112,43 @@ def from_checkpoint(arrays: dict, meta: dict, policy: sync.Policy,
         dict(meta["quarantined"]), Records(meta["decisions"]))
 
 
-class SyncerCheckpoints:
-    """Save every `every` merges (and on demand); restore the newest readable one."""
+def pairs(d: dict) -> list:
+    """A dict with int keys as JSON rows [[key, value], ...] (JSON keys are strings)."""
+    return sorted([int(k), v] for k, v in d.items())
 
-    def __init__(self, directory: Path, every: int, keep: int = 2):
+
+def host_out(host) -> tuple[dict, dict]:
+    """(arrays, meta) of what a SyncerHost (diloco/runtime/host.py) holds besides the syncer state:
+    the three ledgers and its bookkeeping of learners. The one record of a host that every
+    wall-clock runtime's syncer checkpoint carries (procs restarts, threads and procs resumes)."""
+    arrays, ledgers = ledger_ckpt.ledgers_out(host.tokens, host.bytes, host.time)
+    meta = {"ledgers": ledgers, "stalls": host.stalls, "done": sorted(host.done),
+            "finished_at": pairs(host.finished_at), "inputs_seen": host.inputs_seen,
+            "incarnations": pairs(host.incarnations), "alive": sorted(host.alive),
+            "refused_events": host.refused_events}
+    return {"ledgers": arrays}, meta
+
+
+def host_in(host, state: sync.SyncerState, arrays: dict, meta: dict) -> None:
+    """Put a restored syncer state and what `host_out` saw back into `host`. Checkpoints written
+    before incarnations and the alive set were saved take them from the state's live set."""
+    host.adopt(state)
+    host.tokens, host.bytes, host.time = ledger_ckpt.ledgers_in(arrays.get("ledgers", {}), meta["ledgers"])
+    host.stalls, host.inputs_seen = meta["stalls"], meta["inputs_seen"]
+    host.done, host.finished_at = set(meta["done"]), dict(meta["finished_at"])
+    if "incarnations" in meta:
+        host.incarnations, host.alive = dict(meta["incarnations"]), set(meta["alive"])
+    host.refused_events = meta.get("refused_events", 0)
+
+
+class SyncerCheckpoints:
+    """Save every `every` merges (and on demand); restore the newest readable one. async_save=False
+    where other threads of the process save Orbax checkpoints too (threads: they race otherwise,
+    see diloco/runtime/rejoin.py)."""
+
+    def __init__(self, directory: Path, every: int, keep: int = 2, async_save: bool = True):
         self.every = every
-        self.manager = checkpoint.open_manager(directory, keep)
+        self.manager = checkpoint.open_manager(directory, keep, async_save=async_save)
         self._last_merges = 0
 
     def maybe_save(self, st: sync.SyncerState, inputs_seen: int) -> bool:

@@ -126,11 +126,12 @@ def child_main(name: str, store_url: str, cfg: TrainConfig, cache: str | None, b
         raise
 
 
-def wait_for(poll: Callable[[], Any], parent: int) -> Any:
-    """Poll with back-off until `poll()` is truthy; exit if the supervisor is gone (orphaned)."""
-    poller = bs.Poller(POLL_MIN, POLL_MAX, stop=lambda: os.getppid() != parent)
+def wait_for(poll: Callable[[], Any], parent: int, stopping: Callable[[], bool] = lambda: False) -> Any:
+    """Poll with back-off until `poll()` is truthy; None once `stopping()` (SIGTERM); exit if the
+    supervisor is gone (orphaned)."""
+    poller = bs.Poller(POLL_MIN, POLL_MAX, stop=lambda: os.getppid() != parent or stopping())
     found = poller.until(poll)
-    if found is None:
+    if found is None and not stopping():
         raise SystemExit(f"supervisor {parent} is gone")
     return found
 
@@ -224,8 +225,10 @@ class ProcLearner:
     """Learner (m, incarnation) in its own process; owns its unit, writes its own event stream."""
 
     def __init__(self, store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m: int,
-                 incarnation: int, parent: int):
+                 incarnation: int, parent: int, resumed: bool = False):
+        """resumed: the first incarnation of a resumed run, coming back from a stop."""
         self.store, self.cfg, self.m, self.inc, self.parent = store, cfg, m, incarnation, parent
+        self.resumed = resumed
         self.setup = child_setup(cfg, store)
         r = cfg.runtime
         self.speed, self.jitter = (list(r.speeds) or [1.0] * r.learners)[m], r.jitter
@@ -276,20 +279,31 @@ class ProcLearner:
         # on Theta_0: compiling costs the same whatever the values
         unit.warm_up(*(() if self.tape is None else self.tape.smaller_batches()))
         bs.write_control(self.store, f"ready/{m:04d}", {"incarnation": self.inc})
-        self.t0 = wait_for(lambda: bs.read_control(self.store, "start"), self.parent)["t0"]
+        stopping = lambda: self.terminating  # noqa: E731 - SIGTERM while waiting: nothing to save yet
+        started = wait_for(lambda: bs.read_control(self.store, "start"), self.parent, stopping)
+        if started is None:
+            return None
+        self.t0 = started["t0"]
+        started_at = self.clock()
         if self.inc == 0:
             return unit
-        before = wait_for(lambda: bs.read_control(self.store, buried(m, self.inc - 1)), self.parent)
-        if before["done"]:
+        before = wait_for(lambda: bs.read_control(self.store, buried(m, self.inc - 1)), self.parent, stopping)
+        if before is None or before["done"]:
             return None
         r = self.cfg.runtime
-        down_until = self.clock()
+        # Resumed: nothing was down, the clock was stopped; waiting for the syncer to book the
+        # stop is part of restarting. After a crash, the wait for the burial is down time.
+        down_until = started_at if self.resumed else self.clock()
         if self.tape is not None:  # its slices are still down: wait for the tape to return one
             down_until = max(down_until, self.tape.back_at(m, down_until))
         # As in sim and threads, coming back takes runtime.restart_s once the devices are back
-        # (here on top of the real spawn and compile, which the process has just paid).
-        while self.clock() < down_until + r.restart_s:
-            self._nap(min(POLL_MAX, down_until + r.restart_s - self.clock()))
+        # (here on top of the real spawn and compile, which the process has just paid); not in a
+        # resumed run, whose clock was stopped while the processes started and compiled.
+        restart_s = 0.0 if self.resumed else r.restart_s
+        while self.clock() < down_until + restart_s and not self.terminating:
+            self._nap(min(POLL_MAX, down_until + restart_s - self.clock()))
+        if self.terminating:
+            return None
         view, fetched = store_view(self.store, s, skipped=self.skipped, sleep=self._nap)
         now = self.clock()
         self.fetched += [[now, p, n, "fp32"] for p, n in fetched]
@@ -392,8 +406,8 @@ def _version(key: str) -> int:
 
 
 def learner_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m: int, incarnation: int,
-                 parent: int) -> None:
-    rt = ProcLearner(store, cfg, run_dir, m, incarnation, parent)
+                 parent: int, resumed: bool = False) -> None:
+    rt = ProcLearner(store, cfg, run_dir, m, incarnation, parent, resumed)
 
     def stop(signum, frame):  # SIGTERM (the supervisor stopping, or a preemption notice)
         rt.terminating = True
@@ -405,7 +419,8 @@ def learner_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m:
 
 
 def learner_main(store_url: str, cfg: TrainConfig, cache: str | None, run_dir: Path | None, m: int,
-                 incarnation: int, parent: int) -> None:
-    """Process target of learner m's `incarnation` (spawned by diloco/runtime/procs/supervisor.py)."""
+                 incarnation: int, parent: int, resumed: bool = False) -> None:
+    """Process target of learner m's `incarnation` (spawned by diloco/runtime/procs/supervisor.py);
+    `resumed`: the first incarnation of a resumed run."""
     child_main(f"learner-{m:04d}-{incarnation:04d}", store_url, cfg, cache, learner_body, run_dir, m,
-               incarnation, parent)
+               incarnation, parent, resumed)

@@ -35,11 +35,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from diloco.config import TrainConfig
-from diloco.runtime import ledger_ckpt
-from diloco.runtime.syncer_ckpt import SyncerCheckpoints
+from diloco.runtime.syncer_ckpt import SYNCER_DIR, SyncerCheckpoints, host_in, host_out, pairs
 from diloco.runtime.runlog import InputLog
 
-JOURNAL, INPUTS, CHECKPOINTS = "syncer_journal.jsonl", "syncer_inputs.bin", "syncer"
+JOURNAL, INPUTS, CHECKPOINTS = "syncer_journal.jsonl", "syncer_inputs.bin", SYNCER_DIR
 
 
 class Journal:
@@ -85,35 +84,26 @@ def covered_now(rt) -> Covered:
     return Covered(dict(rt.current), dict(rt.cursor), dict(rt.delivered), frozenset(rt.graves))
 
 
-def _pairs(d: dict) -> list:
-    return sorted([int(k), v] for k, v in d.items())
-
-
 def bookkeeping_out(rt) -> tuple[dict, dict]:
-    """(arrays, meta) of a ProcSyncer's ledgers and loop state at an entry boundary."""
-    host = rt.host
-    arrays, ledgers = ledger_ckpt.ledgers_out(host.tokens, host.bytes, host.time)
-    meta = {
-        "ledgers": ledgers, "stalls": host.stalls, "current": _pairs(rt.current), "cursor": _pairs(rt.cursor),
-        "steps": _pairs(rt.steps), "died_at": _pairs(rt.died_at), "done": sorted(host.done),
-        "finished_at": _pairs(host.finished_at), "delivered": sorted([m, i, s] for (m, i), s in rt.delivered.items()),
+    """(arrays, meta) of a ProcSyncer's host (ledgers, learners) and loop state at an entry boundary."""
+    arrays, meta = host_out(rt.host)
+    meta.update({
+        "current": pairs(rt.current), "cursor": pairs(rt.cursor), "steps": pairs(rt.steps),
+        "died_at": pairs(rt.died_at), "delivered": sorted([m, i, s] for (m, i), s in rt.delivered.items()),
         "graves": sorted(list(g) for g in rt.graves), "deadlines": [list(d) for d in rt.deadlines],
-        "order": rt.order, "reports": rt.reports, "inputs_seen": host.inputs_seen,
-    }
-    return {"ledgers": arrays}, meta
+        "order": rt.order, "reports": rt.reports,
+    })
+    return arrays, meta
 
 
-def bookkeeping_in(rt, arrays: dict, meta: dict) -> None:
-    host = rt.host
-    host.tokens, host.bytes, host.time = ledger_ckpt.ledgers_in(arrays.get("ledgers", {}), meta["ledgers"])
-    host.stalls = meta["stalls"]
+def bookkeeping_in(rt, state, arrays: dict, meta: dict) -> None:
+    host_in(rt.host, state, arrays, meta)
     rt.current, rt.cursor, rt.steps = (dict(meta[k]) for k in ("current", "cursor", "steps"))
-    rt.died_at, host.finished_at = dict(meta["died_at"]), dict(meta["finished_at"])
-    host.done = set(meta["done"])
+    rt.died_at = dict(meta["died_at"])
     rt.delivered = {(m, i): s for m, i, s in meta["delivered"]}
     rt.graves = {tuple(g) for g in meta["graves"]}
     rt.deadlines = [tuple(d) for d in meta["deadlines"]]  # saved in heap order: still a heap
-    rt.order, rt.reports, host.inputs_seen = meta["order"], meta["reports"], meta["inputs_seen"]
+    rt.order, rt.reports = meta["order"], meta["reports"]
 
 
 class Recovery:
@@ -152,8 +142,7 @@ class Recovery:
         offsets = {"journal": 0, "inputs": 0}  # no checkpoint yet: Theta_0 and the whole journal
         if found is not None:
             state, arrays, meta = found
-            rt.host.adopt(state)
-            bookkeeping_in(rt, arrays.get("extra", {}), meta["extra"])
+            bookkeeping_in(rt, state, arrays.get("extra", {}), meta["extra"])
             offsets = meta["extra"]["offsets"]
             self.saved_merges = state.merges
             self.covers[offsets["journal"]] = covered_now(rt)  # its step is its journal offset

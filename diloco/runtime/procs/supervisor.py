@@ -22,9 +22,15 @@ predecessor's journal after it (diloco/runtime/procs/recovery.py), so no version
 skipped; the learners train on meanwhile, stalling only at their tau bound. That needs a run
 directory and run.checkpoint_every > 0 (merges between syncer checkpoints); without them a dead
 syncer fails the run. A learner or syncer that raises a Python error fails the run, as an exception
-in any thread fails a threads run. SIGINT or SIGTERM
-here: the learners are terminated, the syncer finishes with what it has booked and its partial
-summary is printed, then KeyboardInterrupt is raised as in threads.
+in any thread fails a threads run.
+
+SIGINT or SIGTERM here (docs/design.md#stopping-a-run): the learners get SIGTERM, each checkpoints
+at its next step boundary and exits; then the syncer gets it, books what they wrote, saves a final
+checkpoint and reports its partial summary; this process writes each learner's exit notice and
+`ctl/stopped` (the clock and the reports read) and raises RunStopped. A second signal kills every
+child at once. `run.resume=true` starts the next syncer incarnation on the store as after a crash
+(checkpoint + journal), which buries the stopped incarnations, and each learner not done as its
+next incarnation, which rejoins; the clock continues where the stopped run ended.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import logging
 import math
 import multiprocessing as mp
 import os
+import signal
 import tempfile
 import time
 from multiprocessing.connection import wait as wait_for_exit
@@ -44,14 +51,14 @@ import numpy as np
 
 from diloco import report
 from diloco import watch as run_watch
-from diloco.config import TrainConfig
+from diloco.config import ConfigError, TrainConfig
 from diloco.runtime import blobstore as bs
-from diloco.runtime.crew import sigterm_as_interrupt
 from diloco.runtime.procs.learner import EXIT_DOWN, died, fingerprint, learner_main
 from diloco.runtime.procs.recovery import restartable
 from diloco.runtime.procs.syncer import rep_key, syncer_main, unpack_theta
 from diloco.runtime import build as build_setup
 from diloco.runtime.build import Setup
+from diloco.runtime.stop import RunStopped, sigint_ignored, signals_as_interrupt
 from diloco.runtime.walltape import run_tape
 
 log = logging.getLogger(__name__)
@@ -60,6 +67,7 @@ POLL = 0.05  # seconds the supervisor waits for a process exit before reading re
 JOIN_TIMEOUT = 30.0  # seconds a stopping child gets before it is killed
 MAX_RESTARTS = 10  # per learner, and for the syncer: one killed this often is not coming back
 _PREFIXES = ("up/", "down/", "ack/", "ctl/", "ev/", "rep/")  # every key scheme of a procs run
+SECRET_FILE = "auth_secret"  # <run>/auth_secret: the run secret a resume needs (mode 0600)
 
 
 # What each kind of report must hold (diloco/runtime/procs/syncer.py writes them).
@@ -99,6 +107,8 @@ class Procs:
         self.summary: dict | None = None
         self.theta: dict | None = None
         self.t0: float | None = None
+        self.forced = False  # a second signal while stopping: every child was killed
+        self.resume: dict | None = None  # a resumed run: the stop's clock and the learners restarted
 
     def clock(self) -> float:
         """The syncer's clock (0 until it has started it)."""
@@ -107,21 +117,31 @@ class Procs:
         return 0.0 if self.t0 is None else time.time() - self.t0
 
     def run(self) -> dict:
-        with sigterm_as_interrupt():
+        """To the end; a failed child fails the run, a Ctrl-C or SIGTERM raises RunStopped once
+        the stop is saved (a second one forces it)."""
+        with signals_as_interrupt():
+            stopping = False
             try:
                 self._start()
                 self._supervise()
+            except KeyboardInterrupt:
+                stopping = True
+                self._stop(clean=True)
             except BaseException:
-                self._stop()
+                self._stop(clean=False)
                 raise
             finally:
                 self._join()
+            if stopping:
+                raise self._stopped() from None
         return self.summary
 
     def _start(self) -> None:
         # The run secret into this process's environment before any child is spawned, so the syncer
         # and every learner derive the same keys (a setup built under another runtime made none).
-        build_setup.auth_secret(self.cfg)
+        keep_secret(self.cfg, self.run_dir)
+        if self.cfg.run.resume:
+            return self._resume()
         for prefix in _PREFIXES:  # a store left by an earlier run into the same directory
             self.store.delete_prefix(prefix)
         bs.write_control(self.store, "run", {"theta0": fingerprint(self.setup.theta0), "learners": self.M})
@@ -129,27 +149,63 @@ class Procs:
         for m in range(self.M):
             self._spawn(m, 0)
 
+    def _resume(self) -> None:
+        """Continue a stopped run on its store: the next syncer incarnation restores the newest
+        syncer checkpoint and journal and buries the stopped incarnations (their exit notices were
+        written at the stop); every learner not done comes back as its next incarnation."""
+        stopped, procs = bs.read_control(self.store, "stopped"), bs.read_control(self.store, "procs")
+        if not (isinstance(stopped, dict) and isinstance(procs, dict)):
+            raise ConfigError(f"run.resume=true but the store {self.url} holds no stopped procs run (no "
+                              "ctl/stopped): a procs run records one when Ctrl-C or SIGTERM stops it; this "
+                              "one finished, or its supervisor was killed")
+        if not restartable(self.cfg, self.run_dir):
+            raise ConfigError("run.resume=true with runtime.kind=procs needs run.checkpoint_every > 0: the "
+                              "syncer's checkpoints and journal are what it resumes from")
+        for m in range(self.M):
+            self.incarnation[m] = int(procs["learners"][str(m)]["incarnation"])
+            notice = bs.read_control(self.store, died(m, self.incarnation[m]))
+            if isinstance(notice, dict) and notice.get("exitcode") == 0:
+                self.done.add(m)  # it had finished: its successor would have nothing to do
+        # What the stopped run's supervisor had not read is made again by the replay, and a stale
+        # start or ready record would start the new clock before the new learners have compiled.
+        self.store.delete_prefix("rep/")
+        self.store.delete_prefix("ctl/ready/")
+        for name in ("start", "stopped"):
+            self.store.delete(f"ctl/{name}")
+        self.reports = int(stopped["reports"])
+        back = [m for m in range(self.M) if m not in self.done]
+        self.resume = {"at": float(stopped["at"]), "learners": back}
+        self._spawn_syncer(int(procs["syncer_incarnation"]) + 1)
+        for m in back:
+            self._spawn(m, self.incarnation[m] + 1)
+
     def _spawn_syncer(self, incarnation: int) -> None:
         """A restarted one skips the reports read so far (every one its predecessor finished)."""
         p = self.ctx.Process(target=syncer_main, name=f"diloco-syncer-{incarnation}", daemon=True,
                              args=(self.url, self.cfg, self.cache, self.run_dir, self.evaluate is not None,
-                                   incarnation, self.reports))
-        p.start()
+                                   incarnation, self.reports, self.resume))
+        with sigint_ignored():
+            p.start()
         self.syncer, self.syncer_incarnation = p, incarnation  # only started processes are watched
         self._write_procs()
 
     def _spawn(self, m: int, incarnation: int) -> None:
         p = self.ctx.Process(target=learner_main, name=f"diloco-learner-{m}-{incarnation}", daemon=True,
-                             args=(self.url, self.cfg, self.cache, self.run_dir, m, incarnation, os.getpid()))
-        p.start()
+                             args=(self.url, self.cfg, self.cache, self.run_dir, m, incarnation, os.getpid(),
+                                   self.resume is not None))
+        with sigint_ignored():
+            p.start()
         self.learners[m], self.incarnation[m] = p, incarnation
         self._write_procs()
 
     def _write_procs(self) -> None:
-        """Who runs where, for operators and fault tests (kill -9 a process by its pid)."""
+        """Who runs where, for operators and fault tests (kill -9 a process by its pid); a learner
+        that was done before a resume has no process (pid null)."""
         bs.write_control(self.store, "procs", {
             "supervisor": os.getpid(), "syncer": self.syncer.pid, "syncer_incarnation": self.syncer_incarnation,
-            "learners": {str(k): {"incarnation": self.incarnation[k], "pid": q.pid} for k, q in self.learners.items()}})
+            "learners": {str(k): {"incarnation": self.incarnation[k],
+                                  "pid": self.learners[k].pid if k in self.learners else None}
+                         for k in range(self.M)}})
 
     def _supervise(self) -> None:
         while True:
@@ -178,8 +234,10 @@ class Procs:
         self._spawn_syncer(inc + 1)
 
     def _watch(self, m: int) -> None:
+        if m in self.done:
+            return
         p, inc = self.learners[m], self.incarnation[m]
-        if m in self.done or p.exitcode is None:
+        if p.exitcode is None:
             return
         self.exits.append((f"learner-{m}", inc, p.exitcode))
         if p.exitcode == 0:
@@ -274,25 +332,63 @@ class Procs:
         if self.writer is not None:
             self.writer.write(record)
 
-    def _stop(self) -> None:
-        """Interrupted or failed: terminate the learners, let the syncer finish with what it has
-        booked (SIGTERM), and print its partial summary."""
-        for p in self.learners.values():
-            if p.exitcode is None:
-                p.terminate()
-        if self.syncer is None or self.syncer.exitcode is not None:
+    def _stop(self, clean: bool) -> None:
+        """Interrupted (`clean`) or failed: SIGTERM to the learners (each checkpoints at its next
+        step boundary and exits), and once they are gone (at once if failed) to the syncer, which
+        books what they wrote, saves a final checkpoint and reports its partial summary (printed
+        here for a failed run; a stopped one carries it in RunStopped). A second signal while
+        stopping kills every child at once."""
+        try:
+            for p in self.learners.values():
+                if p.exitcode is None:
+                    p.terminate()
+            if clean:
+                limit = time.monotonic() + JOIN_TIMEOUT
+                for p in self.learners.values():
+                    p.join(max(0.0, limit - time.monotonic()))
+            if self.syncer is None or self.syncer.exitcode is not None:
+                return
+            self.syncer.terminate()
+            self.syncer.join(JOIN_TIMEOUT)
+            self._read_reports(evaluate=False)
+        except KeyboardInterrupt:
+            self.forced = True
+            for p in [self.syncer, *self.learners.values()]:
+                if p is not None and p.exitcode is None:
+                    p.kill()
             return
-        self.syncer.terminate()
-        self.syncer.join(JOIN_TIMEOUT)
-        self._read_reports(evaluate=False)
-        if self.summary is not None:
+        if self.summary is not None and not clean:
             print(report.format_table(self.summary.items(), title="procs run stopped; partial summary"))
+
+    def _stopped(self) -> RunStopped:
+        """Every child is gone: the exit notice of each learner not done (its successor in a
+        resumed run waits for the syncer to bury it), and what a resume needs to know of this
+        process: its clock at the stop and the reports it read (the syncer's end report, the last,
+        not counted: a resumed syncer makes its next report under that number)."""
+        # the syncer's clock when it ended, after booking every event the learners wrote; the
+        # seconds its process took to exit afterwards are not the run's (a resumed clock starts here)
+        at = self.finished["time"] if self.finished is not None else self.clock()
+        for m, p in self.learners.items():
+            if m not in self.done:
+                bs.write_control(self.store, died(m, self.incarnation[m]),
+                                 {"at": at, "exitcode": -signal.SIGTERM if p.exitcode is None else p.exitcode})
+        reports = self.reports - (self.finished is not None)
+        bs.write_control(self.store, "stopped", {"at": at, "reports": reports, "forced": self.forced})
+        return RunStopped(self.run_dir, self.summary, restartable(self.cfg, self.run_dir), self.forced,
+                          "" if self.run_dir is None else "a procs run resumes from its syncer's checkpoints and "
+                          f"journal, kept only with run.checkpoint_every > 0 (got {self.cfg.run.checkpoint_every})")
 
     def _join(self) -> None:
         children = [p for p in [self.syncer, *self.learners.values()] if p is not None]
         limit = time.monotonic() + JOIN_TIMEOUT
-        for p in children:
-            p.join(max(0.0, limit - time.monotonic()))
+        try:
+            for p in children:
+                p.join(max(0.0, limit - time.monotonic()))
+        except KeyboardInterrupt:  # a second signal while stopping: no more waiting
+            self.forced = True
+            for p in children:
+                if p.exitcode is None:
+                    p.kill()
         for p in children:
             if p.exitcode is None:  # stuck: escalate
                 p.terminate()
@@ -303,6 +399,22 @@ class Procs:
         for m, p in self.learners.items():  # the last incarnations, ended after the supervision
             if m not in self.done:
                 self.exits.append((f"learner-{m}", self.incarnation[m], p.exitcode))
+
+
+def keep_secret(cfg: TrainConfig, run_dir: Path | None) -> None:
+    """The run secret (runtime.auth) into this process's environment, where every child reads it.
+    A run with a directory and no runtime.auth_secret_file keeps it in <run>/auth_secret (0600),
+    so that a resume verifies what the learners sealed before the stop with the same keys."""
+    r = cfg.runtime
+    path = None if run_dir is None or r.auth_secret_file else Path(run_dir) / SECRET_FILE
+    if cfg.run.resume and path is not None and path.is_file():
+        os.environ[r.auth_secret_env] = path.read_text().strip()
+    if build_setup.auth_secret(cfg) is None or path is None or cfg.run.resume:
+        return
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(os.environ[r.auth_secret_env])
 
 
 def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,

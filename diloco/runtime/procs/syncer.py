@@ -157,9 +157,11 @@ class ProcSyncer(HostedRuntime):
     journal. `reports_read`: how many of the reports the supervisor has read (not written again)."""
 
     def __init__(self, store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, want_evals: bool,
-                 restart: bool = False, reports_read: int = 0):
+                 restart: bool = False, reports_read: int = 0, resume: dict | None = None):
+        """resume: a resumed run ({"at": the stopped run's clock, "learners": those restarted}):
+        restored as after a crash, on a new clock that starts at `at` once those have compiled."""
         self.store, self.cfg, self.want_evals = store, cfg, want_evals
-        self.restart, self.reports_read = restart, reports_read
+        self.restart, self.reports_read, self.resume = restart or resume is not None, reports_read, resume
         self.setup = s = child_setup(cfg, store)
         self.M = cfg.runtime.learners
         # Learners fetch broadcasts from the store and report what they fetched (learners_fetch).
@@ -201,8 +203,8 @@ class ProcSyncer(HostedRuntime):
     def run(self) -> None:
         try:
             entries = self.recovery.open(self, self.restart)
+            self._replay(entries)  # before the clock: every entry carries the time it ran at
             self._start_clock()
-            self._replay(entries)
             poller, last_gc = bs.Poller(POLL_MIN, POLL_MAX, sleep=self._nap), 0.0
             while not self.stopping:
                 now = self.clock()
@@ -215,7 +217,9 @@ class ProcSyncer(HostedRuntime):
                     self.collect()
                     last_gc = now
                 poller.wait(any(active))
-            if self.stopping:  # SIGTERM: a final checkpoint of what is booked, then the summary
+            if self.stopping:  # SIGTERM: book what the stopped learners wrote, a final checkpoint, the summary
+                for m in range(self.M):
+                    self._drain(m, self.current[m])
                 self.recovery.maybe_save(self, final=True)
             self.finish()
         finally:
@@ -223,14 +227,15 @@ class ProcSyncer(HostedRuntime):
 
     def _start_clock(self) -> None:
         """Once every learner has compiled, as threads' barrier does; a restarted syncer keeps the
-        clock its learners already run on."""
+        clock its learners already run on, a resumed one starts it where the stopped run ended."""
         started = bs.read_control(self.store, "start")
         if started is not None:
             self.t0 = started["t0"]
             return
+        waiting = range(self.M) if self.resume is None else self.resume["learners"]
         ready = bs.Poller(POLL_MIN, POLL_MAX, stop=lambda: self.stopping or os.getppid() != self.parent)
-        ready.until(lambda: all(bs.read_control(self.store, f"ready/{m:04d}") for m in range(self.M)))
-        self.t0 = time.time()
+        ready.until(lambda: all(bs.read_control(self.store, f"ready/{m:04d}") for m in waiting))
+        self.t0 = time.time() - (0.0 if self.resume is None else self.resume["at"])
         if not self.stopping:
             bs.write_control(self.store, "start", {"t0": self.t0})
 
@@ -463,8 +468,10 @@ class ProcSyncer(HostedRuntime):
                       "skipped": self.skipped},
                      sync.theta(self.syncer))
         # The result is with the supervisor: nothing is replayed any more, so the store keeps only
-        # the newest versions, acks and control.
-        self.collect(final=True)
+        # the newest versions, acks and control. Not at a stop: a resume replays from the
+        # checkpoints kept, and reads what the stopped learners wrote after them.
+        if not self.stopping:
+            self.collect(final=True)
 
 
 def _full_frame(st: sync.SyncerState, p: int, version: int, merged: tuple) -> bytes:
@@ -477,8 +484,8 @@ def _full_frame(st: sync.SyncerState, p: int, version: int, merged: tuple) -> by
 
 
 def syncer_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, want_evals: bool,
-                restart: bool, reports_read: int) -> None:
-    rt = ProcSyncer(store, cfg, run_dir, want_evals, restart, reports_read)
+                restart: bool, reports_read: int, resume: dict | None = None) -> None:
+    rt = ProcSyncer(store, cfg, run_dir, want_evals, restart, reports_read, resume)
 
     def stop(signum, frame):  # SIGTERM from the supervisor: finish with what has been booked
         rt.stopping = True
@@ -488,7 +495,8 @@ def syncer_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, wan
 
 
 def syncer_main(store_url: str, cfg: TrainConfig, cache: str | None, run_dir: Path | None, want_evals: bool,
-                incarnation: int = 0, reports_read: int = 0) -> None:
+                incarnation: int = 0, reports_read: int = 0, resume: dict | None = None) -> None:
     """Process target of the syncer (spawned by diloco/runtime/procs/supervisor.py); incarnation > 0 restores
-    the latest checkpoint and journal of the ones before."""
-    child_main("syncer", store_url, cfg, cache, syncer_body, run_dir, want_evals, incarnation > 0, reports_read)
+    the latest checkpoint and journal of the ones before (`resume`: of a stopped run)."""
+    child_main("syncer", store_url, cfg, cache, syncer_body, run_dir, want_evals, incarnation > 0, reports_read,
+               resume)

@@ -13,19 +13,28 @@ never blocks the syncer: a learner that falls behind gets a full copy instead of
 
 Shutdown: a learner done with run.steps sends `done` and keeps receiving. When all are done, the
 syncer has booked everything (FIFO), fires the pending grace deadlines as they fall due, publishes
-those merges and closes the inboxes. Ctrl-C or an exception in any thread sets a stop event that
-every blocking call polls; the main thread joins all threads and re-raises the first error.
+those merges and closes the inboxes. An exception in any thread sets a stop event that every
+blocking call polls; the main thread joins all threads and re-raises the first error.
+
+Ctrl-C or SIGTERM (docs/design.md#stopping-a-run) stops the same way, then: each learner saves a
+final checkpoint where it stopped, the main thread (the host's owner once the syncer thread has
+ended) books the events still queued, saves a final syncer checkpoint (diloco/runtime/syncer_ckpt.py:
+the syncer state, the ledgers, the host's and this runtime's bookkeeping) and raises RunStopped
+with the partial summary. `run.resume=true` restores that checkpoint, books every learner still
+live dead at the stop, and brings each learner not done back as its next incarnation through the
+rejoin rule, on a clock that continues where the stopped run ended.
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
+import logging
 import queue
+import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -35,17 +44,21 @@ from diloco.algo import quorum
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
 from diloco.chaos import tapes
-from diloco.config import TrainConfig
+from diloco.config import ConfigError, TrainConfig
 from diloco.runtime import events as ev
-from diloco.runtime.crew import Crew, Stopped, sigterm_as_interrupt
+from diloco.runtime.crew import Crew, Stopped
 from diloco.runtime.host import HostedRuntime, SyncerHost
+from diloco.runtime.stop import RunStopped, signals_as_interrupt
+from diloco.runtime.syncer_ckpt import SYNCER_DIR, SyncerCheckpoints, host_in, host_out, pairs
 from diloco.runtime.threads.mailbox import Mailbox
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.build import Setup, new_unit
-from diloco.runtime.runlog import InputLog, run_outputs, write_decisions
+from diloco.runtime.runlog import InputLog, read_inputs, run_outputs, write_decisions
 from diloco.runtime.learner_loop import run_incarnation
 from diloco.runtime.unit import LearnerUnit, Pace, StallWatch
 from diloco.runtime.walltape import WallTape, run_tape
+
+log = logging.getLogger(__name__)
 
 POLL = 0.05  # seconds: the longest any thread blocks before looking at the stop event again
 JOIN_TIMEOUT = 30.0  # seconds the main thread waits for stopped threads before reporting them stuck
@@ -55,16 +68,31 @@ class _Killed(Exception):
     """Raised inside learner m's thread after `kill(m)`: the learner crashes at once."""
 
 
+class _ComeBack(NamedTuple):
+    """How learner m comes back in a resumed run: as `incarnation`, its predecessor having stopped
+    at `step` (as the syncer booked it) and died at `died_at` (the stop, on the run's clock)."""
+
+    incarnation: int
+    step: int
+    died_at: float
+
+
 class Threads(HostedRuntime):
     """One run on the wall clock; `run` drives it to the end. Holds no module-level state.
 
     Each attribute has one writer: units[m] learner m; syncer, tokens, bytes, time, stalls, inputs,
-    finished_at, end and deadlines the syncer thread; evals the main thread. Read them after `run`.
+    finished_at, steps, died_at, end and deadlines the syncer thread (the main thread once it has
+    ended, at a stop); evals the main thread. Read them after `run`.
+
+    syncer_ckpts: where a stop saves the final syncer checkpoint (None: nowhere, not resumable);
+    restored: (state, arrays, meta) of a syncer checkpoint to resume from (`latest_stop`).
     """
 
     def __init__(self, cfg: TrainConfig, setup: Setup, writer: report.MetricsWriter | None,
                  evaluate: Callable[[dict], float] | None, inputs: InputLog | None = None,
-                 checkpoint_dir: Path | None = None, tape: tapes.Tape | None = None):
+                 checkpoint_dir: Path | None = None, tape: tapes.Tape | None = None,
+                 syncer_ckpts: SyncerCheckpoints | None = None, restored: tuple | None = None,
+                 run_dir: Path | None = None):
         self.cfg, self.setup, self.evaluate = cfg, setup, evaluate
         self.writer, self._write_lock = writer, threading.Lock()  # learners and main thread write
         r = cfg.runtime
@@ -79,7 +107,7 @@ class Threads(HostedRuntime):
             self.speeds = list(tape.speeds[:self.M])
         self.host = SyncerHost(setup, {m: 0 for m in range(self.M)}, inputs, on_deadline=self._arm,
                                transport=self._transmit, on_step=self._on_step)
-        self.initial = self.host.state  # every learner starts from Theta_0, never from its own init
+        self.run_dir, self.syncer_ckpts = run_dir, syncer_ckpts
         # Each learner thread builds its own unit (device_put of its params) from this initial state.
         self.units: list[LearnerUnit | None] = [None] * self.M
         self.checkpoint_dir = checkpoint_dir  # learner checkpoints, one Orbax manager per thread
@@ -87,22 +115,91 @@ class Threads(HostedRuntime):
         self._ckpt_lock = threading.Lock()
         self.rejoins: list[Rejoin] = []
         self.evals: list[tuple[float, int, float]] = []
-        self.finished_at: dict[int, float] = {}  # learner -> clock time of its `done`
-        self.end = 0.0  # clock time when the syncer published its last merge
+        self.steps = dict.fromkeys(range(self.M), 0)  # learner -> its last step booked
+        self.died_at: dict[int, float] = {}  # learner -> clock time of its last death booked
+        self.offset = 0.0  # the clock when the learners start: where a resumed run's stopped one ended
+        self.stopped_at = 0.0  # the clock when a signal (or an error) stopped the run
+        self.end = 0.0  # clock time when the syncer published its last merge (or the run stopped)
         self.deadlines: list[tuple[float, int, int]] = []  # grace timers (at, order, fragment), a heap
-        self._order = itertools.count()
+        self._order = 0
+        self.comeback: dict[int, _ComeBack] = {}
         self.up: queue.Queue = queue.Queue(maxsize=r.queue_size)
+        self.leftover: list[ev.Event] = []  # events learners could not queue once the stop was set
+        self._booking_stop = False  # the main thread books what is left: no eval requests then
         self.inboxes = [Mailbox(r.queue_size) for _ in range(self.M)]
         self.eval_requests: queue.Queue = queue.Queue(maxsize=r.queue_size)
+        if restored is not None:
+            self._restore(*restored)
+        self.initial = self.host.state  # every learner starts from the syncer's Theta, never its own init
+        learners = [m for m in range(self.M) if m not in self.host.done]
         # Learners compile before the clock starts; the last one to arrive starts it.
-        self.ready = threading.Barrier(self.M, action=self._start_clock)
-        self.t0 = time.monotonic()
+        self.ready = threading.Barrier(len(learners), action=self._start_clock) if learners else None
+        self.t0 = time.monotonic() - self.offset
         # learners still compiling or waiting for the others at the barrier get out on a stop too
-        self.crew = Crew(on_stop=self.ready.abort, join_timeout=JOIN_TIMEOUT)
+        self.crew = Crew(on_stop=self.ready.abort if self.ready else lambda: None, join_timeout=JOIN_TIMEOUT)
         self.stop = self.crew.stop
-        for m in range(self.M):
+        for m in learners:
             self.crew.add(f"diloco-learner-{m}", self._learner, m)
         self.crew.add("diloco-syncer", self._syncer_loop)
+        self._syncer_thread = self.crew.threads[-1]
+
+    @property
+    def finished_at(self) -> dict[int, float]:
+        """learner -> clock time of its `done`."""
+        return self.host.finished_at
+
+    # --- stop and resume (docs/design.md#stopping-a-run) -----------------------------------------
+    def _restore(self, state, arrays: dict, meta: dict) -> None:
+        """Take up a stopped run: its syncer and ledgers as saved, every learner still live booked
+        dead at the stop, and a plan for each one not done to come back as its next incarnation."""
+        extra = meta["extra"]
+        host_in(self.host, state, arrays.get("extra", {}), extra)
+        self.steps.update(dict(extra["steps"]))
+        self.died_at = dict(extra["died_at"])
+        self.deadlines = [tuple(d) for d in extra["deadlines"]]  # saved in heap order: still a heap
+        self._order = extra["order"]
+        self.offset = self.end = extra["clock"]
+        for m in sorted(self.host.alive - self.host.done):  # before any thread runs: the host is ours
+            self._on_event(ev.Died(m, self.host.incarnations[m], self.offset), self.offset)
+        self.comeback = {m: _ComeBack(self.host.incarnations[m] + 1, self.steps[m], self.died_at.get(m, self.offset))
+                         for m in range(self.M) if m not in self.host.done}
+
+    def _stopped(self) -> RunStopped:
+        """After a Ctrl-C / SIGTERM, every thread joined (or a forced stop): book what the learners
+        emitted, save the final syncer checkpoint, and the partial summary."""
+        forced = self.crew.forced
+        if self._syncer_thread.is_alive():  # it still owns the host: nothing can be saved safely
+            return RunStopped(self.run_dir, None, self._resumable(), forced=True)
+        self._booking_stop = True
+        while True:
+            try:
+                self._on_event(self.up.get_nowait(), self.clock())
+            except queue.Empty:
+                break
+        for event in list(self.leftover):  # after the queued ones: each learner's order holds
+            self._on_event(event, self.clock())
+        # The run ends where the signal came or its last booked interval does, whichever is later;
+        # saving the checkpoints afterwards is not the run's time (a resumed clock starts here).
+        self.end = max([self.end, self.stopped_at, *(v[2] for v in self.host.time.open.values())])
+        saved = self._save_stop()
+        try:
+            summary = self.summary()
+        except Exception as err:  # noqa: BLE001 - the stop must still end cleanly and say how to resume
+            log.error("no partial summary: %s: %s", type(err).__name__, err)
+            summary = None
+        return RunStopped(self.run_dir, summary, saved or self._resumable(), forced=forced)
+
+    def _save_stop(self) -> bool:
+        if self.syncer_ckpts is None:
+            return False
+        arrays, meta = host_out(self.host)
+        meta.update({"steps": pairs(self.steps), "died_at": pairs(self.died_at),
+                     "deadlines": [list(d) for d in self.deadlines], "order": self._order, "clock": self.end})
+        with self._ckpt_lock:  # learners of a forced stop may still be saving theirs
+            return self.syncer_ckpts.save(self.host.state, self.host.inputs_seen, extra=(arrays, meta))
+
+    def _resumable(self) -> bool:
+        return self.syncer_ckpts is not None and bool(self.syncer_ckpts.manager.all_steps())
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -113,18 +210,26 @@ class Threads(HostedRuntime):
         self.kills.add(m)
 
     def _start_clock(self) -> None:
-        self.t0 = time.monotonic()
+        self.t0 = time.monotonic() - self.offset
 
     # --- supervision (main thread) ------------------------------------------------------------
     def run(self) -> dict:
-        with sigterm_as_interrupt():
+        """To the end; an error in any thread is re-raised, a Ctrl-C or SIGTERM raises RunStopped
+        once the stop is saved. A second one while stopping forces it (crew.py)."""
+        with signals_as_interrupt():
             try:
+                if self.ready is None:  # every learner was done before a resume: only the syncer runs
+                    self._start_clock()
                 self.crew.start()
                 self._supervise()
             except BaseException as e:  # Ctrl-C/SIGTERM, or an error in `evaluate`: stop all, re-raise
+                self.stopped_at = self.clock()
                 self.crew.fail(e)
             finally:
+                self.crew.join([self._syncer_thread])  # first: it ends within a poll, and owns the host
                 self.crew.join()
+            if isinstance(self.crew.error, KeyboardInterrupt):
+                raise self._stopped() from None
         if self.crew.error is not None:
             raise self.crew.error
         return self.summary()
@@ -142,13 +247,17 @@ class Threads(HostedRuntime):
 
     # --- learners -----------------------------------------------------------------------------
     def _learner(self, m: int) -> None:
-        """Learner m's thread: its incarnations one after another, each until done or killed."""
+        """Learner m's thread: its incarnations one after another, each until done or killed; in a
+        resumed run it first comes back as after a crash, from the restored syncer's Theta."""
         r = self.cfg.runtime
         ckpts = LearnerCheckpoints(self.checkpoint_dir, r.learner_checkpoint_every, lock=self._ckpt_lock)
-        unit = self.units[m] = new_unit(self.setup, m, 0, self.initial)
+        plan = self.comeback.get(m)
+        unit = self.units[m] = new_unit(self.setup, m, 0 if plan is None else plan.incarnation, self.initial)
         unit.warm_up(*(() if self.tape is None else self.tape.smaller_batches()))
         self.ready.wait()
         try:
+            if plan is not None:  # no runtime.restart_s: the real restart happened off the clock
+                unit = self._come_back(m, plan.incarnation, plan.step, ckpts, plan.died_at, 0.0)
             while True:
                 try:
                     return self._incarnation(m, unit, ckpts)
@@ -164,14 +273,20 @@ class Threads(HostedRuntime):
         self.kills.discard(m)
         died_at = self.clock()
         self._emit(m, ev.Died(m, dead.ls.incarnation, died_at, stalls))
+        return self._come_back(m, dead.ls.incarnation + 1, dead.ls.step, ckpts, died_at, self.cfg.runtime.restart_s)
+
+    def _come_back(self, m: int, incarnation: int, stopped_at: int, ckpts: LearnerCheckpoints, died_at: float,
+                   restart_s: float) -> LearnerUnit:
+        """Learner m back as `incarnation` through the rejoin rule (after a crash, or in a resumed
+        run): down until its tape gives a slice back, restarting for `restart_s`, then `rejoin`."""
         restart_at = died_at  # in a kill drill the devices are back at once: restarting, never down
         if self.tape is not None:  # down until the tape gives a slice back
             restart_at = self._sleep(self.tape.back_at(m, died_at))
-        self._sleep(restart_at + self.cfg.runtime.restart_s)
+        self._sleep(restart_at + restart_s)
         r = self.cfg.runtime
         at_least = Pace.rejoin_step(r.step_period_s, r.rejoin_at, self.clock(), self.speeds[m], self.cfg.run.steps)
-        unit, how = rejoin_unit(self.setup, m, dead.ls.incarnation + 1, self.host.state, ckpts,
-                                r.max_rejoin_staleness, dead.ls.step, at_least)
+        unit, how = rejoin_unit(self.setup, m, incarnation, self.host.state, ckpts,
+                                r.max_rejoin_staleness, stopped_at, at_least)
         self.units[m] = unit
         self.rejoins.append(how)
         self._emit(m, ev.Rejoined(m, how.incarnation, died_at, restart_at, self.clock(), how._asdict()))
@@ -211,7 +326,11 @@ class Threads(HostedRuntime):
     def _emit(self, m: int, event: ev.Event) -> tuple[float, float] | None:
         """Put an event on the bounded `up` queue; returns the (start, end) of the wait if it was
         full, which the learner books as a stall (it cannot go on until the syncer catches up).
-        While it waits it keeps taking broadcasts, so they do not pile up into catch-up copies."""
+        While it waits it keeps taking broadcasts, so they do not pile up into catch-up copies.
+        Once the run is stopping the event is left for the main thread to book (`_stopped`)."""
+        if self.stop.is_set():
+            self.leftover.append(event)
+            raise Stopped
         try:
             self.up.put_nowait(event)
             return None
@@ -219,6 +338,7 @@ class Threads(HostedRuntime):
             start = self.clock()
         while True:
             if self.stop.is_set():
+                self.leftover.append(event)
                 raise Stopped
             self._drain(m)
             try:
@@ -229,7 +349,7 @@ class Threads(HostedRuntime):
 
     # --- syncer -------------------------------------------------------------------------------
     def _syncer_loop(self) -> None:
-        deadlines, done = self.deadlines, set()
+        deadlines, done = self.deadlines, self.host.done
         while True:
             if self.stop.is_set():
                 raise Stopped
@@ -244,18 +364,24 @@ class Threads(HostedRuntime):
                 event = self.up.get(timeout=wait) if wait > 0 else self.up.get_nowait()
             except queue.Empty:
                 continue
-            self._on_event(event, done)
+            self._on_event(event, self.clock())
         self.end = self.clock()
         for inbox in self.inboxes:
             inbox.close()
 
-    def _on_event(self, event: ev.Event, done: set[int]) -> None:
-        self.host.on_event(event, self.clock())
-        if isinstance(event, ev.Done):
-            done.add(event.learner)
-            self.finished_at[event.learner] = event.at
+    def _on_event(self, event: ev.Event, now: float) -> None:
+        """Book one learner event (the host's rules) at `now`, and where each learner stopped or died."""
+        self.host.on_event(event, now)
+        if isinstance(event, ev.StepDone):
+            self.steps[event.learner] = max(self.steps[event.learner], event.step)
+        elif isinstance(event, ev.Rejoined):
+            self.steps[event.learner] = event.rejoin["step"]
+        elif isinstance(event, ev.Died):
+            self.died_at[event.learner] = event.at
 
     def _on_step(self, e: ev.StepDone) -> None:
+        if self._booking_stop:  # the supervisor is gone: nobody evaluates any more
+            return
         if e.learner == 0 and self.evaluate is not None and report.due(e.step, self.cfg.run.eval_every,
                                                                        self.cfg.run.steps):
             # As in sim: the global model as it stood when learner 0 finished the step.
@@ -264,7 +390,8 @@ class Threads(HostedRuntime):
                                            int(host.tokens.processed[0]), host.state.merges))
 
     def _arm(self, p: int, at: float) -> None:
-        heapq.heappush(self.deadlines, (at, next(self._order), p))
+        heapq.heappush(self.deadlines, (at, self._order, p))
+        self._order += 1
 
     def _transmit(self, m: int, frame: bytes, p: int, full: bool) -> None:
         extra = self.inboxes[m].put(p, frame, self._catch_up)
@@ -331,19 +458,52 @@ class _ThreadPort:
         self.rt._write(record)
 
 
+def latest_stop(cfg: TrainConfig, setup: Setup, ckpts: SyncerCheckpoints, run_dir: Path) -> tuple:
+    """(state, arrays, meta) of the newest usable syncer checkpoint a stop saved in `run_dir`;
+    ConfigError if there is none (a run that finished, or was killed before it could save one)."""
+    found = ckpts.latest_raw(setup.policy, setup.fragments)
+    if found is None or "extra" not in found[2]:
+        raise ConfigError(f"run.resume=true but {run_dir / SYNCER_DIR} holds no usable syncer checkpoint: "
+                          "a threads run saves one when Ctrl-C or SIGTERM stops it; this one finished "
+                          "or was killed before it could")
+    return found
+
+
 def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
         evaluate: Callable[[dict], float] | None) -> tuple[Threads, dict]:
     """Run Decoupled DiLoCo on the wall clock; returns the finished runtime (for its state) and a
-    summary with the same keys as sim's."""
-    with run_outputs(run_dir, run_watch.for_run(cfg, run_dir, "wall")) as (writer, inputs):
-        rt = Threads(cfg, setup, writer, evaluate, inputs,
-                     None if run_dir is None else run_dir / "learners", run_tape(cfg, run_dir))
-        summary = rt.run()  # every thread has been joined when it returns or raises
-        if evaluate is not None:
-            rt._eval(rt.end, rt.units[0].ls.step, sync.theta(rt.syncer), int(rt.tokens.processed[0]),
-                     rt.syncer.merges)
-            summary["eval_loss"] = rt.evals[-1][2]
-        if run_dir is not None:
-            write_decisions(run_dir / "decisions.jsonl", rt.syncer.decisions)
-            writer.summary(summary)
-        return rt, summary
+    summary with the same keys as sim's. With run.resume it continues the run a stop saved in
+    run_dir; a Ctrl-C or SIGTERM raises RunStopped (the partial decision records written)."""
+    ckpts, found, kept = None, None, []
+    if run_dir is not None:
+        if not cfg.run.resume:  # a new run must never resume from an earlier run's syncer
+            shutil.rmtree(run_dir / SYNCER_DIR, ignore_errors=True)
+        ckpts = SyncerCheckpoints(run_dir / SYNCER_DIR, 0, cfg.run.keep_checkpoints, async_save=False)
+    try:
+        if cfg.run.resume and ckpts is not None:
+            found = latest_stop(cfg, setup, ckpts, run_dir)
+            # The input log continues from the checkpoint: inputs after it (a forced stop) are dropped.
+            kept = list(read_inputs(run_dir / "syncer_inputs.bin"))[:found[2]["inputs_seen"]]
+        with run_outputs(run_dir, run_watch.for_run(cfg, run_dir, "wall")) as (writer, inputs):
+            for event in kept:
+                inputs.append(event)
+            rt = Threads(cfg, setup, writer, evaluate, inputs,
+                         None if run_dir is None else run_dir / "learners", run_tape(cfg, run_dir),
+                         syncer_ckpts=ckpts, restored=found, run_dir=run_dir)
+            try:
+                summary = rt.run()  # every thread has been joined when it returns or raises
+            except RunStopped:
+                if run_dir is not None:
+                    write_decisions(run_dir / "decisions.jsonl", rt.syncer.decisions)
+                raise
+            if evaluate is not None:
+                rt._eval(rt.end, rt.steps[0], sync.theta(rt.syncer), int(rt.tokens.processed[0]),
+                         rt.syncer.merges)
+                summary["eval_loss"] = rt.evals[-1][2]
+            if run_dir is not None:
+                write_decisions(run_dir / "decisions.jsonl", rt.syncer.decisions)
+                writer.summary(summary)
+            return rt, summary
+    finally:
+        if ckpts is not None:
+            ckpts.close()

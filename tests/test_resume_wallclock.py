@@ -1,0 +1,159 @@
+"""Clean stops and resumes of the wall-clock runtimes (docs/design.md#stopping-a-run): a real SIGINT
+to a process running a tiny threads or procs run ends it without a traceback, with the partial
+summary and the resume line; `run.resume=true` then finishes the run with a balanced ledger, every
+fragment's versions 1..n once each, every learner back as its next incarnation, and a clock that
+never goes backwards. The resume line itself is checked without a run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import yaml
+
+from diloco.config import (ConfigError, DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig,
+                           RuntimeConfig, SyncerConfig, TrainConfig, to_dict, validate)
+from diloco.runtime.stop import RunStopped, resume_hint, stop_message
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
+STEPS, M, P = 40, 2, 2
+
+# diloco.run.run as scripts/train.py drives it, printing what a stop prints.
+PROGRAM = """
+import sys, yaml
+from diloco.config import load
+from diloco.run import run
+from diloco.runtime.stop import EXIT_STATUS, RunStopped, stop_message
+cfg = load(yaml.safe_load(open(sys.argv[1])))
+try:
+    run(cfg)
+except RunStopped as stopped:
+    print(stop_message(stopped, sys.argv[2:]))
+    sys.exit(EXIT_STATUS)
+"""
+
+
+def make_cfg(tmp_path, kind: str, resume: bool = False) -> TrainConfig:
+    """tests/test_threads.py's tiny model; paced at 0.1 s a step so the run lasts seconds whatever
+    the machine, long enough for the SIGINT to land mid-run."""
+    data = DataConfig(source="synthetic", seq_len=32, batch_size=16, data_dir=str(tmp_path / "data"),
+                      synthetic_vocab=16, synthetic_tokens=40_000, synthetic_branching=2)
+    run = RunConfig(steps=STEPS, log_every=5, eval_every=20, eval_batches=2, out_dir=str(tmp_path / "run"),
+                    progress=False, plot=False, checkpoint_every=4, resume=resume)
+    return validate(TrainConfig(
+        model=TINY, data=data, inner=InnerConfig(lr=1e-2, warmup_steps=5), run=run, algo="diloco",
+        fragments=FragmentsConfig(count=P, H=4, tau=1), syncer=SyncerConfig(quorum=1),
+        runtime=RuntimeConfig(kind=kind, learners=M, devices_per_learner=1, step_period_s=0.1, restart_s=0.2)))
+
+
+def launch(tmp_path, cfg: TrainConfig, name: str) -> subprocess.Popen:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg)))
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={M}", "JAX_PLATFORMS": "cpu"}
+    out, err = (tmp_path / f"{name}.out").open("w"), (tmp_path / f"{name}.err").open("w")
+    return subprocess.Popen([sys.executable, "-c", PROGRAM, str(path), f"runtime={cfg.runtime.kind}"],
+                            cwd=tmp_path, env=env, stdout=out, stderr=err, text=True)
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def stop_and_resume(tmp_path, kind: str) -> tuple[str, dict, list[dict]]:
+    """SIGINT once both learners have logged a step, then resume; (stop's stdout, summary, records)."""
+    run_dir = tmp_path / "run"
+    proc = launch(tmp_path, make_cfg(tmp_path, kind), "stop")
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if {r["learner"] for r in records(run_dir) if r["kind"] == "train"} == set(range(M)):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, (tmp_path / "stop.err").read_text()[-3000:]
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(120)
+    finally:
+        proc.kill()
+    out, err = (tmp_path / "stop.out").read_text(), (tmp_path / "stop.err").read_text()
+    assert code in (0, 130), (code, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    assert "partial summary" in out and "token_ledger_imbalance" in out, out
+    line = f'resume with: make train ARGS="runtime={kind} run.resume=true run.out_dir={run_dir}"'
+    assert line in out.splitlines(), out
+    assert not (run_dir / "summary.json").exists()
+    stopped = max(r["time"] for r in records(run_dir))
+
+    proc = launch(tmp_path, make_cfg(tmp_path, kind, resume=True), "resume")
+    try:
+        code = proc.wait(300)
+    finally:
+        proc.kill()
+    err = (tmp_path / "resume.err").read_text()
+    assert code == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["clock_s"] > stopped  # the clock went on from the stop
+    return out, summary, records(run_dir)
+
+
+def check_resumed(run_dir: Path, summary: dict, recs: list[dict]) -> None:
+    assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
+    tokens_per_step = 16 * 32
+    # every learner's steps 1..STEPS booked at least once: the stop lost at most the unsent tokens
+    assert summary["tokens_processed"] >= M * STEPS * tokens_per_step
+    versions = defaultdict(list)
+    for r in (json.loads(x) for x in (run_dir / "decisions.jsonl").read_text().splitlines()):
+        if r["event"] == "merge":
+            versions[r["fragment"]].append(r["version"])
+    assert set(versions) == set(range(P))
+    for p, vs in versions.items():  # across the stop: no version skipped or made twice
+        assert vs == list(range(1, len(vs) + 1)), (p, vs)
+    # each learner came back once, as incarnation 1, at the step where it stopped or later
+    rejoins = [r for r in recs if r["kind"] == "rejoin"]
+    assert sorted((r["learner"], r["incarnation"]) for r in rejoins) == [(m, 1) for m in range(M)], rejoins
+    for m in range(M):
+        train = [r for r in recs if r["kind"] == "train" and r["learner"] == m]
+        times = [r["time"] for r in train]
+        assert times == sorted(times), (m, times)  # the wall clock never went backwards
+        assert train[-1]["step"] == STEPS
+
+
+def test_resume_hint_keeps_the_overrides_and_sets_resume_and_out_dir():
+    hint = resume_hint("runs/a b", ["runtime=threads", "run.out_dir=old", "+run.resume=false", "data.paths=[x y]"])
+    assert hint == ('resume with: make train ARGS="runtime=threads \'data.paths=[x y]\' run.resume=true '
+                    '\'run.out_dir=runs/a b\'"')
+    assert resume_hint("r", ['a="$x"']) == 'resume with: make train ARGS="\'a=\\"\\$x\\"\' run.resume=true run.out_dir=r"'
+    stopped = RunStopped(Path("r"), {"merges": 3}, resumable=True)
+    assert isinstance(stopped, KeyboardInterrupt)
+    text = stop_message(stopped, ["model=tiny"])
+    assert "merges" in text and text.splitlines()[-1] == 'resume with: make train ARGS="model=tiny run.resume=true run.out_dir=r"'
+    assert "cannot be resumed" in stop_message(RunStopped(None, None, resumable=True), [])
+
+
+def test_resume_with_threads_or_procs_is_a_valid_config_and_procs_needs_its_journal(tmp_path):
+    for kind in ("threads", "procs"):
+        assert make_cfg(tmp_path, kind, resume=True).run.resume
+    cfg = make_cfg(tmp_path, "procs")
+    from dataclasses import replace
+    with pytest.raises(ConfigError, match="run.checkpoint_every > 0"):
+        validate(replace(cfg, run=replace(cfg.run, resume=True, checkpoint_every=0)))
+
+
+def test_sigint_stops_a_threads_run_cleanly_and_resume_finishes_it(tmp_path):
+    run_dir = tmp_path / "run"
+    out, summary, recs = stop_and_resume(tmp_path, "threads")
+    assert any(d.name.isdigit() for d in (run_dir / "syncer").iterdir())  # the stop's syncer checkpoint
+    check_resumed(run_dir, summary, recs)
+
+
+def test_sigint_stops_a_procs_run_cleanly_and_resume_finishes_it(tmp_path):
+    run_dir = tmp_path / "run"
+    out, summary, recs = stop_and_resume(tmp_path, "procs")
+    check_resumed(run_dir, summary, recs)
