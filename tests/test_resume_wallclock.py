@@ -103,6 +103,25 @@ def stop_and_resume(tmp_path, kind: str) -> tuple[str, dict, list[dict]]:
     return out, summary, records(run_dir)
 
 
+def replays_to_its_decisions(run_dir: Path, cfg: TrainConfig, monkeypatch) -> None:
+    """The input log of the whole run, stopped and resumed, replays from Theta_0 to its decisions."""
+    from diloco.algo import syncer as sync
+    from diloco.algo.replay import replay
+    from diloco.data import load_corpus
+    from diloco.model import build
+    from diloco.runtime import build as build_setup
+    from diloco.runtime.runlog import read_decisions, read_inputs
+
+    secret = run_dir / "auth_secret"  # procs: the run's own, so its signed frames verify
+    if secret.exists():
+        monkeypatch.setenv(cfg.runtime.auth_secret_env, secret.read_text().strip())
+    corpus = load_corpus(cfg.data)
+    setup = build_setup.build(cfg, corpus, build(cfg.model, corpus.vocab_size, cfg.run.seed))
+    st = sync.init(setup.policy, setup.fragments, setup.theta0, dict.fromkeys(range(M), 0))
+    again = replay(setup.policy, st, list(read_inputs(run_dir / "syncer_inputs.bin")))
+    assert json.loads(json.dumps(list(again.decisions))) == read_decisions(run_dir / "decisions.jsonl")
+
+
 def check_resumed(run_dir: Path, summary: dict, recs: list[dict]) -> None:
     assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
     tokens_per_step = 16 * 32
@@ -146,14 +165,16 @@ def test_resume_with_threads_or_procs_is_a_valid_config_and_procs_needs_its_jour
         validate(replace(cfg, run=replace(cfg.run, resume=True, checkpoint_every=0)))
 
 
-def test_sigint_stops_a_threads_run_cleanly_and_resume_finishes_it(tmp_path):
+def test_sigint_stops_a_threads_run_cleanly_and_resume_finishes_it(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     out, summary, recs = stop_and_resume(tmp_path, "threads")
     assert any(d.name.isdigit() for d in (run_dir / "syncer").iterdir())  # the stop's syncer checkpoint
     check_resumed(run_dir, summary, recs)
+    replays_to_its_decisions(run_dir, make_cfg(tmp_path, "threads"), monkeypatch)
 
 
-def test_sigint_stops_a_procs_run_cleanly_and_resume_finishes_it(tmp_path):
+def test_sigint_stops_a_procs_run_cleanly_and_resume_finishes_it(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     out, summary, recs = stop_and_resume(tmp_path, "procs")
     check_resumed(run_dir, summary, recs)
+    replays_to_its_decisions(run_dir, make_cfg(tmp_path, "procs"), monkeypatch)
