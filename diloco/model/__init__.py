@@ -28,6 +28,9 @@ class Model(NamedTuple):
     # (params, tokens_BxL, mask_BxL, cache) -> (logits_BxLxV, cache): incremental decoding with a
     # KV cache (diloco/model/generate.py)
     decode: Callable | None = None
+    # (params, tokens_BxL, segments_BxL, positions_BxL) -> logits_BxLxV: rows packing several
+    # examples, attention kept inside each (fine-tuning, diloco/data/sft.py)
+    packed: Callable | None = None
 
 
 def _split(cfg: ModelConfig, vocab_size: int, seed: int) -> tuple[nnx.GraphDef, Params]:
@@ -60,7 +63,10 @@ def _model(graphdef: nnx.GraphDef, params: Params) -> Model:
     def decode(params: Params, tokens_BxL: jax.Array, mask_BxL: jax.Array, cache: dict):
         return nnx.merge(graphdef, params).decode(tokens_BxL, mask_BxL, cache)
 
-    return Model(apply=apply, params=params, decode=decode)
+    def packed(params: Params, tokens_BxL: jax.Array, segments_BxL: jax.Array, positions_BxL: jax.Array):
+        return nnx.merge(graphdef, params).packed(tokens_BxL, segments_BxL, positions_BxL)
+
+    return Model(apply=apply, params=params, decode=decode, packed=packed)
 
 
 def with_params(cfg: ModelConfig, vocab_size: int, params: Params) -> Model:

@@ -227,6 +227,17 @@ class Transformer(nnx.Module):
             raise ValueError(f"sequence length {L} exceeds model.max_seq_len={self.max_seq_len}")
         return self._forward(tokens_BxL, jnp.arange(L), None, None)[0]
 
+    def packed(self, tokens_BxL: jax.Array, segments_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+        """Logits of rows packing several examples (diloco/data/sft.py): position l attends to s <= l
+        of its own segment only (segment 0 is padding, seen by no one), and each example's
+        positions restart at 0, so every example's logits are those it would have alone."""
+        L = tokens_BxL.shape[1]
+        if L > self.max_seq_len:
+            raise ValueError(f"sequence length {L} exceeds model.max_seq_len={self.max_seq_len}")
+        same_BxLxL = (segments_BxL[:, :, None] == segments_BxL[:, None, :]) & (segments_BxL[:, None, :] > 0)
+        allowed_BxLxL = jnp.tril(jnp.ones((L, L), dtype=bool))[None] & same_BxLxL
+        return self._forward(tokens_BxL, positions_BxL, None, allowed_BxLxL)[0]
+
     def decode(self, tokens_BxL: jax.Array, mask_BxL: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
         """Logits of L new tokens per row given everything in `cache`, and the cache with them.
 

@@ -32,6 +32,17 @@ def next_token_loss(apply: Apply, params: dict, batch_BxL1: jax.Array) -> jax.Ar
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
 
 
+def masked_next_token_loss(packed: Callable, params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """(mean cross-entropy over the trained targets only, their count) of a packed fine-tuning
+    batch (diloco/data/sft.py): tokens, segments, positions [B, L + 1] and targets [B, L]."""
+    tokens = batch["tokens"]
+    logits_BxLxV = packed(params, tokens[:, :-1], batch["segments"][:, :-1], batch["positions"][:, :-1])
+    ce_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV.astype(jnp.float32), tokens[:, 1:])
+    weight_BxL = batch["targets"].astype(jnp.float32)
+    count = weight_BxL.sum()
+    return (ce_BxL * weight_BxL).sum() / jnp.maximum(count, 1.0), count
+
+
 def make_train_step(apply: Apply, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule | None = None):
     """(state, batch) -> (state, metrics). Pure; the caller jits it with shardings and donation."""
