@@ -8,7 +8,8 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 CodecState = Any
-
+# The block formats' code rules (codecs._Format.kind; the loops are codec_kernels.py's)
+INT, FP4, TWO_BIT = 0, 1, 2
 
 
 class CodecError(ValueError):

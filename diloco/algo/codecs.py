@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
 from fractions import Fraction
 from typing import Callable, NamedTuple
 
@@ -23,13 +24,10 @@ import numpy as np
 import zstandard
 
 from diloco.algo.codec_base import (  # noqa: F401  (CodecError and NonFiniteError: the public errors)
-    Codec, CodecError, CodecState, NonFiniteError, buffer, flat_f32, numel, require_finite, stateless,
+    FP4, INT, TWO_BIT, Codec, CodecError, CodecState, NonFiniteError, buffer, flat_f32, numel, require_finite,
+    stateless,
 )
 
-_TINY = np.float32(2.0**-126)  # smallest normal float32: floor for nonzero block scales
-# Block codecs walk the tensor in 256 KB slices so temporaries stay in L2; whole-tensor numpy
-# passes are memory bound (about 2x slower, measured).
-_CHUNK = 1 << 16
 # Decoding a block format allocates at least one whole block per tensor, so a block of 2**24 named
 # in a 365-byte frame would cost 64 MiB per tensor: blocks are capped (64 is the default).
 MAX_BLOCK = 1 << 16
@@ -75,21 +73,21 @@ def bf16() -> Codec:
 
 class _Format(NamedTuple):
     bits: int  # bits per code: 8, 4 or 2
-    levels: float  # stored scale = absmax / levels; encode sees x / scale in [-levels, levels]
-    to_codes: Callable[[np.ndarray], np.ndarray]  # x / scale (float32, clobbered) -> uint8 codes
+    levels: float  # stored scale = absmax / levels; codes are computed from x / scale in [-levels, levels]
+    kind: int  # the code rule: INT, FP4 or TWO_BIT
+    classes: np.ndarray  # fp4: uint8 code of each float32 top-10-bit class (unused otherwise)
     lut: np.ndarray  # float32 value of each code, in units of scale
 
 
+_NO_CLASSES = np.zeros(1, np.uint8)
+
+
 def _int_format(bits: int) -> _Format:
+    # code = rint(x / scale), half to even, as two's complement; the wire keeps the low `bits`
     qmax = 2 ** (bits - 1) - 1
-
-    def to_codes(y):
-        np.rint(y, out=y)
-        return y.astype(np.int8).view(np.uint8)  # two's complement; _pack drops the high bits
-
     codes = np.arange(1 << bits)
     lut = np.where(codes > qmax, codes - (1 << bits), codes).astype(np.float32)
-    return _Format(bits, float(qmax), to_codes, lut)
+    return _Format(bits, float(qmax), INT, _NO_CLASSES, lut)
 
 
 def _fp4_format() -> _Format:
@@ -102,46 +100,39 @@ def _fp4_format() -> _Format:
     with np.errstate(invalid="ignore"):  # exponent 255 classes are nan; inputs never reach them
         nearest = np.argmin(np.abs(np.abs(mids)[:, None] - mags[None, :]), axis=1)
     by_class = (nearest | np.where(np.signbit(mids) & (nearest > 0), 8, 0)).astype(np.uint8)
-
-    def to_codes(y):
-        return np.take(by_class, y.view(np.uint32) >> np.uint32(22), mode="clip")
-
-    return _Format(4, 1.0, to_codes, lut)
+    return _Format(4, 1.0, FP4, by_class, lut)
 
 
 def _two_bit_format() -> _Format:
-    def to_codes(y):
-        # y in [-3, 3]; levels -3, -1, 1, 3 sit at u = (y + 3) / 2 = 0, 1, 2, 3.
-        y += 3.0
-        y *= 0.5
-        np.rint(y, out=y)
-        np.clip(y, 0.0, 3.0, out=y)
-        return y.astype(np.uint8)
-
-    return _Format(2, 3.0, to_codes, np.array([-3.0, -1.0, 1.0, 3.0], dtype=np.float32))
+    # x / scale in [-3, 3]; levels -3, -1, 1, 3 are codes rint((y + 3) / 2) clipped to 0..3
+    return _Format(2, 3.0, TWO_BIT, _NO_CLASSES, np.array([-3.0, -1.0, 1.0, 3.0], dtype=np.float32))
 
 
-def _pack(codes: np.ndarray, bits: int, out: np.ndarray) -> None:
-    """Packs uint8 codes into `out`, first code lowest; shift-or on wider little-endian views is
-    several times faster than strided per-position numpy ops."""
-    if bits == 8:
-        np.copyto(out, codes)
-    elif bits == 4:
-        v = codes.view("<u2") & np.uint16(0x0F0F)
-        np.copyto(out, v | (v >> np.uint16(4)), casting="unsafe")  # keeps the low byte
-    else:
-        v = codes.view("<u4") & np.uint32(0x03030303)
-        v |= v >> np.uint32(6)
-        np.copyto(out, v | (v >> np.uint32(12)), casting="unsafe")
+_SCRATCH = threading.local()
+_F4 = np.dtype("<f4")  # block scales on the wire
+_KERNELS = None
 
 
-def _byte_table(lut: np.ndarray, bits: int) -> np.ndarray:
-    """For each byte value, the float32 values of the codes it packs, as one wide item."""
-    per = 8 // bits
-    byte = np.arange(256)[:, None]
-    codes = (byte >> (bits * np.arange(per))[None, :]) & ((1 << bits) - 1)
-    wide = {1: np.float32, 2: np.uint64, 4: np.complex128}[per]
-    return np.ascontiguousarray(lut[codes], dtype=np.float32).view(wide).reshape(256)
+def _kernels():
+    """diloco.algo.codec_kernels, imported on first use: importing the codecs does not load numba."""
+    global _KERNELS
+    if _KERNELS is None:
+        from diloco.algo import codec_kernels
+
+        _KERNELS = codec_kernels
+    return _KERNELS
+
+
+def _scratch(size: int) -> np.ndarray:
+    """This thread's working buffer for a payload of `size` bytes (grown, never shrunk).
+
+    The payload is copied out into immutable bytes anyway, so the buffer it is built in need not
+    be fresh, and a fresh one costs a page fault per 4 KB whenever the allocator has handed the
+    last one back to the OS (int8 at 64 MB: twice as slow, measured)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < size:
+        buf = _SCRATCH.buf = np.empty(size, np.uint8)
+    return buf[:size]
 
 
 def _block_codec(name: str, fmt: _Format, block: int) -> Codec:
@@ -149,10 +140,8 @@ def _block_codec(name: str, fmt: _Format, block: int) -> Codec:
     if not isinstance(block, (int, np.integer)) or not 1 <= block <= MAX_BLOCK or block % per:
         raise ValueError(f"{name}: block must be a positive multiple of {per} up to {MAX_BLOCK}, got {block!r}")
     block = int(block)
-    chunk = block * max(1, _CHUNK // block)
-    starts = np.arange(0, chunk, block)  # block offsets within a chunk, for reduceat
-    table = _byte_table(fmt.lut, fmt.bits)
     levels = np.float32(fmt.levels)
+    lut_max = np.float32(np.abs(fmt.lut).max())
 
     def sizes(shape):
         n = numel(shape)
@@ -160,57 +149,46 @@ def _block_codec(name: str, fmt: _Format, block: int) -> Codec:
         return n, nb, 4 * nb + -(-n // per)
 
     def encode(x, state):
+        k = _kernels()
         flat = flat_f32(x)
         n, nb, size = sizes(flat.shape)
-        padded = nb * block
-        if padded != n:
-            flat = np.concatenate([flat, np.zeros(padded - n, np.float32)])
-        buf = np.empty(4 * nb + padded // per, dtype=np.uint8)
-        scales = buf[: 4 * nb].view("<f4")
+        full = n // block
+        buf = _scratch(size)
+        scales = buf[: 4 * nb].view(_F4)
         packed = buf[4 * nb :]
-        y = np.empty(min(chunk, padded), dtype=np.float32)
-        # Non-finite input is caught once, from the scales, after the loop; until then nan may
-        # flow through the casts below, which would warn.
-        with np.errstate(invalid="ignore"):
-            for lo in range(0, padded, chunk):
-                xc = flat[lo : lo + chunk]
-                yc = y[: xc.size]
-                sc = scales[lo // block : (lo + xc.size) // block]
-                np.abs(xc, out=yc)
-                # Non-negative floats order like their bit patterns, and an integer reduceat is
-                # ~1.5x faster than a float one (which is itself ~2x faster than .max(axis=1)).
-                np.maximum.reduceat(yc.view(np.uint32), starts[: sc.size], out=sc.view(np.uint32))
-                np.divide(sc, levels, out=sc)
-                # A flat multiply by the repeated inverse beats a broadcast (kb, block) one.
-                inv = np.float32(1.0) / np.maximum(sc, _TINY)
-                np.multiply(xc, np.repeat(inv, block), out=yc)
-                _pack(fmt.to_codes(yc), fmt.bits, packed[lo // per : (lo + xc.size) // per])
-        require_finite(bool(np.isfinite(scales).all()), name)
-        np.maximum(scales, _TINY, out=scales, where=scales > 0)  # the scale encode used; 0 stays 0
-        return buf[:size].tobytes(), state
+        xs = flat[: full * block].reshape(full, block)
+        ok = k.encode_blocks(xs, xs.view(np.uint32), fmt.kind, fmt.bits, levels, fmt.classes,
+                             scales, packed[: full * block // per].reshape(full, block // per))
+        if ok and full < nb:  # the last block, zero-padded; its codes past n are not sent
+            tail = np.zeros((1, block), np.float32)
+            tail[0, : n - full * block] = flat[full * block :]
+            codes = np.empty((1, block // per), np.uint8)
+            ok = k.encode_blocks(tail, tail.view(np.uint32), fmt.kind, fmt.bits, levels, fmt.classes,
+                                 scales[full:], codes)
+            packed[full * block // per :] = codes[0, : packed.size - full * block // per]
+        require_finite(ok, name)
+        return buf.tobytes(), state
 
     def decode(payload, shape):
+        k = _kernels()
         n, nb, size = sizes(shape)
         buf = buffer(payload, size, name, shape)
-        scales = buf[: 4 * nb].view("<f4")
-        if not np.all((scales >= 0) & (scales < np.inf)):  # also false for nan
+        scales = buf[: 4 * nb].view(_F4)
+        if not k.scales_ok(scales):
             raise CodecError(f"{name}: block scales must be finite and >= 0")
-        padded = nb * block
+        full = n // block
         packed = buf[4 * nb :]
-        if packed.size * per != padded:
-            packed = np.concatenate([packed, np.zeros(padded // per - packed.size, np.uint8)])
-        out = np.empty(padded, dtype=np.float32)
-        for lo in range(0, padded, chunk):
-            oc = out[lo : lo + chunk]
-            pc = packed[lo // per : (lo + oc.size) // per]
-            if per == 1:  # int8: a cast beats a table lookup
-                np.copyto(oc, pc.view(np.int8))
-            else:  # one lookup yields all the values a byte packs; "clip" skips bounds checks
-                np.take(table, pc, out=oc.view(table.dtype), mode="clip")
-            with np.errstate(over="ignore"):  # only a forged scale overflows; caught just below
-                oc *= np.repeat(scales[lo // block : (lo + oc.size) // block], block)
-            require_finite(bool(np.isfinite(oc).all()), name)
-        return out[:n].reshape(shape)
+        out = np.empty(n, dtype=np.float32)
+        ok = k.decode_blocks(packed[: full * block // per].reshape(full, block // per), scales,
+                             fmt.kind, fmt.bits, fmt.lut, lut_max, out[: full * block].reshape(full, block))
+        if ok and full < nb:  # the last block, padded with zero bytes; its padding is checked too
+            codes = np.zeros((1, block // per), np.uint8)
+            codes[0, : packed.size - full * block // per] = packed[full * block // per :]
+            tail = np.empty((1, block), np.float32)
+            ok = k.decode_blocks(codes, scales[full:], fmt.kind, fmt.bits, fmt.lut, lut_max, tail)
+            out[full * block :] = tail[0, : n - full * block]
+        require_finite(ok, name)
+        return out.reshape(shape)
 
     return Codec(f"{name}(block={block})", stateless, encode, decode, lambda shape: sizes(shape)[2])
 
@@ -317,6 +295,25 @@ def error_feedback(codec: Codec) -> Codec:
     return Codec(f"error_feedback({codec.name})", init, encode, codec.decode, codec.payload_bytes)
 
 
+# zstd contexts are not thread safe and codecs are shared between threads, so each thread keeps
+# one compressor per level and one decompressor, reused by every zstd codec: a context costs more
+# to make than a small payload costs to compress. A frame's bytes do not depend on the reuse.
+_ZSTD = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    by_level = _ZSTD.__dict__.setdefault("compressors", {})
+    if level not in by_level:
+        by_level[level] = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+    return by_level[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_ZSTD, "decompressor"):
+        _ZSTD.decompressor = zstandard.ZstdDecompressor()
+    return _ZSTD.decompressor
+
+
 def zstd(codec: Codec, level: int = 1) -> Codec:
     """Compresses the inner payload into one zstd frame with content size and checksum.
 
@@ -329,22 +326,20 @@ def zstd(codec: Codec, level: int = 1) -> Codec:
 
     def encode(x, state):
         payload, state = codec.encode(x, state)
-        # A fresh compressor per call: zstd contexts are not thread safe, and codecs are shared.
-        cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
-        return cctx.compress(payload), state
+        return _compressor(level).compress(payload), state
 
     def decode(frame, shape):
         expected = codec.payload_bytes(shape)
-        dobj = zstandard.ZstdDecompressor().decompressobj()
         try:
             size = zstandard.frame_content_size(frame)
             if size < 0 or (expected is not None and size != expected):
                 raise CodecError(f"{name}: frame declares {size} bytes, shape {tuple(shape)} needs {expected}")
-            content = dobj.decompress(frame)
+            # One shot into a buffer of the declared size (a stream object joins 128 KB pieces,
+            # a third slower at 9 MB); zstd refuses a frame whose content is not that size, a
+            # truncated frame, a bad checksum and, so asked, any byte after the frame.
+            content = _decompressor().decompress(frame, max_output_size=size, allow_extra_data=False)
         except zstandard.ZstdError as e:
-            raise CodecError(f"{name}: corrupt or truncated frame ({len(frame)} bytes): {e}") from e
-        if not dobj.eof or dobj.unused_data:
-            raise CodecError(f"{name}: truncated frame or {len(dobj.unused_data)} trailing bytes")
+            raise CodecError(f"{name}: corrupt, truncated or extended frame ({len(frame)} bytes): {e}") from e
         return codec.decode(content, shape)
 
     return Codec(name, codec.init, encode, decode, lambda shape: None)
