@@ -28,7 +28,7 @@ _RESUMABLE_CHANGES = {("run", "resume"), ("run", "progress"), ("run", "plot"), (
 # What a run leaves in its directory (docs/design.md#outputs-of-a-run); any of them means "used".
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "loss.png", "model", "checkpoints",
                "decisions.jsonl", "syncer_inputs.bin", "chaos_tape.json", "learners", "sim", "store",
-               "syncer", "syncer_journal.jsonl", "tensorboard")
+               "syncer", "syncer_journal.jsonl", "tensorboard", "auth_secret")
 
 
 def used_by_a_run(run_dir: Path) -> list[str]:
@@ -44,10 +44,8 @@ def check_run_dir(cfg: TrainConfig) -> None:
     found = used_by_a_run(run_dir)
     if cfg.run.resume or not found:
         return
-    resumable = cfg.algo == "dp" or cfg.runtime.kind == "sim"
-    how = ("pass run.resume=true to continue it, or choose another run.out_dir" if resumable else
-           f"choose another run.out_dir, or delete this one (runtime.kind={cfg.runtime.kind} cannot resume)")
-    raise ConfigError(f"run.out_dir={run_dir} already holds a run ({', '.join(found)}); {how}")
+    raise ConfigError(f"run.out_dir={run_dir} already holds a run ({', '.join(found)}); pass "
+                      "run.resume=true to continue it, or choose another run.out_dir")
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -66,6 +67,23 @@ def _clean_failed_start(run_dir: Path) -> None:
         run_dir.rmdir()
 
 
+def _stopped(stop: KeyboardInterrupt, run_dir: Path) -> None:
+    """A stopped run prints its partial summary and the line that resumes it, then exits 130.
+    threads and procs raise RunStopped with what they saved; sim and the data-parallel trainer a
+    plain KeyboardInterrupt after their final snapshot or checkpoint."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from diloco.runtime.stop import EXIT_STATUS, RunStopped, stop_message
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a late Ctrl-C must not traceback the printing
+    if DEBUG:
+        raise stop
+    if not isinstance(stop, RunStopped):
+        stop = RunStopped(run_dir, None, resumable=(run_dir / "config.yaml").exists())
+    print(stop_message(stop, list(HydraConfig.get().overrides.task)))
+    sys.exit(EXIT_STATUS)
+
+
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def main(raw: DictConfig) -> None:
     # Orbax logs every checkpoint step at INFO through absl; keep the console for the run itself.
@@ -81,6 +99,8 @@ def main(raw: DictConfig) -> None:
     try:
         cfg = load(plain)
         run(cfg)
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: what was saved, and how to go on
+        _stopped(stop, run_dir)
     except USER_ERRORS as err:
         if fresh:
             _clean_failed_start(run_dir)

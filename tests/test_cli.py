@@ -79,3 +79,31 @@ def test_describe_lists_every_option_and_the_presets(tmp_path):
     assert proc.returncode == 0
     assert "runtime: procs | sim | threads" in proc.stdout
     assert "  runtime.auth = 'auto'" in proc.stdout and "syncer.clip = 0.0" in proc.stdout
+
+
+def test_ctrl_c_prints_the_resume_line_and_the_resume_finishes(tmp_path):
+    """A SIGINT mid-run (sim: the default runtime) ends with exit 130, no traceback and the one
+    command that resumes it; running that command finishes the run."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    args = [*TINY_RUN, "algo=diloco", "runtime.learners=2", "runtime.devices_per_learner=1", "run.steps=80",
+            "run.checkpoint_every=5", "run.eval_every=40", f"run.out_dir={out}", f"data.data_dir={tmp_path / 'data'}"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list((out / "sim").glob("*/")) if (out / "sim").exists() else True:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    (line,) = [x for x in stdout.splitlines() if x.startswith("resume with: make train ARGS=")]
+    assert f"run.resume=true run.out_dir={out}" in line
+    proc = train(tmp_path, *args[:-2], "run.resume=true", f"run.out_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["token_ledger_imbalance"] == 0 and summary["tokens_processed"] == 2 * 80 * 8 * 32
