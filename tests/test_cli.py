@@ -101,6 +101,7 @@ def test_ctrl_c_prints_the_resume_line_and_the_resume_finishes(tmp_path):
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr
+    assert "stopped; partial summary" in stdout and "nats/token" not in stderr
     (line,) = [x for x in stdout.splitlines() if x.startswith("resume with: make train ARGS=")]
     assert f"run.resume=true run.out_dir={out}" in line
     proc = train(tmp_path, *args[:-2], "run.resume=true", f"run.out_dir={out}")

@@ -83,10 +83,3 @@ def test_resume_without_a_snapshot_starts_from_the_beginning(tmp_path, build):
     cfg = cfg_for(tmp_path, "fresh", resume=True)
     sim, summary = sim_mod.run(cfg, build(cfg), tmp_path / "fresh", None)
     assert summary is not None and all(u.ls.step == 24 for u in sim.units[:2])
-
-
-def test_resume_is_refused_for_the_threads_runtime(tmp_path):
-    cfg = cfg_for(tmp_path, "t")
-    with pytest.raises(Exception, match="runtime.kind=sim"):
-        validate(replace(cfg, chaos=replace(cfg.chaos, enabled=False), run=replace(cfg.run, resume=True),
-                         runtime=replace(cfg.runtime, kind="threads")))

@@ -53,7 +53,7 @@ def stop_message(stopped: RunStopped, overrides: list[str] | tuple[str, ...]) ->
     lines = []
     if stopped.summary:
         title = f"run {stopped.run_dir} stopped; partial summary" if stopped.run_dir else "run stopped; partial summary"
-        lines.append(report.format_table(stopped.summary.items(), title=title))
+        lines.append(report.render_summary(stopped.summary, title))
     if stopped.resumable:
         lines.append(resume_hint(stopped.run_dir, overrides))
     else:

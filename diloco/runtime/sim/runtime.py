@@ -35,7 +35,9 @@ from diloco.algo.replay import Input
 from diloco.chaos import tapes
 from diloco.config import TrainConfig
 from diloco.runtime import events as ev
+from diloco.algo.eventlog import LedgerError
 from diloco.runtime.host import HostedRuntime, SyncerHost
+from diloco.runtime.stop import RunStopped
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.build import Setup, new_unit
 from diloco.runtime.sim.snapshots import SimSnapshots, restore
@@ -109,7 +111,7 @@ class Sim(HostedRuntime):
                 snapshots.maybe_save(self, final=self.interrupted)
             if kind == "step" and self.interrupted:  # Ctrl-C / SIGTERM, at a step boundary
                 self.checkpoints.close()
-                raise KeyboardInterrupt(f"sim interrupted after {self.steps_done} inner steps")
+                raise self._stopped(snapshots)
             if stop is not None and stop(self):
                 self.checkpoints.close()
                 return None
@@ -291,6 +293,18 @@ class Sim(HostedRuntime):
 
     def summary(self) -> dict:
         return self.host.summary(clock="virtual", end=self.now, window=self.cfg.runtime.step_time)
+
+    def _stopped(self, snapshots) -> RunStopped:
+        """What an interrupted sim raises: its partial summary, resumable if a final snapshot was
+        saved (docs/design.md#stopping-a-run)."""
+        try:
+            summary = self.summary()
+        except LedgerError:  # cannot happen at a step boundary; a stop still must not traceback
+            summary = None
+        saved = snapshots is not None and snapshots.manager is not None
+        run_dir = Path(snapshots.manager.directory).parent if saved else None
+        return RunStopped(run_dir, summary, resumable=saved, why_not="" if saved else "it saves no snapshots "
+                          "(run.checkpoint_every=0 or no run directory)")
 
 
 def _removed(tape: tapes.Tape, m: int, t: float) -> bool:
