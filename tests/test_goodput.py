@@ -4,12 +4,15 @@ rules, closed forms, M = 1 equals elastic data parallel, monotonicity, the fit a
 import json
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from diloco.chaos import calibrate, results, study
-from diloco.chaos.failures import Outages, poisson_times
+from diloco.chaos import goodput
+from diloco.chaos.failures import (Outages, events_by_time, poisson_times, sample_outages, slice_events,
+                                   stable_order)
 from diloco.chaos.goodput import Constants, dp_job, elastic_job, elastic_jobs, pauses, simulate
 from diloco.config import ConfigError
 
@@ -135,7 +138,8 @@ def test_fit_recovers_known_constants():
 def test_2_4m_chips_over_30_days_takes_seconds():
     t0 = time.perf_counter()
     study.timing(C, (2, 4, 8, 16), 2_400_000, 30 * DAY)
-    assert time.perf_counter() - t0 < 15.0  # about 2 s on a 2-core machine; the budget is ~5 s
+    # about 0.5 s on the shared 2-core machine (docs/experiments.md#benchmarks); loose for CI
+    assert time.perf_counter() - t0 < 15.0
 
 
 def test_bad_goodput_config_values_are_named():
@@ -156,3 +160,59 @@ def test_quick_study_writes_every_output(tmp_path):
     assert 0 < data["constants"]["reconfig_s"] < 600
     assert "| data parallel, elastic (fitted) |" in paths[0].read_text()
     assert len((tmp_path / "goodput.csv").read_text().splitlines()) == 1 + 3 * 5
+
+
+def test_every_elastic_mode_shares_one_draw_and_it_is_the_seeds():
+    """The draws are made once per (seed, size) and shared, read-only, by elastic_dp and every M;
+    they are exactly what sample_outages draws from the same stream."""
+    c, h, n_slices = Constants(repair="exponential"), 2 * DAY, 2_343
+    goodput.outages.cache_clear()
+    for mode, m in [("elastic_dp", 1), ("diloco", 2), ("diloco", 8)]:
+        simulate(mode, 600_000, c, h, 3, m)
+    assert goodput.outages.cache_info().misses == 1  # drawn once, then shared
+    shared = goodput.outages(c.failures(), n_slices, h, 3)
+    fresh = sample_outages(c.failures(), n_slices, h, np.random.default_rng([3, n_slices]))
+    for name in ("slice_id", "down_s", "up_s"):
+        assert np.array_equal(getattr(shared, name), getattr(fresh, name))
+        assert not getattr(shared, name).flags.writeable
+    # a new repair time re-runs only the walk over the same candidate failures
+    other = goodput.outages(replace(c, repair_s=2 * c.repair_s).failures(), n_slices, h, 3)
+    assert other.down_s[0] == shared.down_s[0] and other.down_s.size < shared.down_s.size
+
+
+def _all_stopped_by_sweep(stops, h):
+    """The former sweep over every job's interval ends: the reference for the intersection."""
+    starts = np.concatenate([s for s, _ in stops])
+    ends = np.minimum(np.concatenate([e for _, e in stops]), h)
+    x = np.concatenate([starts, ends])
+    step = np.concatenate([np.ones(starts.size, int), -np.ones(ends.size, int)])
+    order = np.lexsort((step, x))
+    x, count = x[order], np.cumsum(step[order])
+    gaps = np.diff(np.append(x, h))
+    return float(gaps[count == len(stops)].sum())
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+def test_time_all_jobs_are_stopped_matches_a_sweep(m):
+    r = np.random.default_rng(m)
+    for _ in range(50):
+        stops = []
+        for _ in range(m):
+            p, s, e = elastic_job(np.sort(r.uniform(0, H, 40)), r.choice([-S, S], 40), 20 * S, 150.0, "share", H)
+            stops.append((s, e))
+        assert goodput._all_stopped(stops, H) == _all_stopped_by_sweep(stops, H)
+
+
+def test_stable_order_is_a_stable_sort_even_with_ties():
+    r = np.random.default_rng(0)
+    for key in [r.uniform(0, 1, 1000), r.integers(0, 20, 1000).astype(float), np.zeros(5), np.empty(0)]:
+        assert np.array_equal(stable_order(key), np.argsort(key, kind="stable"))
+
+
+def test_grouping_time_sorted_events_is_the_group_time_sort():
+    out = sample_outages(C.failures(), 64, 30 * DAY, np.random.default_rng(1))
+    owner = np.arange(64) * 5 // 64
+    group, time_, delta = slice_events(out, owner, by_time=events_by_time(out))
+    key = np.lexsort((time_, group))
+    assert np.array_equal(key, np.arange(group.size))  # sorted by (group, time)
+    assert np.array_equal(np.sort(time_), np.sort(events_by_time(out)[1]))

@@ -33,12 +33,13 @@ data-parallel row of the paper shows (see `results/goodput.md` for each rule's b
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from diloco.chaos.failures import (SECONDS_PER_YEAR, FailureModel, Outages, follow, fraction_down,
-                                   poisson_times, sample_outages, slice_events)
+from diloco.chaos.failures import (SECONDS_PER_YEAR, Candidates, FailureModel, Outages, draw_candidates,
+                                   events_by_time, follow, fraction_down, outages_from, poisson_times, slice_events)
 
 MODES = ("dp", "elastic_dp", "diloco")
 OVERLAPS = ("share", "extend", "queue")
@@ -79,23 +80,29 @@ class Cell:
 
 def pauses(times: np.ndarray, pause_s: float, overlap: str) -> tuple[np.ndarray, np.ndarray]:
     """Disjoint pause intervals (starts, ends) caused by sorted event `times` under `overlap`."""
+    first, ends = _pause_starts(times, pause_s, overlap)
+    return times[first], ends
+
+
+def _pause_starts(times: np.ndarray, pause_s: float, overlap: str) -> tuple[np.ndarray, np.ndarray]:
+    """pauses(), with each pause's start as the index of the event that starts it."""
     n = times.size
     if n == 0 or pause_s <= 0:
-        return np.empty(0), np.empty(0)
+        return np.empty(0, np.int64), np.empty(0)
     if overlap == "share":
         # Greedy: the next pause starts at the first event at or after the current pause's end.
         # An event at least one pause after the previous event always starts a pause, so the
         # walks between such events are independent and run side by side (failures.follow).
         nxt = np.searchsorted(times, times + pause_s, side="left")
         first = np.flatnonzero(np.diff(times, prepend=-np.inf) >= pause_s)
-        s = times[follow(first, np.append(first[1:], n), nxt)]
-        return s, s + pause_s
+        idx = follow(first, np.append(first[1:], n), nxt)
+        return idx, times[idx] + pause_s
     if overlap == "extend":
         new = np.ones(n, bool)
         new[1:] = np.diff(times) > pause_s
         first = np.flatnonzero(new)
         last = np.append(first[1:] - 1, n - 1)
-        return times[first], times[last] + pause_s
+        return first, times[last] + pause_s
     if overlap == "queue":
         # Lindley recursion end_i = max(t_i, end_{i-1}) + p, closed form with a running maximum
         k = np.arange(n)
@@ -104,7 +111,7 @@ def pauses(times: np.ndarray, pause_s: float, overlap: str) -> tuple[np.ndarray,
         new[1:] = times[1:] >= ends[:-1]
         first = np.flatnonzero(new)
         last = np.append(first[1:] - 1, n - 1)
-        return times[first], ends[last]
+        return first, ends[last]
     raise ValueError(f"overlap={overlap!r} not in {'|'.join(OVERLAPS)}")
 
 
@@ -126,8 +133,8 @@ def elastic_job(times: np.ndarray, delta_chips: np.ndarray, chips0: int, pause_s
     """One elastic job from its sorted events (times, change in live chips) and its chips at t = 0:
     (productive chip-seconds, starts and ends of the time it makes no progress)."""
     live = chips0 + np.cumsum(delta_chips)  # live chips after each event
-    ps, pe = pauses(times, pause_s, overlap)
-    pe = np.minimum(pe, horizon_s)
+    first, pe = _pause_starts(times, pause_s, overlap)
+    ps, pe = times[first], np.minimum(pe, horizon_s)
     # F(x) = integral of live chips over [0, x]: piecewise linear between events
     t = np.concatenate([[0.0], times])
     level = np.concatenate([[chips0], live]).astype(float)
@@ -137,23 +144,39 @@ def elastic_job(times: np.ndarray, delta_chips: np.ndarray, chips0: int, pause_s
         k = np.searchsorted(t, x, side="right") - 1
         return area[k] + level[k] * (x - t[k])
 
-    productive = F(np.array([horizon_s]))[0] - float((F(pe) - F(ps)).sum())
+    # A pause starts at its event, t[first + 1], where F is area[first + 1] (exactly: equal times
+    # after it add level * 0), so only the pause ends need a search.
+    productive = F(np.array([horizon_s]))[0] - float((F(pe) - area[first + 1]).sum())
     dead = np.flatnonzero(level == 0)  # no live slice: the learner cannot run, paused or not
     dead_end = np.append(t[1:], horizon_s)[dead]
     stop_s, stop_e = _merge(np.concatenate([ps, t[dead]]), np.concatenate([pe, dead_end]))
     return productive, stop_s, stop_e
 
 
+def _intersect(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]):
+    """The intervals of positive length in both of two sorted lists of disjoint intervals."""
+    (a_s, a_e), (b_s, b_e) = a, b
+    lo = np.searchsorted(b_e, a_s, side="right")  # the first b ending after a starts
+    hi = np.searchsorted(b_s, a_e, side="left")  # past the last b starting before a ends
+    counts = np.maximum(hi - lo, 0)
+    i = np.repeat(np.arange(a_s.size), counts)
+    j = np.arange(i.size) - np.repeat(np.cumsum(counts) - counts - lo, counts)
+    s, e = np.maximum(a_s[i], b_s[j]), np.minimum(a_e[i], b_e[j])
+    keep = e > s
+    return s[keep], e[keep]
+
+
 def _all_stopped(stops: list[tuple[np.ndarray, np.ndarray]], horizon_s: float) -> float:
-    """Seconds during which every job is stopped (each job's intervals disjoint)."""
-    starts = np.concatenate([s for s, _ in stops])
-    ends = np.minimum(np.concatenate([e for _, e in stops]), horizon_s)
-    x = np.concatenate([starts, ends])
-    step = np.concatenate([np.ones(starts.size, int), -np.ones(ends.size, int)])
-    order = np.lexsort((step, x))  # an end before a start at the same time
-    x, count = x[order], np.cumsum(step[order])
-    gaps = np.diff(np.append(x, horizon_s))
-    return float(gaps[count == len(stops)].sum())
+    """Seconds during which every job is stopped (each job's intervals sorted and disjoint).
+
+    The jobs' stopped intervals are intersected one job at a time; the intersection is short
+    after the first two, so this is far cheaper than sweeping all the jobs' interval ends together.
+    Each interval's length is the last start to the first end, as a sweep would take it."""
+    both = stops[0][0], np.minimum(stops[0][1], horizon_s)
+    for s, e in stops[1:]:
+        both = _intersect(both, (s, np.minimum(e, horizon_s)))
+    gaps = both[1] - both[0]
+    return float(gaps[gaps > 0].sum())
 
 
 def dp_job(times: np.ndarray, n_chips: int, c: Constants, horizon_s: float) -> Cell:
@@ -163,11 +186,12 @@ def dp_job(times: np.ndarray, n_chips: int, c: Constants, horizon_s: float) -> C
     return Cell("dp", 1, n_chips, up, up, 0.0, int(times.size))
 
 
-def elastic_jobs(out: Outages, learners: int, c: Constants) -> Cell:
-    """`learners` elastic jobs over contiguous, near-equal shares of the slices of `out`."""
+def elastic_jobs(out: Outages, learners: int, c: Constants, by_time=None) -> Cell:
+    """`learners` elastic jobs over contiguous, near-equal shares of the slices of `out`
+    (`by_time`: failures.events_by_time(out), when the caller shares it between calls)."""
     m, h, n_slices = learners, out.horizon_s, out.n_slices
     owner = np.arange(n_slices) * m // n_slices
-    group, times, delta = slice_events(out, owner)
+    group, times, delta = slice_events(out, owner, by_time=by_time)
     bounds = np.searchsorted(group, np.arange(m + 1))
     productive, stops = 0.0, []
     for j in range(m):
@@ -182,6 +206,49 @@ def elastic_jobs(out: Outages, learners: int, c: Constants) -> Cell:
                 1.0 - _all_stopped(stops, h) / h, fraction_down(out), int(out.down_s.size))
 
 
+def _frozen(*arrays: np.ndarray | None) -> None:
+    for a in arrays:
+        if a is not None:
+            a.flags.writeable = False  # shared by every mode and call that draws the same
+
+
+# The draws behind a cell depend only on (seed, size, horizon) and the failure rate, not on the
+# mode, M or the time constants, so they are made once and shared: every mode and M at a size
+# sees the same failures (as before: one stream per (seed, size)), the fit's evaluations reuse
+# them across constants, and the repair time only re-runs the cheap walk of outages_from.
+@functools.lru_cache(maxsize=32)
+def _candidates(chips_per_slice: int, mtbi_s: float, repair: str, n_slices: int, horizon_s: float,
+                seed: int) -> Candidates:
+    model = FailureModel(chips_per_slice=chips_per_slice, mtbi_s=mtbi_s, repair=repair)
+    cand = draw_candidates(model, n_slices, horizon_s, np.random.default_rng([seed, n_slices]))
+    _frozen(cand.slice_id, cand.time, cand.unit, cand.key, cand.counts)
+    return cand
+
+
+@functools.lru_cache(maxsize=32)
+def outages(model: FailureModel, n_slices: int, horizon_s: float, seed: int) -> Outages:
+    """The outages every elastic mode sees on `n_slices` slices under `seed` (shared, read-only)."""
+    cand = _candidates(model.chips_per_slice, model.mtbi_s, model.repair, n_slices, horizon_s, seed)
+    out = outages_from(cand, model)
+    _frozen(out.slice_id, out.down_s, out.up_s)
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _by_time(model: FailureModel, n_slices: int, horizon_s: float, seed: int):
+    events = events_by_time(outages(model, n_slices, horizon_s, seed))
+    _frozen(*events)
+    return events
+
+
+@functools.lru_cache(maxsize=32)
+def dp_failures(n_chips: int, mtbi_s: float, n_slices: int, horizon_s: float, seed: int) -> np.ndarray:
+    """Sorted chip-failure times of the dp mode (shared, read-only)."""
+    times = poisson_times(n_chips / mtbi_s, horizon_s, np.random.default_rng([seed, n_slices]))
+    _frozen(times)
+    return times
+
+
 def simulate(mode: str, chips: int, c: Constants, horizon_s: float, seed: int = 0,
              learners: int = 1) -> Cell:
     """Goodput, uptime and slice-down fraction of one mode on `chips` chips over `horizon_s`."""
@@ -190,11 +257,11 @@ def simulate(mode: str, chips: int, c: Constants, horizon_s: float, seed: int = 
     m = learners if mode == "diloco" else 1
     n_slices = max(m, round(chips / c.chips_per_slice))
     n_chips = n_slices * c.chips_per_slice
-    # One stream per (seed, size): every mode and every M at a size sees the same failures.
-    rng = np.random.default_rng([seed, n_slices])
     if mode == "dp":
-        return dp_job(poisson_times(n_chips / c.mtbi_s, horizon_s, rng), n_chips, c, horizon_s)
-    cell = elastic_jobs(sample_outages(c.failures(), n_slices, horizon_s, rng), m, c)
+        return dp_job(dp_failures(n_chips, c.mtbi_s, n_slices, horizon_s, seed), n_chips, c, horizon_s)
+    model = c.failures()
+    cell = elastic_jobs(outages(model, n_slices, horizon_s, seed), m, c,
+                        _by_time(model, n_slices, horizon_s, seed))
     return replace(cell, mode=mode)
 
 
