@@ -79,20 +79,26 @@ def weighted_average(deltas: Sequence[Tree], weights: Sequence[float]) -> Tree:
     return _average(tuple(deltas), _normalized(deltas, weights))
 
 
-def _norm(tree: Tree) -> jax.Array:
-    """The L2 norm in float32, finite whenever the true norm is (below 3.4e38).
+def _scaled_sumsq(leaves: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """(ss, f): the sum of squares of leaves x f, with f a power of two that keeps it finite and
+    normal whenever the true norm is, so the norm is sqrt(ss) / f (evaluate that in float64 when
+    the norm itself may pass 3.4e38).
 
     Squares overflow float32 from |x| ~ 1.8e19 (a finite 1e30 gave inf, and RDA NaN) and underflow
-    below ~1e-19 (a direction lost to unit(0) = 0). So values with max |x| outside 2^+-40 are first
+    below ~1e-19 (a direction lost to unit(0) = 0). So values with max |x| outside 2^+-40 are
     scaled by 2^-+80, a power of two, hence exact; dividing by max |x| instead would not do: XLA on
-    CPU flushes subnormals, and 1 / 3e38 is one. In between, the plain sum of squares is kept.
+    CPU flushes subnormals, and 1 / 3e38 is one. In between f = 1, the plain sum of squares.
     """
-    leaves = [jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(tree)]
-    plain = jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in leaves))
     top = reduce(jnp.maximum, [jnp.max(jnp.abs(x), initial=0.0) for x in leaves], jnp.float32(0.0))
-    f = jnp.where(top > 2.0**40, jnp.float32(2.0**-80), jnp.float32(2.0**80))
-    scaled = jnp.sqrt(sum(jnp.sum(jnp.square(x * f)) for x in leaves)) / f
-    return jnp.where((top > 2.0**40) | (top < 2.0**-40), scaled, plain)
+    f = jnp.where(top > 2.0**40, jnp.float32(2.0**-80),
+                  jnp.where(top < 2.0**-40, jnp.float32(2.0**80), jnp.float32(1.0)))
+    return sum(jnp.sum(jnp.square(x * f)) for x in leaves), f
+
+
+def _norm(tree: Tree) -> jax.Array:
+    """The L2 norm in float32, finite whenever the true norm is (below 3.4e38); see _scaled_sumsq."""
+    ss, f = _scaled_sumsq([jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(tree)])
+    return jnp.sqrt(ss) / f
 
 
 def _unit(tree: Tree, norm: jax.Array) -> Tree:
@@ -151,6 +157,24 @@ def merge(deltas: Sequence[Tree], weights: Sequence[float], method: str) -> Tree
     if method not in MERGES:
         raise ValueError(f"unknown merge method {method!r}; choose from {sorted(MERGES)}")
     return MERGES[method](deltas, weights)
+
+
+def merge_sums(sums: Tree, gains: Tree, per: str | None) -> Tree:
+    """The merged delta of a round from its running sums (diloco/algo/roundsum.py): gain x sum
+    under averaging (gain = the sum's scale / total weight); under RDA gain x unit(sum) (gain = the
+    radius), unit per tensor (per="tensor") or over the fragment (per="fragment"), unit(0) = 0.
+    Traced inside the syncer's jitted close, one compile per fragment shape whatever the count."""
+    sums = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), sums)
+    if per is None:
+        return jax.tree.map(lambda g, x: g * x, gains, sums)
+
+    def unit(xs):  # x f / sqrt(ss): the scaled norm without ever forming the (overflowing) norm
+        ss, f = _scaled_sumsq(jax.tree.leaves(xs))
+        safe = jnp.where(ss > 0, jnp.sqrt(ss), 1.0)
+        return jax.tree.map(lambda x: jnp.where(ss > 0, (x * f) / safe, 0.0), xs)
+
+    units = unit(sums) if per == "fragment" else jax.tree.map(lambda x: unit([x])[0], sums)
+    return jax.tree.map(lambda g, u: g * u, gains, units)
 
 
 def global_norm(tree: Tree) -> float:

@@ -9,6 +9,7 @@ per merged round. All state is float32.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from collections.abc import Callable
@@ -87,11 +88,19 @@ OUTER: dict[str, Callable[..., optax.GradientTransformation]] = {
 
 def make_outer(name: str, **options: Any) -> optax.GradientTransformation:
     """The outer optimizer `name` from OUTER, given those of `options` its factory takes (as
-    make_codec does), so one config section (lr, momentum, N) serves every entry."""
+    make_codec does), so one config section (lr, momentum, N) serves every entry.
+
+    Equal arguments give the same object: the syncer's jitted close takes the optimizer as a
+    static argument, hashed by identity, so an equal optimizer built again would compile again."""
     if name not in OUTER:
         raise ValueError(f"unknown outer optimizer {name!r}; choose from {sorted(OUTER)}")
     params = inspect.signature(OUTER[name]).parameters
-    return OUTER[name](**{k: v for k, v in options.items() if k in params})
+    return _make(name, tuple(sorted((k, v) for k, v in options.items() if k in params)))
+
+
+@functools.lru_cache(maxsize=256)
+def _make(name: str, options: tuple) -> optax.GradientTransformation:
+    return OUTER[name](**dict(options))
 
 
 def outer_step(opt: optax.GradientTransformation, theta: Tree, opt_state: Any,

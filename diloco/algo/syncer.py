@@ -12,18 +12,25 @@ Broadcasts carry a quantized delta against the version the learner holds, so the
 fragment, the values learners reconstruct ("refs") for the last `history` versions: a contribution
 is decoded against the ref of its base version, and a broadcast's rounding error is carried into
 the next delta instead of accumulating.
+
+A round keeps no fp32 copy per contribution: each admitted one is decoded straight into the round's
+running sum (diloco/algo/roundsum.py) and keeps only its payload, so closing a round is one jitted
+pass (merge, outer step, broadcast delta, finiteness) compiled per fragment shape at `init`.
 """
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 from diloco.algo import merge as merging
-from diloco.algo import auth, bounds, messages, outer, quorum
+from diloco.algo import auth, bounds, messages, outer, quorum, roundsum
 from diloco.algo.codecs import Codec, NonFiniteError
 from diloco.algo.eventlog import Records
 from diloco.algo.fragments import Fragment, Path
@@ -90,7 +97,9 @@ class Contribution(NamedTuple):
     base_version: int
     c_steps: int
     c_tokens: int
-    local: Values  # the learner's fragment, reconstructed: ref[base] - decoded delta
+    # The learner's fragment, ref[base] - decoded delta: a roundsum.Local decoding it on demand
+    # from the payload (a checkpoint saves it as arrays, and restores it as a dict).
+    local: Values
     arrived: float
 
 
@@ -103,6 +112,10 @@ class FragmentState(NamedTuple):
     round: quorum.Round | None = None  # open round; None until a contribution arrives
     contributions: tuple[Contribution, ...] = ()  # admitted into the open round
     norms: tuple[float, ...] = ()  # pseudo-gradient norms of the last admitted contributions
+    # The open round's running sums of `contributions` (None: rebuilt from them when next needed,
+    # e.g. after a checkpoint restore, which saves the contributions, not the sums).
+    sums: roundsum.RoundSum | None = None
+    theta_norm: float | None = None  # ||Theta||, kept with Theta (None: computed when needed)
 
 
 class SyncerState(NamedTuple):
@@ -143,9 +156,28 @@ def init(cfg: Policy, fragments: tuple[Fragment, ...], values: tuple[Values, ...
     frags = []
     for spec, v in zip(fragments, values):
         theta = {p: np.asarray(x, np.float32) for p, x in v.items()}
-        frags.append(FragmentState(spec, theta, cfg.outer.init(theta), 0, ((0, theta),)))
-    held = {m: (0,) * len(fragments) for m in learners}
-    return SyncerState(tuple(frags), dict(learners), {}, held)
+        state = jax.tree.map(np.asarray, cfg.outer.init(theta))
+        frags.append(FragmentState(spec, theta, state, 0, ((0, theta),), theta_norm=merging.global_norm(theta)))
+    st = SyncerState(tuple(frags), dict(learners), {}, held={m: (0,) * len(fragments) for m in learners})
+    compile_merges(cfg, st)
+    return st
+
+
+def compile_merges(cfg: Policy, st: SyncerState) -> None:
+    """Compile the close of every fragment shape now, not in its first round: the close takes the
+    round's sums, so one compile per shape serves any number of contributors. Runs each once on
+    zeros (the result is dropped; jit caches the executable by shape)."""
+    seen = set()
+    for fs in st.fragments:
+        method = cfg.embedding_merge if fs.spec.embedding else cfg.merge
+        sig = (method, tuple((p, x.shape) for p, x in fs.theta.items()))
+        if sig in seen:
+            continue
+        seen.add(sig)
+        zeros = {p: np.zeros(x.shape, np.float32) for p, x in fs.theta.items()}
+        gains = {p: np.float32(0.0) for p in fs.theta}
+        jax.block_until_ready(_close(cfg.outer, _PER[method], zeros, gains, fs.theta, fs.outer_state,
+                                     fs.refs[-1][1]))
 
 
 def _ref(fs: FragmentState, version: int) -> Values | None:
@@ -199,20 +231,36 @@ def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> t
         wire = messages.unpack_fragment(h, msg.payload, None, expected)
     except messages.MessageError as e:
         return _quarantine(st, e.reason, key, now, e.detail)
-    norm = merging.global_norm(wire) / max(h["c_steps"], 1)  # float64: finite for any float32 payload
-    why = bounds.norm_fault(norm, fs.norms, cfg.norm_bound, merging.global_norm(fs.theta),
+    # The pseudo-gradient against this round's anchor, written over the decoded payload, and both
+    # norms, in one pass; kept only if the contribution is admitted into this round.
+    anchor = _anchor(cfg, fs, h["base_version"])
+    deltas, wire_norms, delta_norms = [], [], []
+    for path in fs.theta:
+        d, nw, nd = roundsum.delta(anchor[path], ref[path], roundsum.owned(wire[path]))
+        deltas.append(d)
+        wire_norms.append(nw)
+        delta_norms.append(nd)
+    norm = math.sqrt(math.fsum(n * n for n in wire_norms)) / max(h["c_steps"], 1)  # finite for any float32 payload
+    why = bounds.norm_fault(norm, fs.norms, cfg.norm_bound, _theta_norm(fs),
                             sum(x.size for x in fs.theta.values()), cfg.theta_norm_bound)
     if why:
         return _quarantine(st, "exploding_norm", key, now, why)
     if norm > 0:  # zeros stay out: a median of zeros would refuse every nonzero contribution
         st = _with_fragment(st, p, fs._replace(norms=(fs.norms + (norm,))[-cfg.norm_window:]))
     st = st._replace(last_seq={**st.last_seq, (h["learner"], h["incarnation"]): h["seq"]})
-    local = {path: ref[path] - wire[path] for path in ref}
+    local = roundsum.local(ref, h, msg.payload)
     contribution = Contribution(key, h["base_version"], h["c_steps"], h["c_tokens"], local, now)
-    return _admit(cfg, st, p, contribution, now)
+    return _admit(cfg, st, p, contribution, now, (deltas, tuple(delta_norms)))
 
 
-def _admit(cfg: Policy, st: SyncerState, p: int, c: Contribution, now: float) -> tuple[SyncerState, tuple]:
+def _theta_norm(fs: FragmentState) -> float:
+    return fs.theta_norm if fs.theta_norm is not None else merging.global_norm(fs.theta)
+
+
+def _admit(cfg: Policy, st: SyncerState, p: int, c: Contribution, now: float,
+           prepared: tuple[list, tuple[float, ...]] | None = None) -> tuple[SyncerState, tuple]:
+    """`prepared`: c's deltas and norms against the anchor of the round open at its arrival; a
+    late contribution goes into the next round, whose anchor may differ, and is prepared again."""
     fs = st.fragments[p]
     rnd = fs.round or quorum.open_round(p, now, st.live)
     step_time = _budget_step_time(cfg, st, {m for m, _ in rnd.arrivals} | {c.key[0]})
@@ -227,11 +275,16 @@ def _admit(cfg: Policy, st: SyncerState, p: int, c: Contribution, now: float) ->
         actions += tuple(Outcome(x.key, "carried", c.key)
                          if x.base_version == c.base_version and x.key[1] == c.key[1]
                          else Outcome(x.key, "excluded") for x in old)
-        fs = fs._replace(round=rnd, contributions=kept)
+        # The older one leaves the sums: they are rebuilt from the payloads kept (rare: a learner
+        # sent twice within one open round), never by subtraction, which would not be exact.
+        fs = fs._replace(round=rnd, contributions=kept, sums=None)
     elif decision.action == quorum.MERGE and c.key[0] in decision.late:
         fs = fs._replace(round=rnd)  # the late one goes into the next round, after this merge
     else:
-        fs = fs._replace(round=rnd, contributions=fs.contributions + (c,))
+        rs = _sums(cfg, fs, fs.contributions)
+        deltas, norms = prepared if prepared is not None else _prepare(cfg, fs, c)
+        rs = roundsum.fold(rs, c.key, merging.token_weight(c.c_tokens, c.c_steps), deltas, norms, _method(cfg, fs))
+        fs = fs._replace(round=rnd, contributions=fs.contributions + (c,), sums=rs)
     st = _with_fragment(st, p, fs)
     st = st._replace(decisions=st.decisions.add(_record("arrival", decision, c)))
     if decision.action == quorum.QUORUM:
@@ -290,112 +343,173 @@ def observe_step_time(st: SyncerState, learner: int, seconds: float) -> SyncerSt
     return st._replace(step_times=quorum.observe_step_time(st.step_times, learner, seconds))
 
 
+def _method(cfg: Policy, fs: FragmentState) -> str:
+    return cfg.embedding_merge if fs.spec.embedding else cfg.merge
+
+
+def _prepare(cfg: Policy, fs: FragmentState, c: Contribution) -> tuple[list, tuple[float, ...]]:
+    """c's deltas (fresh arrays, path order) against the anchor of fs's round, and their norms."""
+    anchor = _anchor(cfg, fs, c.base_version)
+    deltas, norms = [], []
+    for path in fs.theta:
+        if isinstance(c.local, roundsum.Local):  # the same arithmetic as at its arrival, bit for bit
+            d, _, n = roundsum.delta(anchor[path], c.local.ref[path], c.local.wire(path))
+        else:  # restored from a checkpoint as local values: anchor - local, the same bits again
+            d, n = roundsum.delta_of_local(anchor[path], c.local[path])
+        deltas.append(d)
+        norms.append(n)
+    return deltas, tuple(norms)
+
+
+def _sums(cfg: Policy, fs: FragmentState, inside, scales=None) -> roundsum.RoundSum:
+    """The running sums of `inside`: fs.sums when they are exactly those, else rebuilt by folding
+    them again in order (REPEAT, overflow, clipped averages, a restored checkpoint: all rare)."""
+    keys = tuple(c.key for c in inside)
+    if scales is None and fs.sums is not None and fs.sums.keys == keys:
+        return fs.sums
+    method = _method(cfg, fs)
+    rs = roundsum.empty(fs.theta)
+    for i, c in enumerate(inside):
+        deltas, norms = _prepare(cfg, fs, c)
+        rs = roundsum.fold(rs, c.key, merging.token_weight(c.c_tokens, c.c_steps), deltas, norms, method,
+                           1.0 if scales is None else scales[i])
+    return rs
+
+
 def _merge(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
            now: float) -> tuple[SyncerState, tuple]:
     fs = st.fragments[p]
     inside = [c for c in fs.contributions if c.key[0] in decision.admitted]
-    fs = fs._replace(round=None, contributions=())
+    rs = _sums(cfg, fs, inside)
+    fs = fs._replace(round=None, contributions=(), sums=None)
     st = _with_fragment(st, p, fs)
-    method = cfg.embedding_merge if fs.spec.embedding else cfg.merge
-    deltas = [merging.pseudo_gradient(_anchor(cfg, fs, c), c.local) for c in inside]
-    deltas, clipped = _clipped(cfg, fs, inside, deltas)
+    method = _method(cfg, fs)
+    scales, clipped = _clipped(cfg, fs, inside, rs)
+    if method == "average" and clipped:  # a clipped delta is in the sum whole: sum again, scaled
+        rs = _sums(cfg, fs, inside, scales)
     dropped: tuple = ()
     while True:
         weights = [merging.token_weight(c.c_tokens, c.c_steps) for c in inside]
         if not inside or sum(weights) <= 0:  # nothing with weight: no step, nothing published
             return st, dropped + tuple(Outcome(c.key, "excluded") for c in inside)
-        stepped = _step(cfg, st, fs, p, deltas, weights, method, tuple(c.key for c in inside))
+        stepped = _step(cfg, st, fs, p, rs, weights, scales, method, tuple(c.key for c in inside))
         if stepped is not None:
             break
         # Non-finite: drop the largest pseudo-gradient (every one was finite, so only size can
         # overflow) and merge the rest; Theta, its optimizer state and the version stay as they were.
-        worst = max(range(len(inside)), key=lambda i: merging.global_norm(deltas[i]))
+        worst = max(range(len(inside)), key=lambda i: scales[i] * rs.parts[i].norm)
         c = inside.pop(worst)
-        del deltas[worst]
+        del scales[worst]
+        rs = _sums(cfg, fs, inside, scales if method == "average" else None)
         st, quarantined = _quarantine(st, "overflow", c.key, now, f"merging it into fragment {p} "
                                       f"version {fs.version + 1} would make Theta non-finite")
         dropped += quarantined
-    st, publish, delta = stepped
+    st, publish, delta_norm = stepped
     record = {
         **_record("merge", decision, None), "version": fs.version + 1, "method": method,
         "learners": [c.key[0] for c in inside], "weights": weights,
         "staleness": [fs.version - c.base_version for c in inside],
-        "delta_norm": merging.global_norm(delta), "clipped": [c.key[0] for c in inside if c.key in clipped],
+        "delta_norm": delta_norm, "clipped": [c.key[0] for c in inside if c.key in clipped],
     }
     st = st._replace(merges=st.merges + 1, decisions=st.decisions.add(record))
     return st, dropped + (publish,) + tuple(Outcome(c.key, "merged") for c in inside)
 
 
 def _clipped(cfg: Policy, fs: FragmentState, inside: list[Contribution],
-             deltas: list) -> tuple[list, set[tuple[int, int, int]]]:
-    """Deltas with norm per step above cfg.clip x the median of the fragment's recent nonzero
-    ones scaled down onto that bar (direction kept); the keys of those it scaled."""
+             rs: roundsum.RoundSum) -> tuple[list[float], set[tuple[int, int, int]]]:
+    """Each delta's clip factor: with norm per step above cfg.clip x the median of the fragment's
+    recent nonzero ones it is scaled down onto that bar (direction kept); and the keys scaled."""
     recent = [n for n in fs.norms if n > 0]
+    scales = [1.0] * len(inside)
     if cfg.clip <= 0 or not recent:
-        return deltas, set()
+        return scales, set()
     bar = cfg.clip * float(np.median(recent))
-    out, clipped = [], set()
-    for c, d in zip(inside, deltas):
+    clipped = set()
+    for i, (c, part) in enumerate(zip(inside, rs.parts)):
         allowed = bar * max(c.c_steps, 1)
-        norm = merging.global_norm(d)
-        if norm > allowed:
-            d = {path: np.asarray(x, np.float32) * np.float32(allowed / norm) for path, x in d.items()}
+        if part.norm > allowed:
+            scales[i] = float(np.float32(allowed / part.norm))  # the float32 factor a delta was scaled by
             clipped.add(c.key)
-        out.append(d)
-    return out, clipped
+    return scales, clipped
 
 
-def _step(cfg: Policy, st: SyncerState, fs: FragmentState, p: int, deltas: list, weights: list[float],
-          method: str, keys: tuple[tuple[int, int, int], ...]) -> tuple[SyncerState, Publish, Values] | None:
+_PER = {"average": None, "rda": "tensor", "rda_fragment": "fragment"}
+
+
+def _step(cfg: Policy, st: SyncerState, fs: FragmentState, p: int, rs: roundsum.RoundSum,
+          weights: list[float], scales: list[float], method: str,
+          keys: tuple[tuple[int, int, int], ...]) -> tuple[SyncerState, Publish, float] | None:
     """Merge, take the outer step and publish; None if anything published or kept would be
     non-finite (an encoder would refuse it, and a non-finite Theta never recovers)."""
-    delta = merging.merge(deltas, weights, method)
-    if cfg.scale == "live" and len(deltas) < len(st.live):
-        delta = {path: x * np.float32(len(deltas) / len(st.live)) for path, x in delta.items()}
-    theta, outer_state = _outer_step(cfg.outer, fs.theta, fs.outer_state, delta)
-    theta = {path: np.asarray(x) for path, x in theta.items()}
-    prev = fs.refs[-1][1]
-    with np.errstate(over="ignore", invalid="ignore"):  # theta - prev: the delta every broadcast encodes
-        if not (bounds.finite(jax.tree.leaves((delta, theta, outer_state)))
-                and bounds.finite(theta[path] - prev[path] for path in prev)):
-            return None
-    fs = fs._replace(theta=theta, outer_state=outer_state, version=fs.version + 1)
+    if not all(math.isfinite(part.norm) for part in rs.parts):  # a delta overflowed float32 itself
+        return None
+    live = len(keys) / len(st.live) if cfg.scale == "live" and len(keys) < len(st.live) else 1.0
+    if method == "average":  # sum = z S, merged = sum / total weight
+        total = math.fsum(weights)
+        gains = [z / total * live for z in rs.scales]
+    else:
+        gains = [r * live for r in roundsum.radii(rs, weights, scales, method)]
+    sums = {path: (s if s is not None else np.zeros(x.shape, np.float32))
+            for (path, x), s in zip(fs.theta.items(), rs.sums)}
+    with np.errstate(over="ignore"):  # a gain past float32 is inf: non-finite, refused below
+        gains = {path: np.float32(g) for path, g in zip(fs.theta, gains)}
+    theta, outer_state, diff, finite, (dss, df), (tss, tf) = _close(
+        cfg.outer, _PER[method], sums, gains, fs.theta, fs.outer_state, fs.refs[-1][1])
+    if not bool(finite):
+        return None
+    theta = {path: np.asarray(theta[path]) for path in fs.theta}
+    outer_state = jax.tree.map(np.asarray, outer_state)
+    fs = fs._replace(theta=theta, outer_state=outer_state, version=fs.version + 1,
+                     theta_norm=math.sqrt(float(tss)) / float(tf))
     try:
-        st, publish = _publish(cfg, st, fs, p, keys)
+        st, publish = _publish(cfg, st, fs, p, keys, {path: np.asarray(x) for path, x in diff.items()})
     except (NonFiniteError, messages.MessageError):  # the broadcast codec's rounding overflowed
         return None
-    return st, publish, delta
+    return st, publish, math.sqrt(float(dss)) / float(df)
 
 
-def _anchor(cfg: Policy, fs: FragmentState, c: Contribution) -> Values:
+@partial(jax.jit, static_argnums=(0, 1))
+def _close(opt: optax.GradientTransformation, per: str | None, sums: Values, gains: Values, theta: Values,
+           outer_state: Any, prev: Values):
+    """One pass closing a round: the merged delta from the sums, the outer step, the broadcast
+    delta Theta' - ref (what every broadcast encodes), whether all of those and the optimizer state
+    are finite, and the scaled square sums (ss, f) of the merged delta and of Theta' (their norms
+    are sqrt(ss) / f, evaluated in float64 by the caller)."""
+    delta = merging.merge_sums(sums, gains, per)
+    new_theta, new_state = outer.outer_step(opt, theta, outer_state, delta)
+    diff = {path: new_theta[path] - prev[path] for path in prev}
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
+                                for x in jax.tree.leaves((delta, new_theta, new_state, diff))]))
+    return (new_theta, new_state, diff, finite, merging._scaled_sumsq(jax.tree.leaves(delta)),
+            merging._scaled_sumsq(jax.tree.leaves(new_theta)))
+
+
+def _anchor(cfg: Policy, fs: FragmentState, base_version: int) -> Values:
     if cfg.anchor == "base":
-        ref = _ref(fs, c.base_version)
+        ref = _ref(fs, base_version)
         if ref is not None:
             return ref
     return fs.theta
 
 
-# The outer step of diloco/algo/outer.py, jitted once per optimizer (a static, hashable argument).
-_outer_step = jax.jit(outer.outer_step, static_argnums=0)
-
-
 def _publish(cfg: Policy, st: SyncerState, fs: FragmentState, p: int,
-             merged: tuple[tuple[int, int, int], ...]) -> tuple[SyncerState, Publish]:
-    """New ref = old ref + decode(encode(Theta - old ref)); learners holding the previous version
-    get that delta, others (joiners, learners that missed a version) a full FP32 copy."""
+             merged: tuple[tuple[int, int, int], ...], diff: Values) -> tuple[SyncerState, Publish]:
+    """New ref = old ref + decode(encode(Theta - old ref)) (`diff` = Theta - old ref); learners
+    holding the previous version get that delta, others (joiners, learners that missed a version)
+    a full FP32 copy, built only if one of them needs it."""
     prev_version, prev = fs.refs[-1]
-    full_codec = messages.codec_from_spec("fp32")
     if cfg.down_codec is None:
         ref, delta_frame = fs.theta, None
     else:
-        diff = {path: fs.theta[path] - prev[path] for path in prev}
         tensors, payload, _ = messages.pack_fragment(diff, cfg.down_codec)
         decoded = messages.unpack_fragment({"codec": cfg.down_spec, "tensors": tensors}, payload,
                                            cfg.down_codec, {k: (v.shape, np.float32) for k, v in prev.items()})
-        ref = {path: prev[path] + decoded[path] for path in prev}
+        ref = {}
+        for path in prev:  # prev + decoded, written over the decoded buffer
+            x = roundsum.owned(decoded[path])
+            ref[path] = np.add(prev[path], x, out=x)
         delta_frame = _frame(p, fs.version, prev_version, cfg.down_spec, tensors, payload, merged)
-    tensors, payload, _ = messages.pack_fragment(ref, full_codec)
-    full_copy = _frame(p, fs.version, None, "fp32", tensors, payload, merged)
+    full_copy = None
     frames, full = {}, []
     held = dict(st.held)
     for m in sorted(st.live):
@@ -403,6 +517,9 @@ def _publish(cfg: Policy, st: SyncerState, fs: FragmentState, p: int,
         if delta_frame is not None and versions[p] == prev_version:
             frames[m] = delta_frame
         else:
+            if full_copy is None:
+                tensors, payload, _ = messages.pack_fragment(ref, messages.codec_from_spec("fp32"))
+                full_copy = _frame(p, fs.version, None, "fp32", tensors, payload, merged)
             frames[m] = full_copy
             full.append(m)
         held[m] = versions[:p] + (fs.version,) + versions[p + 1:]

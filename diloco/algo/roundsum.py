@@ -1,0 +1,223 @@
+"""A fragment round's running FP32 sum: each admitted contribution is folded in as it arrives, so
+closing the round is one pass whatever the number of learners (docs/algorithm.md#merge).
+
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 4 and appendix D.2.
+
+What a merge needs of its contributions is, per tensor, one weighted sum and a few scalars:
+
+* `average`: sum_m w_m delta_m;
+* `rda`: sum_m w_m unit(delta_m) and every ||delta_m|| (the radius is a weighted mean of norms);
+* `rda_fragment`: the same with one norm over the whole fragment.
+
+A `RoundSum` holds exactly that: per tensor an array S and a float64 scale z with sum = z S, and
+per contribution its token weight and its norm per tensor (`Part`). Folding delta with coefficient
+k (w_m, or w_m / ||delta_m||) is one pass written over the delta's own buffer,
+S' = delta + (z / k) S with z' = k, so the old S is never written: a state holding it keeps it.
+Weights are never normalised while folding (their total is unknown until the round closes); the
+scale z carries them, so no coefficient is ever larger than 2^40 and none overflows.
+
+Clipping (docs/algorithm.md#robust-merges) scales a contribution by s_m <= 1: under RDA that only
+scales its norm (its unit is unchanged), so it costs nothing; under `average` the sum is rebuilt
+with the scales folded into the coefficients, as it is when a REPEAT replaces a contribution or an
+`overflow` drops one: `rebuild` decodes the kept payloads again. Those are rare; the fold is not.
+
+Deltas are float32 whatever the wire precision was. Norms are float64 sums of float32 dots over
+slices, finite whenever the true norm is: a slice whose squares overflow or underflow float32 is
+summed again scaled by 2^-+80 (a power of two, so exact), the rule of merge._scaled_sumsq on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+from diloco.algo import messages
+from diloco.algo.codec_base import Codec
+
+Path = tuple
+Values = Mapping[Path, np.ndarray]
+# Elementwise passes walk tensors in 256 KB slices so the two subtractions of a delta stay in L2
+# (one DRAM pass instead of three); each slice's dot is float32, their sum float64.
+CHUNK = 1 << 16
+_LIMIT = 2.0**40  # largest multiplier a fold applies to the old sum; beyond it the new one is scaled
+
+
+class Part(NamedTuple):
+    """One folded contribution: its key, token weight and ||delta|| per tensor (float64; inf if
+    the delta itself overflowed float32)."""
+
+    key: tuple[int, int, int]
+    weight: float
+    norms: tuple[float, ...]
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(math.fsum(n * n for n in self.norms)) if all(map(math.isfinite, self.norms)) else math.inf
+
+
+class RoundSum(NamedTuple):
+    """The open round's sums: per tensor (in the fragment's path order) S and z with sum = z S;
+    S is None while no coefficient of that tensor was nonzero."""
+
+    parts: tuple[Part, ...] = ()
+    sums: tuple[np.ndarray | None, ...] = ()
+    scales: tuple[float, ...] = ()
+
+    @property
+    def keys(self) -> tuple[tuple[int, int, int], ...]:
+        return tuple(p.key for p in self.parts)
+
+
+def empty(paths: Iterable[Path]) -> RoundSum:
+    n = len(tuple(paths))
+    return RoundSum((), (None,) * n, (0.0,) * n)
+
+
+class Local(Mapping):
+    """A contribution's local values, ref[base] - decode(payload), decoded on demand from the
+    payload it came in (a fraction of the fp32 bytes): what an open round keeps of a contribution
+    instead of a full fp32 copy. A Mapping, so a checkpoint saves it like a dict of arrays."""
+
+    def __init__(self, ref: Values, codec: Codec, tensors: list, payload: bytes):
+        self.ref, self.codec, self.tensors, self.payload = ref, codec, tensors, payload
+        self._at, offset = {}, 0
+        for t in tensors:
+            self._at[tuple(t["path"])] = (offset, t["nbytes"], tuple(t["shape"]))
+            offset += t["nbytes"]
+
+    def wire(self, path: Path) -> np.ndarray:
+        """The decoded payload delta of one tensor, float32, a fresh writable array."""
+        offset, nbytes, shape = self._at[path]
+        return owned(self.codec.decode(self.payload[offset:offset + nbytes], shape))
+
+    def __getitem__(self, path: Path) -> np.ndarray:
+        return self.ref[path] - self.wire(path)
+
+    def __iter__(self):
+        return iter(self.ref)
+
+    def __len__(self) -> int:
+        return len(self.ref)
+
+
+def local(ref: Values, header: Mapping[str, Any], payload: bytes) -> Local:
+    return Local(ref, messages.codec_from_spec(header["codec"]), header["tensors"], payload)
+
+
+def owned(x: np.ndarray) -> np.ndarray:
+    """x itself if the fold may write over it (contiguous float32, writable), else a copy."""
+    x = np.asarray(x)
+    if x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable:
+        return x
+    return np.array(x, np.float32, order="C")
+
+
+def _ss(c: np.ndarray) -> float:
+    """sum of squares of one float32 slice as a float64, finite whenever the true one is: a float32
+    dot or, where its squares overflowed or underflowed, the dot of the slice scaled by 2^-+80."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        q = float(np.dot(c, c))
+    if math.isfinite(q) and q >= 2.0**-80:
+        return q
+    if q == 0.0 and not c.any():
+        return 0.0
+    if not math.isfinite(q) and not np.isfinite(c).all():  # the values themselves overflowed
+        return math.inf
+    f = np.float32(2.0**-80 if not math.isfinite(q) else 2.0**80)
+    x = c * f
+    return float(np.dot(x, x)) / float(f) ** 2
+
+
+def _sumsq(flat: np.ndarray) -> float:
+    return math.fsum(_ss(flat[lo:lo + CHUNK]) for lo in range(0, flat.size, CHUNK))
+
+
+def norm(x: np.ndarray) -> float:
+    """||x|| of a float32 array as a float64, finite whenever the true norm is."""
+    return math.sqrt(_sumsq(np.asarray(x, np.float32).reshape(-1)))
+
+
+def delta(anchor: np.ndarray, ref: np.ndarray, wire: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """(delta, ||wire||, ||delta||) with delta = anchor - (ref - wire) exactly as
+    merge.pseudo_gradient(anchor, local) of local = ref - wire computes it, written over `wire`
+    (which must be `owned`). One DRAM pass: each slice's dots and subtractions stay in cache."""
+    d, a, r = wire.reshape(-1), np.asarray(anchor).reshape(-1), np.asarray(ref).reshape(-1)
+    wire_ss, delta_ss = [], []
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing delta shows as an inf norm
+        for lo in range(0, d.size, CHUNK):
+            c = d[lo:lo + CHUNK]
+            wire_ss.append(_ss(c))
+            np.subtract(r[lo:lo + CHUNK], c, out=c)
+            np.subtract(a[lo:lo + CHUNK], c, out=c)
+            delta_ss.append(_ss(c))
+    return wire, math.sqrt(math.fsum(wire_ss)), math.sqrt(math.fsum(delta_ss))
+
+
+def delta_of_local(anchor: np.ndarray, local_values: np.ndarray) -> tuple[np.ndarray, float]:
+    """(anchor - local, its norm), for a contribution restored with its local values only."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        d = np.subtract(np.asarray(anchor, np.float32), np.asarray(local_values, np.float32))
+    return d, norm(d)
+
+
+def coefficients(method: str, weight: float, norms: tuple[float, ...]) -> tuple[float, ...]:
+    """The coefficient of each tensor of one delta in its round's sums (0: not folded)."""
+    if method == "average":
+        return (weight,) * len(norms)
+    if method == "rda":
+        return tuple(weight / n if 0.0 < n < math.inf else 0.0 for n in norms)
+    if method == "rda_fragment":
+        total = Part((), weight, norms).norm
+        k = weight / total if 0.0 < total < math.inf else 0.0
+        return (k,) * len(norms)
+    raise ValueError(f"unknown merge method {method!r}")
+
+
+def fold(rs: RoundSum, key, weight: float, deltas: list[np.ndarray], norms: tuple[float, ...],
+         method: str, scale: float = 1.0) -> RoundSum:
+    """rs with one more contribution: `deltas` (per tensor, in path order; written over, never
+    kept elsewhere) times its coefficients, `scale` (a clip factor) folded into them."""
+    sums, scales = list(rs.sums), list(rs.scales)
+    for t, (d, k) in enumerate(zip(deltas, coefficients(method, weight, norms))):
+        k *= scale
+        if not k > 0.0:  # weight 0 or a zero direction: it adds exactly nothing
+            continue
+        if sums[t] is None:
+            sums[t], scales[t] = d, k
+        elif scales[t] / k <= _LIMIT:  # S' = delta + (z / k) S, z' = k
+            _axpy(d.reshape(-1), sums[t].reshape(-1), np.float32(scales[t] / k), old_scaled=True)
+            sums[t], scales[t] = d, k
+        else:  # this one is negligible next to the sum: S' = S + (k / z) delta, z' = z
+            _axpy(d.reshape(-1), sums[t].reshape(-1), np.float32(k / scales[t]), old_scaled=False)
+            sums[t] = d
+    return RoundSum(rs.parts + (Part(key, float(weight), tuple(norms)),), tuple(sums), tuple(scales))
+
+
+def _axpy(d: np.ndarray, old: np.ndarray, a: np.float32, old_scaled: bool) -> None:
+    """d = d + a old (old_scaled) or d = a d + old, over d, a slice at a time through an L2-sized
+    scratch: two numpy passes that stay in cache (BLAS saxpy was 2-6x slower here, threads
+    contending for two shared cores)."""
+    tmp = np.empty(min(CHUNK, d.size), np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow shows at the close, not here
+        for lo in range(0, d.size, CHUNK):
+            c, o = d[lo:lo + CHUNK], old[lo:lo + CHUNK]
+            t = tmp[:c.size]
+            if old_scaled:
+                np.multiply(o, a, out=t)
+                np.add(c, t, out=c)
+            else:
+                np.multiply(c, a, out=c)
+                np.add(c, o, out=c)
+
+
+def radii(rs: RoundSum, weights: list[float], scales: list[float], method: str) -> tuple[float, ...]:
+    """RDA's radius per tensor (one for the fragment under rda_fragment, repeated): the
+    normalised-weight mean of the (clipped) norms, in float64."""
+    total = math.fsum(weights)
+    if method == "rda_fragment":
+        r = math.fsum(w * s * p.norm for w, s, p in zip(weights, scales, rs.parts)) / total
+        return (r,) * len(rs.sums)
+    return tuple(math.fsum(w * s * p.norms[t] for w, s, p in zip(weights, scales, rs.parts)) / total
+                 for t in range(len(rs.sums)))
