@@ -1,0 +1,195 @@
+"""One syncer round against memcpy of the same bytes, and the syncer's start-up compile time.
+
+    python benchmarks/syncer_round.py                       # the grid: M = 2, 4, 8, 16 x 0.1M..40M values
+    python benchmarks/syncer_round.py --learners 8 --sizes 3.34e6 --repeats 7
+    python benchmarks/syncer_round.py --startup             # init + first rounds of the 100.7M model
+
+A round is M contributions of one fragment (int4 + zstd up, int8 down: the run's default codecs),
+K = M, so the M-th contribution merges (RDA, outer Nesterov) and publishes. Timed: the M calls of
+`on_contribution` (frames encoded beforehand), the last of them alone (admission of the last one
+plus the close of the round: merge, outer step, broadcast), and `np.copyto` of M x N float32
+values, the bytes of the round's contributions in fp32, interleaved with the rounds so both see the
+same load. Every figure is a median with its min and max over `--repeats` rounds, after one
+untimed round (it compiled the merge before the streaming accumulator made init compile it).
+
+`--startup` times `sync.init` of the 100.7M-parameter model (24 fragments, M = 8: what compiles
+there) and then the first and second round of every fragment: first - second is the compile
+stall a round still pays. Writes benchmarks/results/syncer_round.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write  # noqa: E402
+
+from diloco.algo import messages, quorum  # noqa: E402
+from diloco.algo import syncer as sync  # noqa: E402
+from diloco.algo.fragments import Fragment, make_fragments  # noqa: E402
+from diloco.algo.outer import make_outer  # noqa: E402
+
+WIDTH = 768  # the rows of a d_model = 768 layer
+
+
+def fragment_values(n: int, rng) -> dict:
+    """A layer-like fragment of about n values: three matrices of WIDTH columns and a vector."""
+    rows = max(1, n // WIDTH)
+    split = (max(1, rows // 2), max(1, rows * 3 // 10), max(1, rows - rows // 2 - rows * 3 // 10))
+    shapes = {("layer", "attn"): (split[0], WIDTH), ("layer", "mlp"): (split[1], WIDTH),
+              ("layer", "out"): (split[2], WIDTH), ("layer", "norm"): (WIDTH,)}
+    return {p: (rng.standard_normal(s, np.float32) * 0.02) for p, s in shapes.items()}
+
+
+def policy(M: int, up: str, down: str) -> sync.Policy:
+    return sync.Policy(quorum.GraceConfig(K=M, gamma=0.0), make_outer("nesterov"), merge="rda",
+                       down_codec=messages.codec_from_spec(down), down_spec=down, up_spec=up)
+
+
+def frames_for(st, p: int, M: int, seq: int, codec, spec: str, rng) -> list[bytes]:
+    fs = st.fragments[p]
+    out = []
+    for m in range(M):
+        diff = {path: rng.standard_normal(x.shape, np.float32) * 1e-3 for path, x in fs.theta.items()}
+        tensors, payload, _ = messages.pack_fragment(diff, codec)
+        header = {"kind": "contribution", "learner": m, "incarnation": 0, "seq": seq, "fragment": p,
+                  "base_version": fs.version, "version": fs.version, "c_steps": 24,
+                  "c_tokens": 24 * 4096 * (1 + m % 3), "codec": spec, "delta_against": None,
+                  "tensors": tensors}
+        out.append(messages.encode(header, payload))
+    return out
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def one_round(pol, st, frames) -> tuple[object, float, float]:
+    t0 = time.perf_counter()
+    for fr in frames[:-1]:
+        st, _ = sync.on_contribution(pol, st, fr, 1.0)
+    t1 = time.perf_counter()
+    st, actions = sync.on_contribution(pol, st, frames[-1], 1.0)
+    t2 = time.perf_counter()
+    assert any(isinstance(a, sync.Publish) for a in actions), "the round did not merge"
+    return st, t2 - t0, t2 - t1
+
+
+def grid(args) -> list[dict]:
+    rows = []
+    up_codec = messages.codec_from_spec(args.up)
+    for n in args.sizes:
+        n = int(float(n))
+        for M in args.learners:
+            if M * n > args.max_values:
+                print(f"skip M={M} N={n:,}: {M * n:,} values > --max-values {args.max_values:,}")
+                continue
+            rng = np.random.default_rng(0)
+            theta = fragment_values(n, rng)
+            frag = Fragment(0, tuple(theta), sum(x.size for x in theta.values()), False)
+            pol = policy(M, args.up, args.down)
+            t = time.perf_counter()
+            st = sync.init(pol, (frag,), (theta,), {m: 0 for m in range(M)})
+            init_s = time.perf_counter() - t
+            src = np.ones(M * frag.size, np.float32)
+            dst = np.empty_like(src)
+            first = None
+            rounds, closes, copies = [], [], []
+            for r in range(args.repeats + 1):
+                frames = frames_for(st, 0, M, r + 1, up_codec, args.up, rng)
+                st, seconds, close = one_round(pol, st, frames)
+                t = time.perf_counter()
+                np.copyto(dst, src)
+                copy = time.perf_counter() - t
+                if r == 0:
+                    first = seconds
+                    continue
+                rounds.append(seconds)
+                closes.append(close)
+                copies.append(copy)
+            row = {"learners": M, "values": frag.size, "init_s": init_s, "first_round_s": first,
+                   "round_s": spread(rounds), "last_contribution_s": spread(closes),
+                   "memcpy_s": spread(copies),
+                   "ratio": statistics.median(rounds) / statistics.median(copies)}
+            rows.append(row)
+            print(f"M={M:2d} N={frag.size:>10,}: round {row['round_s']['median']:.4f} s "
+                  f"[{row['round_s']['min']:.4f}, {row['round_s']['max']:.4f}], last contribution "
+                  f"{row['last_contribution_s']['median']:.4f} s, memcpy {row['memcpy_s']['median']:.4f} s: "
+                  f"{row['ratio']:.1f}x (n={args.repeats}; init {init_s:.2f} s, first round {first:.3f} s)",
+                  flush=True)
+    return rows
+
+
+def startup(args) -> dict:
+    from diloco.config import ModelConfig
+    from diloco.model import abstract_params, is_embedding
+
+    model = ModelConfig(name="100m", d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=2048,
+                        max_seq_len=1024, tie_embeddings=True)
+    shapes = abstract_params(model, 32768)
+    frags = make_fragments(shapes, args.fragments, "balanced", is_embedding)
+    rng = np.random.default_rng(0)
+
+    def shape(path):
+        tree = shapes
+        for k in path:
+            tree = tree[k]
+        return tree.shape
+
+    theta0 = tuple({path: rng.standard_normal(shape(path), np.float32) * 0.02 for path in f.paths}
+                   for f in frags)
+    M = args.startup_learners
+    pol = policy(M, args.up, args.down)
+    t = time.perf_counter()
+    st = sync.init(pol, frags, theta0, {m: 0 for m in range(M)})
+    init_s = time.perf_counter() - t
+    codec = messages.codec_from_spec(args.up)
+    stalls = []
+    for f in frags[: args.limit or None]:
+        seconds = []
+        for r in range(2):
+            frames = frames_for(st, f.index, M, 2 * f.index + r + 1, codec, args.up, rng)
+            st, s, _ = one_round(pol, st, frames)
+            seconds.append(s)
+        stalls.append({"fragment": f.index, "values": f.size, "first_s": seconds[0], "second_s": seconds[1]})
+        print(f"fragment {f.index:2d} ({f.size:,} values): first round {seconds[0]:.3f} s, "
+              f"second {seconds[1]:.3f} s", flush=True)
+    total = sum(max(0.0, r["first_s"] - r["second_s"]) for r in stalls)
+    print(f"init {init_s:.2f} s; first-round stalls (first - second) {total:.2f} s over {len(stalls)} fragments")
+    return {"learners": M, "fragments": len(frags), "init_s": init_s, "rounds": stalls,
+            "first_round_stall_s": total}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--learners", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--sizes", nargs="+", default=["1e5", "1e6", "3.34e6", "1e7", "4e7"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--up", default="int4+zstd1")
+    p.add_argument("--down", default="int8")
+    p.add_argument("--max-values", type=int, default=320_000_000,
+                   help="skip grid points with more than this many contributed values (memory)")
+    p.add_argument("--startup", action="store_true", help="time init and the first rounds of the 100.7M model")
+    p.add_argument("--startup-learners", type=int, default=8)
+    p.add_argument("--fragments", type=int, default=24)
+    p.add_argument("--limit", type=int, default=0, help="--startup: only the first N fragments (0 = all)")
+    p.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before, after)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    result = {"args": vars(args)}
+    if args.startup:
+        result["startup"] = startup(args)
+    else:
+        result["rounds"] = grid(args)
+    path = write("syncer_round" + (f"_{args.label}" if args.label else ""), result, args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
