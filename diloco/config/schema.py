@@ -101,6 +101,9 @@ class RunConfig:
     # trainer: steps between checkpoints; sim: inner steps per learner between snapshots; procs:
     # merges between syncer checkpoints (0 = none, and then a killed syncer fails the run)
     checkpoint_every: int = 100
+    # checkpoints (trainer), snapshots (sim), syncer and learner checkpoints kept: the newest n, so a
+    # torn or damaged newest one falls back to the one before (1 saves disk and loses that); a sim
+    # snapshot holds syncer.history broadcast references and every learner's optimizer state
     keep_checkpoints: int = 2
     out_dir: str = "runs/default"
     resume: bool = False
