@@ -118,7 +118,7 @@ def render_summary(summary: dict[str, Any], title: str) -> str:
     if tokens is not None:
         text = f"{tokens:,}" + (f", {_pct(g('tokens_merged_share'))} merged" if g("tokens_merged_share") is not None else "")
         lines.append(("tokens", text))
-    if g("merges") is not None and g("algo") == "diloco":
+    if g("merges") is not None:
         text = f"{g('merges'):,}"
         if g("quorum_mean") is not None:
             text += f", quorum mean {g('quorum_mean'):.2f} (min {g('quorum_min')})"
@@ -145,7 +145,7 @@ def render_summary(summary: dict[str, Any], title: str) -> str:
         lines.append(("model", str(g("model_dir"))))
     width = max([len(k) for k, _ in lines] + [1])
     rule = "-" * 72
-    out = [rule, f"{title}: " + ", ".join(head), rule] + [f"{k:<{width}}   {v}" for k, v in lines] + [rule]
+    out = [rule, title + (": " + ", ".join(head) if head else ""), rule] + [f"{k:<{width}}   {v}" for k, v in lines] + [rule]
     if g("eval_loss") is not None and g("unigram_loss") is not None and g("eval_loss") > g("unigram_loss"):
         out.append(f"warning: the final eval loss {g('eval_loss'):.4f} is above the unigram baseline "
                    f"{g('unigram_loss'):.4f}: the model predicts worse than token frequencies alone "

@@ -84,7 +84,7 @@ def stop_and_resume(tmp_path, kind: str) -> tuple[str, dict, list[dict]]:
     out, err = (tmp_path / "stop.out").read_text(), (tmp_path / "stop.err").read_text()
     assert code in (0, 130), (code, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
-    assert "partial summary" in out and "token_ledger_imbalance" in out, out
+    assert "partial summary" in out and "token ledger balanced" in out, out
     line = f'resume with: make train ARGS="runtime={kind} run.resume=true run.out_dir={run_dir}"'
     assert line in out.splitlines(), out
     assert not (run_dir / "summary.json").exists()

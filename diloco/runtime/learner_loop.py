@@ -79,6 +79,8 @@ def run_incarnation(port: LearnerPort, unit: LearnerUnit, cfg: TrainConfig, spee
         if unit.ls.step >= steps:
             break
         start = port.clock()
+        if tape is not None and not tape.alive(m, start):
+            continue  # its last slice went since the check (a loaded machine): the check ends it
         log = report.due(unit.ls.step + 1, cfg.run.log_every, steps)
         rows = None if tape is None else tape.rows(m, start)  # slices lost: a smaller batch
         result = unit.step(fetch_loss=log, rows=rows)
