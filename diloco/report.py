@@ -134,7 +134,7 @@ def render_summary(summary: dict[str, Any], title: str) -> str:
         lines.append(("traffic", text))
     if g("goodput") is not None:
         lines.append(("goodput, uptime", f"{_pct(g('goodput'))}, {_pct(g('uptime', 0.0))}"))
-    failures = [f"{g(k):,} {label}" for k, label in (("failures", "learner failures"), ("rejoins", "rejoins"),
+    failures = [f"{g(k):,} {label}" for k, label in (("learner_deaths", "learner deaths"), ("rejoins", "rejoins"),
                                                      ("stalls", "stalls"), ("quarantined", "quarantined frames"))
                 if g(k) is not None]
     if failures:

@@ -43,6 +43,7 @@ def run(cfg, setup, t, checkpoints=None):
     summary = sim.run()
     assert summary["token_ledger_imbalance"] == 0
     assert sim.tokens.in_flight == {}
+    assert summary["learner_deaths"] == len(sim.tokens.dead)  # every incarnation the tape ended
     return sim, summary
 
 

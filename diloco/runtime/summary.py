@@ -34,6 +34,8 @@ def run_summary(st: sync.SyncerState, tokens: ledger.TokenLedger, bytes_: traffi
         "grace_mean_s": float(np.mean(graces)) if graces else 0.0,
         "grace_max_s": max(graces, default=0.0),
         "stalls": stalls,
+        # incarnations that ended before the run did: chip failures, kills, and a resumed run's stop
+        "learner_deaths": len(tokens.dead),
         "quarantined": sum(st.quarantined.values()),
         "token_ledger_imbalance": ledger.balance(tokens),
     }
