@@ -49,9 +49,8 @@ def check_run_dir(cfg: TrainConfig) -> None:
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:
-    """Create the run directory and write the resolved config; refuse a directory an earlier run
-    used unless resuming, and on resume a changed config."""
-    check_run_dir(cfg)
+    """Create the run directory and write the resolved config; on resume, refuse a changed config.
+    `run` has already refused a directory an earlier run used (check_run_dir), before the data."""
     run_dir = Path(cfg.run.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
