@@ -6,13 +6,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from diloco import hf
+from diloco.cli import fail
 from diloco.generation import resolve
 
 
@@ -26,8 +26,7 @@ def main(raw: DictConfig) -> None:
         out = hf.save(Path(cfg["out"]), pre.config, pre.model.params, pre.tokenizer, dtype=cfg["dtype"],
                       max_shard_bytes=int(cfg["max_shard_bytes"]))
     except ValueError as err:  # ConfigError, CheckpointError: a user's mistake, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        fail(err)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(f"wrote {out}: {pre.config.family or 'llama'} model, {pre.vocab_size} tokens vocabulary, "
           f"{size / 1e6:.1f} MB ({cfg['dtype']})")

@@ -6,12 +6,10 @@
 
 from __future__ import annotations
 
-import logging
-import sys
-
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from diloco.cli import fail, quiet_logs
 from diloco.config import ConfigError
 from diloco.generation import parse, run
 from diloco.hf import CheckpointError
@@ -19,13 +17,11 @@ from diloco.hf import CheckpointError
 
 @hydra.main(config_path="../configs", config_name="generate", version_base="1.3")
 def main(raw: DictConfig) -> None:
-    # JAX reports at INFO that it found no TPU, which reads as an error on a laptop.
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    quiet_logs()
     try:
         run(parse(OmegaConf.to_container(raw, resolve=True)))
     except (ConfigError, CheckpointError, ValueError) as err:  # a user's mistake: message, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        fail(err)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ block and exits 2 without a traceback; `--debug` or HYDRA_FULL_ERROR=1 shows it.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from diloco.cli import fail, quiet_logs
 from diloco.config import ConfigError, load
 from diloco.config.describe import describe, unknown_keys
 from diloco.data.errors import DataError
@@ -35,11 +35,6 @@ def _groups() -> dict[str, list[str]]:
     return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(CONFIGS.iterdir()) if d.is_dir()}
 
 
-def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def _preflight(argv: list[str]) -> list[str]:
     """What scripts/train.py answers before Hydra: --describe/--help, and mistyped keys (Hydra
     would only say "use +key=value", adding the typo as a new key)."""
@@ -49,7 +44,7 @@ def _preflight(argv: list[str]) -> list[str]:
         sys.exit(0)
     errors = unknown_keys([a for a in argv if not a.startswith("-")], set(_groups()))
     if errors:
-        _fail("\n  ".join(["the command line names options that do not exist:", *errors]))
+        fail("\n  ".join(["the command line names options that do not exist:", *errors]))
     return [a for a in argv if a != "--debug"]
 
 
@@ -86,10 +81,7 @@ def _stopped(stop: KeyboardInterrupt, run_dir: Path) -> None:
 
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def main(raw: DictConfig) -> None:
-    # Orbax logs every checkpoint step at INFO through absl; keep the console for the run itself.
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    # JAX reports at INFO that it found no TPU, which reads as an error on a laptop.
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    quiet_logs()
     from diloco.run import run  # after the preflight: importing JAX takes seconds
 
     # The one place a DictConfig is seen: converted once to frozen, validated dataclasses.
@@ -106,7 +98,7 @@ def main(raw: DictConfig) -> None:
             _clean_failed_start(run_dir)
         if DEBUG:
             raise
-        _fail(str(err))
+        fail(err)
 
 
 if __name__ == "__main__":
