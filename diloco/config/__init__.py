@@ -9,7 +9,7 @@ touched. The schema (schema.py) imports nothing of the rest, so there is no impo
 from __future__ import annotations
 
 from diloco.config.checks import (check, chaos_errors, data_errors, diloco_errors, inner_errors,
-                                  model_errors)
+                                  model_errors, start_errors)
 from diloco.config.convert import from_dict, to_dict
 from diloco.config.schema import (ChaosConfig, CodecConfig, ConfigError, DataConfig, FragmentsConfig,
                                   InnerConfig, MeshConfig, ModelConfig, OuterConfig, RunConfig,
@@ -17,7 +17,7 @@ from diloco.config.schema import (ChaosConfig, CodecConfig, ConfigError, DataCon
 
 __all__ = ["ChaosConfig", "CodecConfig", "ConfigError", "DataConfig", "FragmentsConfig", "InnerConfig",
            "MeshConfig", "ModelConfig", "OuterConfig", "RunConfig", "RuntimeConfig", "SyncerConfig",
-           "TrainConfig", "from_dict", "load", "to_dict", "validate"]
+           "TrainConfig", "from_dict", "load", "start_errors", "to_dict", "validate"]
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -28,7 +28,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     check(errors, r.steps > 0, f"run.steps={r.steps} must be > 0")
     for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "keep_checkpoints"):
         check(errors, getattr(r, name) >= 0, f"run.{name}={getattr(r, name)} must be >= 0")
-    check(errors, cfg.data.seq_len <= cfg.model.max_seq_len,
+    # With model.init_from the checkpoint's max_seq_len decides, once it is read (diloco/inputs.py).
+    check(errors, cfg.model.init_from != "" or cfg.data.seq_len <= cfg.model.max_seq_len,
            f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))

@@ -56,8 +56,10 @@ def model_errors(m: ModelConfig) -> list[str]:
 
 def data_errors(d: DataConfig) -> list[str]:
     e: list[str] = []
-    check(e, d.source in ("shakespeare", "files", "synthetic"),
-           f"data.source={d.source!r} not in shakespeare|files|synthetic")
+    check(e, d.source in ("shakespeare", "files", "synthetic", "sft"),
+           f"data.source={d.source!r} not in shakespeare|files|synthetic|sft")
+    check(e, d.too_long in ("truncate", "drop"), f"data.too_long={d.too_long!r} not in truncate|drop")
+    check(e, d.on_bad in ("error", "skip"), f"data.on_bad={d.on_bad!r} not in error|skip")
     check(e, d.source != "files" or len(d.paths) > 0, "data.source=files needs data.paths")
     check(e, d.tokenizer in ("byte", "bpe"), f"data.tokenizer={d.tokenizer!r} not in byte|bpe")
     check(e, d.tokenizer != "bpe" or d.bpe_vocab_size >= 260,
@@ -77,6 +79,25 @@ def data_errors(d: DataConfig) -> list[str]:
         check(e, 1 <= d.synthetic_branching <= d.synthetic_vocab,
                f"data.synthetic_branching={d.synthetic_branching} must be in "
                f"[1, data.synthetic_vocab={d.synthetic_vocab}]")
+    return e
+
+
+def start_errors(cfg: TrainConfig) -> list[str]:
+    """What fine-tuning needs, checked when a run starts rather than by `validate`: the data=sft
+    preset composes and validates before the command line names the files and the checkpoint."""
+    e: list[str] = []
+    m, d = cfg.model, cfg.data
+    check(e, not m.init_from or Path(m.init_from).exists(),
+          f"model.init_from={m.init_from!r}: no such file or folder (working directory {Path.cwd()})")
+    if d.source == "sft":
+        # The conversations are rendered with a checkpoint's chat template; a random model has none.
+        check(e, m.init_from != "", "data.source=sft needs model.init_from=<hf folder | .gguf file>: "
+              "its chat template renders the conversations and its tokenizer encodes them")
+        check(e, len(d.paths) > 0, "data.source=sft needs data.paths (JSONL files of conversations)")
+    # A checkpoint's tokenizer encodes text; synthetic tokens are no text.
+    check(e, not (m.init_from and d.source == "synthetic"),
+          f"model.init_from={m.init_from!r} with data.source=synthetic: the chain's states are not "
+          "the checkpoint's tokens; use data.source=sft, files or shakespeare")
     return e
 
 

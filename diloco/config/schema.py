@@ -26,6 +26,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     dtype: str = "float32"  # activation dtype; parameters are always float32
+    # A Hugging Face folder or .gguf file to start from (docs/design.md#fine-tuning): its shape
+    # (every other field of this section but dtype), weights and tokenizer replace the preset's;
+    # "" = random init from run.seed
+    init_from: str = ""
     # Architecture variants of the one decoder, for imported checkpoints (docs/models.md). The
     # defaults are our own Llama-style model; each family sets what it needs.
     family: str = ""  # the Hugging Face family a checkpoint came from (llama, mistral, qwen2, qwen3, gpt2); "" = ours
@@ -48,14 +52,20 @@ class ModelConfig:
 class DataConfig:
     """Where text comes from, how it is tokenized and how batches are cut."""
 
-    source: str = "shakespeare"  # shakespeare | files | synthetic
-    paths: tuple[str, ...] = ()  # files/globs for source=files (.txt or .jsonl)
+    # shakespeare | files | synthetic | sft (chat JSONL rendered with the chat template of
+    # model.init_from, trained on the assistant's tokens only: docs/design.md#fine-tuning-data)
+    source: str = "shakespeare"
+    paths: tuple[str, ...] = ()  # files/globs for source=files (.txt or .jsonl) or source=sft (.jsonl)
     text_field: str = "text"  # JSONL field holding the text
     tokenizer: str = "byte"  # byte | bpe
     bpe_vocab_size: int = 1024
     seq_len: int = 128
     batch_size: int = 32  # sequences per step of one trainer (or one learner)
-    val_fraction: float = 0.05
+    val_fraction: float = 0.05  # held out for eval: the stream's tail, or (sft) a fixed random share of the examples
+    # sft: an example longer than seq_len + 1 tokens is cut to it (truncate) or left out (drop)
+    too_long: str = "truncate"
+    # sft: a malformed line is an error naming its file and line (error) or skipped and counted (skip)
+    on_bad: str = "error"
     shard_block: int = 0  # 0: each learner a contiguous shard; N: blocks of N tokens dealt round-robin
     data_dir: str = "data"  # downloads, extracted text and tokenized stores are cached here
     synthetic_vocab: int = 16
