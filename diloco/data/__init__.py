@@ -3,7 +3,7 @@
 Reference: docs/design.md#data (the data position is a pure function of learner and step).
 """
 
-from diloco.data.batches import batch_at, eval_batches, shard_bounds
+from diloco.data.batches import batch_at, eval_batches, held_out, shard_bounds, train_batch, trained_tokens
 from diloco.data.corpus import Corpus, load_corpus, unigram_loss
 from diloco.data.errors import DataError
 from diloco.data.tokenizer import Tokenizer, byte_tokenizer
@@ -15,7 +15,10 @@ __all__ = [
     "batch_at",
     "byte_tokenizer",
     "eval_batches",
+    "held_out",
     "load_corpus",
     "shard_bounds",
+    "train_batch",
+    "trained_tokens",
     "unigram_loss",
 ]

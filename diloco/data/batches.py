@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from diloco.data import sft
 from diloco.data.errors import DataError
 
 
@@ -83,3 +84,33 @@ def eval_batches(tokens: np.ndarray, *, batch_size: int, seq_len: int, n: int) -
     starts = np.linspace(0, len(tokens) - width, n * batch_size).round().astype(np.int64)
     windows = np.asarray(tokens[starts[:, None] + np.arange(width)], dtype=np.int32)
     return list(windows.reshape(n, batch_size, width))
+
+
+# The one rule, whatever the source, by which the data-parallel trainer and every learner draw
+# their batches, count what they train on and cut the held-out set.
+def train_batch(train, *, seed: int, learner: int, num_learners: int, step: int, batch_size: int,
+                seq_len: int, shard_block: int = 0):
+    """The batch of `learner` at `step`: windows of a token stream (batch_at, int32 [B, L + 1]),
+    or packed fine-tuning rows (diloco/data/sft.py, a dict). A pure function of (seed, learner,
+    step) either way, from disjoint shards."""
+    if isinstance(train, sft.Rows):
+        return sft.batch_at(train, seed=seed, learner=learner, num_learners=num_learners, step=step,
+                            batch_size=batch_size)
+    return batch_at(train, seed=seed, learner=learner, num_learners=num_learners, step=step,
+                    batch_size=batch_size, seq_len=seq_len, shard_block=shard_block)
+
+
+def trained_tokens(batch) -> int:
+    """Tokens a batch trains on: every predicted token of a window; of packed rows, only the
+    assistant's tokens the masked loss counts. What the ledgers, the merge weights and tokens/s count."""
+    if isinstance(batch, dict):
+        return int(batch["targets"].sum())
+    return int(batch[:, 1:].size)
+
+
+def held_out(val, *, batch_size: int, seq_len: int, n: int) -> list:
+    """The fixed batches every eval of a run reads: windows of the validation stream, or the
+    held-out conversations' packed rows."""
+    if isinstance(val, sft.Rows):
+        return sft.eval_batches(val, batch_size=batch_size, n=n)
+    return eval_batches(val, batch_size=batch_size, seq_len=seq_len, n=n)

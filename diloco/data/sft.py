@@ -217,3 +217,56 @@ def batch_at(rows: Rows, *, seed: int, learner: int, num_learners: int, step: in
     picks = np.asarray(picks)
     return {"tokens": rows.tokens[picks], "segments": rows.segments[picks],
             "positions": rows.positions[picks], "targets": rows.targets[picks]}
+
+
+def eval_batches(rows: Rows, *, batch_size: int, n: int) -> list[dict[str, np.ndarray]]:
+    """Up to n batches of the first rows in order, the last padded with empty rows (no target, so
+    no weight in the masked loss): the fixed held-out batches every eval of a run reads."""
+    count = min(n * batch_size, len(rows.tokens))
+    out = []
+    for lo in range(0, count, batch_size):
+        take = np.arange(lo, min(lo + batch_size, count))
+        pad = batch_size - len(take)
+        batch = {k: getattr(rows, k)[take] for k in Rows._fields}
+        out.append({k: np.concatenate([v, np.zeros((pad, *v.shape[1:]), v.dtype)]) for k, v in batch.items()})
+    return out
+
+
+def trained_ids(rows: Rows) -> np.ndarray:
+    """The token ids the loss predicts (each target position's next token), in row order."""
+    return rows.tokens[:, 1:][rows.targets]
+
+
+def load(paths: list[Path], tok, *, seq_len: int, val_fraction: float, too_long: str = "truncate",
+         on_bad: str = "error") -> tuple[Rows, Rows, dict[str, int]]:
+    """Every conversation of the JSONL files rendered with `tok`'s chat template, a fixed random
+    val_fraction of them (at least one) held out, each part packed: (train rows, val rows, counts).
+    The split and the packing depend on the data alone, not on run.seed, so runs with different
+    seeds evaluate on the same examples."""
+    if tok is None or tok.chat_template is None:
+        raise DataError("data.source=sft needs a tokenizer with a chat template to render the "
+                        "conversations; the checkpoint of model.init_from has none")
+    examples, skipped = [], 0
+    for path in paths:
+        conversations, bad = read_conversations(path, on_bad)
+        skipped += bad
+        for i, messages in enumerate(conversations):
+            try:
+                examples.append(render(tok, messages))
+            except DataError as e:
+                raise DataError(f"{path}: conversation {i + 1}: {e}") from None
+            except Exception as e:  # the template's own raise_exception, a jinja error
+                raise DataError(f"{path}: conversation {i + 1}: the chat template refused it "
+                                f"({type(e).__name__}: {e})") from None
+    n_val = max(1, int(len(examples) * val_fraction))
+    if len(examples) - n_val < 1:
+        raise DataError(f"{len(examples)} conversations in data.paths leave none to train on after "
+                        f"holding out data.val_fraction={val_fraction}; add conversations")
+    held = np.zeros(len(examples), bool)
+    held[np.random.default_rng([0, 17]).permutation(len(examples))[:n_val]] = True
+    train, tc = pack([e for e, h in zip(examples, held) if not h], seq_len, too_long)
+    val, vc = pack([e for e, h in zip(examples, held) if h], seq_len, too_long)
+    counts = {"examples": len(examples), "val_examples": n_val, "skipped": skipped,
+              "truncated": tc.truncated + vc.truncated, "dropped": tc.dropped + vc.dropped,
+              "train_rows": len(train.tokens), "val_rows": len(val.tokens)}
+    return train, val, counts
