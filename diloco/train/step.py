@@ -43,15 +43,26 @@ def masked_next_token_loss(packed: Callable, params: dict, batch: dict) -> tuple
     return (ce_BxL * weight_BxL).sum() / jnp.maximum(count, 1.0), count
 
 
-def make_train_step(apply: Apply, optimizer: optax.GradientTransformation,
-                    schedule: optax.Schedule | None = None):
-    """(state, batch) -> (state, metrics). Pure; the caller jits it with shardings and donation."""
+def make_loss(apply: Apply, packed: Callable | None = None) -> Callable:
+    """(params, batch) -> (mean cross-entropy over the batch's trained tokens, their count). With
+    `packed` (Model.packed) a batch is packed fine-tuning rows and only the assistant's tokens
+    count; without, a [B, L + 1] window array of which every next token does."""
+    if packed is not None:
+        return lambda params, batch: masked_next_token_loss(packed, params, batch)
+    return lambda params, batch: (next_token_loss(apply, params, batch),
+                                  jnp.asarray(batch[:, 1:].size, jnp.float32))
 
-    def train_step(state: TrainState, batch_BxL1: jax.Array):
-        loss, grads = jax.value_and_grad(lambda p: next_token_loss(apply, p, batch_BxL1))(state.params)
+
+def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule | None = None):
+    """(state, batch) -> (state, metrics) for a `loss` of make_loss. Pure; the caller jits it with
+    shardings and donation."""
+
+    def train_step(state: TrainState, batch):
+        (value, _), grads = jax.value_and_grad(lambda p: loss(p, batch), has_aux=True)(state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": value, "grad_norm": optax.global_norm(grads)}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
@@ -59,10 +70,11 @@ def make_train_step(apply: Apply, optimizer: optax.GradientTransformation,
     return train_step
 
 
-def make_eval_step(apply: Apply):
-    """(params, batch) -> mean next-token loss."""
+def make_eval_step(loss: Callable):
+    """(params, batch) -> (mean loss over its trained tokens, their count), for a token-weighted
+    mean over batches."""
 
-    def eval_step(params: dict, batch_BxL1: jax.Array) -> jax.Array:
-        return next_token_loss(apply, params, batch_BxL1)
+    def eval_step(params: dict, batch):
+        return loss(params, batch)
 
     return eval_step

@@ -17,11 +17,11 @@ from jax.sharding import Mesh
 from diloco import checkpoint, report
 from diloco import watch as run_watch
 from diloco.config import TrainConfig
-from diloco.data import Corpus, batch_at, eval_batches
+from diloco.data import Corpus, held_out, train_batch, trained_tokens
 from diloco.model import Model
 from diloco.train.mesh import batch_sharding, replicated, tree_shardings
 from diloco.train.optim import lr_schedule, make_optimizer
-from diloco.train.step import TrainState, init_state, make_eval_step, make_train_step
+from diloco.train.step import TrainState, init_state, make_eval_step, make_loss, make_train_step
 
 
 class Compiled(NamedTuple):
@@ -29,9 +29,9 @@ class Compiled(NamedTuple):
 
     init: Callable[[dict], TrainState]  # params -> sharded TrainState
     train_step: Callable  # (state, batch) -> (state, metrics); donates state
-    eval_step: Callable  # (params, batch) -> loss
+    eval_step: Callable  # (params, batch) -> (loss, trained tokens)
     state_sharding: object
-    batch_sharding: object
+    batch_sharding: object  # a sharding, or for packed fine-tuning rows a dict of them like the batch
     abstract_state: TrainState
 
 
@@ -40,22 +40,29 @@ def compile_steps(model: Model, cfg: TrainConfig, mesh: Mesh) -> Compiled:
     schedule = lr_schedule(cfg.inner, cfg.run.steps)
     abstract = jax.eval_shape(lambda p: init_state(p, optimizer), model.params)
     state_sh = tree_shardings(mesh, abstract)
+    sft = cfg.data.source == "sft"
+    loss = make_loss(model.apply, model.packed if sft else None)
+    # Every array of a fine-tuning batch (diloco/data/sft.py) is [B, ...], split over B like windows.
     batch_sh = batch_sharding(mesh)
+    if sft:
+        batch_sh = {k: batch_sh for k in ("tokens", "segments", "positions", "targets")}
     rep = replicated(mesh)
     init = jax.jit(lambda p: init_state(p, optimizer), out_shardings=state_sh)
-    train_step = jax.jit(make_train_step(model.apply, optimizer, schedule),
+    train_step = jax.jit(make_train_step(loss, optimizer, schedule),
                          in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep),
                          donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(model.apply), in_shardings=(state_sh.params, batch_sh),
+    eval_step = jax.jit(make_eval_step(loss), in_shardings=(state_sh.params, batch_sh),
                         out_shardings=rep)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, state_sh)
     return Compiled(init, train_step, eval_step, state_sh, batch_sh, abstract)
 
 
-def evaluate(compiled: Compiled, params: dict, batches: list[np.ndarray]) -> float:
-    losses = [compiled.eval_step(params, jax.device_put(b, compiled.batch_sharding)) for b in batches]
-    return float(np.mean(jax.device_get(losses)))
+def evaluate(compiled: Compiled, params: dict, batches: list) -> float:
+    """Mean loss per trained token over the batches (packed rows train on unequal counts)."""
+    got = jax.device_get([compiled.eval_step(params, jax.device_put(b, compiled.batch_sharding)) for b in batches])
+    losses, counts = (np.asarray([g[i] for g in got], np.float64) for i in (0, 1))
+    return float((losses * counts).sum() / max(counts.sum(), 1.0))
 
 
 def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir: Path,
@@ -67,21 +74,22 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir
     """
     run, data = cfg.run, cfg.data
     compiled = compile_steps(model, cfg, mesh)
-    val = eval_batches(corpus.val, batch_size=data.batch_size, seq_len=data.seq_len, n=run.eval_batches)
-    tokens_per_step = data.batch_size * data.seq_len
+    val = held_out(corpus.val, batch_size=data.batch_size, seq_len=data.seq_len, n=run.eval_batches)
     manager = checkpoint.open_manager(run_dir / "checkpoints", run.keep_checkpoints)
     writer = report.MetricsWriter(run_dir / "metrics.jsonl", run_watch.for_run(cfg, run_dir, "wall", progress=False))
     try:
-        state, start = compiled.init(model.params), 0
+        # Placed first: an imported checkpoint's params are committed to the device they were read onto.
+        params = jax.device_put(model.params, compiled.state_sharding.params)
+        state, start, tokens = compiled.init(params), 0, 0
         if run.resume:
             found = checkpoint.restore_latest(manager, compiled.abstract_state)
             if found is None and manager.all_steps():
                 raise RuntimeError(f"run.resume=true but none of the checkpoints {manager.all_steps()} in "
                                    f"{run_dir / 'checkpoints'} could be read; see the warnings above")
             if found is not None:
-                start, state, _ = found
-        state, summary = _loop(cfg, corpus, compiled, state, start, tokens_per_step, val, manager, writer,
-                               stop)
+                start, state, meta = found
+                tokens = int(meta.get("tokens", start * data.batch_size * data.seq_len))
+        state, summary = _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, stop)
         manager.wait_until_finished()
         writer.summary(summary)
         return state, summary
@@ -90,35 +98,38 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir
         manager.close()
 
 
-def _loop(cfg, corpus, compiled, state, start, tokens_per_step, val, manager, writer, stop):
+def _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, stop):
+    """`tokens`: trained tokens before `start` (all of a window's; of fine-tuning rows, the
+    assistant's), counted on from there into the records, checkpoints and the summary."""
     run, data = cfg.run, cfg.data
     bar = report.progress(run.steps, start, run.progress)
     t0 = t_log = time.perf_counter()
-    compile_s, last, eval_loss, steps_since_log = None, {}, float("nan"), 0
+    compile_s, last, eval_loss, since_log, after_compile = None, {}, float("nan"), 0, 0
     for step in range(start + 1, run.steps + 1):
-        batch = batch_at(corpus.train, seed=run.seed, learner=0, num_learners=1, step=step - 1,
-                         batch_size=data.batch_size, seq_len=data.seq_len)
+        batch = train_batch(corpus.train, seed=run.seed, learner=0, num_learners=1, step=step - 1,
+                            batch_size=data.batch_size, seq_len=data.seq_len)
+        n = trained_tokens(batch)
+        tokens += n
         state, metrics = compiled.train_step(state, jax.device_put(batch, compiled.batch_sharding))
-        steps_since_log += 1
+        since_log += n
+        after_compile += n
         if compile_s is None:  # the first step includes compilation; keep it out of tokens/s
             jax.block_until_ready(metrics)
-            compile_s, t_log, steps_since_log = time.perf_counter() - t0, time.perf_counter(), 0
+            compile_s, t_log, since_log, after_compile = time.perf_counter() - t0, time.perf_counter(), 0, 0
         bar.update(1)
         if report.due(step, run.log_every, run.steps):
             last = {k: float(v) for k, v in jax.device_get(metrics).items()}
             now = time.perf_counter()
-            tok_s = steps_since_log * tokens_per_step / max(now - t_log, 1e-9)
-            t_log, steps_since_log = now, 0
-            writer.write({"kind": "train", "step": step, "tokens": step * tokens_per_step,
-                          **last, "tokens_per_s": tok_s})
+            tok_s = since_log / max(now - t_log, 1e-9)
+            t_log, since_log = now, 0
+            writer.write({"kind": "train", "step": step, "tokens": tokens, **last, "tokens_per_s": tok_s})
             bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
         if report.due(step, run.eval_every, run.steps):
             eval_loss = evaluate(compiled, state.params, val)
-            writer.write({"kind": "eval", "step": step, "tokens": step * tokens_per_step,
-                          "eval_loss": eval_loss})
+            writer.write({"kind": "eval", "step": step, "tokens": tokens, "eval_loss": eval_loss})
         stopping = stop(step)
         if stopping or report.due(step, run.checkpoint_every, run.steps):
-            checkpoint.save(manager, step, state, {"tokens": step * tokens_per_step})
+            checkpoint.save(manager, step, state, {"tokens": tokens})
         if stopping:
             break
     bar.close()
@@ -126,10 +137,10 @@ def _loop(cfg, corpus, compiled, state, start, tokens_per_step, val, manager, wr
     done = int(state.step) - start
     return state, {
         "steps": int(state.step),
-        "tokens": int(state.step) * tokens_per_step,
+        "tokens": tokens,
         "train_loss": last.get("loss", float("nan")),
         "eval_loss": eval_loss,
         "wall_s": wall,
         "compile_s": compile_s or 0.0,
-        "tokens_per_s": (done - 1) * tokens_per_step / max(wall - (compile_s or 0.0), 1e-9) if done > 1 else 0.0,
+        "tokens_per_s": after_compile / max(wall - (compile_s or 0.0), 1e-9) if done > 1 else 0.0,
     }
