@@ -14,10 +14,11 @@ from diloco import report
 from diloco.algo import syncer as sync
 from diloco.bandwidth.analytic import dp_bytes_per_step
 from diloco.config import ConfigError, TrainConfig, to_dict
-from diloco.data import Corpus, eval_batches, load_corpus
+from diloco.data import Corpus, held_out
 from diloco.data.corpus import val_bytes_per_token
 from diloco.evaluation import bits_per_byte
-from diloco.model import Model, build, count_params
+from diloco.inputs import load_inputs
+from diloco.model import Model, count_params
 from diloco.runtime import build as build_setup
 from diloco.runtime import procs, sim, threads
 from diloco.train.mesh import make_mesh
@@ -70,8 +71,8 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
 def global_evaluator(cfg: TrainConfig, corpus: Corpus, model: Model, setup) -> Callable[[dict], float]:
     """Eval loss of a global model given as {path: array}, on learner 0's sub-mesh and the run's
     fixed validation batches."""
-    val = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
-                       n=cfg.run.eval_batches)
+    val = held_out(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
+                   n=cfg.run.eval_batches)
     compiled = setup.compiled[0]
 
     def evaluate_global(theta_by_path: dict) -> float:
@@ -89,12 +90,16 @@ def params_of(model: Model, theta_by_path: dict) -> dict:
 
 def export_model(run_dir: Path, cfg: TrainConfig, corpus: Corpus, params: dict) -> Path:
     """The trained global model as a Hugging Face folder `run_dir/model`, with the run's
-    tokenizer, so scripts/generate.py, diloco.hf.load and transformers read it (docs/models.md)."""
+    tokenizer, so scripts/generate.py, diloco.hf.load and transformers read it (docs/models.md).
+    A model fine-tuned from model.init_from carries that checkpoint's tokenizer, special tokens and
+    chat template, so it chats as the original did."""
     from diloco import hf
     from diloco.hf.tokenizer import from_parts
 
-    source = corpus.tokenizer.hf if corpus.tokenizer is not None else None
-    tokenizer = None if source is None else from_parts(source, {})
+    tokenizer = corpus.hf_tokenizer
+    if tokenizer is None:
+        source = corpus.tokenizer.hf if corpus.tokenizer is not None else None
+        tokenizer = None if source is None else from_parts(source, {})
     return hf.save(run_dir / "model", cfg.model, params, tokenizer)
 
 
@@ -131,15 +136,18 @@ def _from_records(run_dir: Path) -> dict:
 
 def run(cfg: TrainConfig) -> dict:
     """Train as `cfg` says, write outputs into cfg.run.out_dir, print and return the summary.
-    What can fail on the user's input (the run directory, the data, the devices) is checked
-    before the run directory is written."""
+    What can fail on the user's input (the run directory, the checkpoint to start from, the data,
+    the devices) is checked before the run directory is written."""
     check_run_dir(cfg)
-    corpus = load_corpus(cfg.data)
+    cfg, corpus, model, _ = load_inputs(cfg)  # cfg.model: model.init_from's shape, if set
     if cfg.algo == "diloco":
         build_setup.check_devices(cfg)
-    model = build(cfg.model, corpus.vocab_size, cfg.run.seed)
     run_dir = prepare_run_dir(cfg)
     head = {"corpus": corpus.name, "algo": cfg.algo, "params": count_params(model.params)}
+    if cfg.model.init_from:
+        head["init_from"] = cfg.model.init_from
+    if corpus.sft is not None:
+        head["sft"] = corpus.sft
     t0 = time.perf_counter()
     if cfg.algo == "diloco":
         summary = {**head, "learners": cfg.runtime.learners, "runtime": cfg.runtime.kind,

@@ -45,8 +45,7 @@ import numpy as np
 from diloco.algo import auth, messages
 from diloco.algo import syncer as sync
 from diloco.config import TrainConfig
-from diloco.data import load_corpus
-from diloco.model import build
+from diloco.inputs import load_inputs
 from diloco.runtime import blobstore as bs
 from diloco.runtime import events as ev
 from diloco.runtime import build as build_setup
@@ -93,8 +92,7 @@ def fingerprint(theta0: tuple[dict, ...]) -> str:
 def child_setup(cfg: TrainConfig, store: bs.BlobStore) -> Setup:
     """In a spawned child: the Setup rebuilt from the config (jitted functions do not pickle).
     Steps compile lazily, so building every learner's (as setup.build does) costs little."""
-    corpus = load_corpus(cfg.data)
-    model = build(cfg.model, corpus.vocab_size, cfg.run.seed)
+    _, corpus, model, _ = load_inputs(cfg)  # the same checkpoint (model.init_from) and data as the supervisor's
     setup = build_setup.build(cfg, corpus, model)
     want = (bs.read_control(store, "run") or {}).get("theta0")
     if want != fingerprint(setup.theta0):

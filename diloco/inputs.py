@@ -1,0 +1,58 @@
+"""What a run starts from: its config with an imported checkpoint's shape filled in, the data, and
+the model, built the same way by every process of a run (docs/design.md#fine-tuning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+from diloco.config import ConfigError, TrainConfig, start_errors
+from diloco.data import Corpus, load_corpus
+from diloco.model import Model, build
+
+
+class Inputs(NamedTuple):
+    cfg: TrainConfig  # model: the checkpoint's shape when model.init_from is set
+    corpus: Corpus
+    model: Model
+    pretrained: Any  # diloco.hf.Pretrained of model.init_from, or None
+
+
+def load_checkpoint(cfg: TrainConfig):
+    """(cfg with model.init_from's shape, its Pretrained), or (cfg, None) for a random init.
+    ConfigError, naming the value, for a path that is missing or not a checkpoint this code reads,
+    for data.source=sft without one, or for a data.seq_len beyond the checkpoint's context."""
+    errors = start_errors(cfg)
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    path = cfg.model.init_from
+    if not path:
+        return cfg, None
+    from diloco import hf
+
+    try:
+        # The run's model.dtype stays a choice of the run: it is the compute dtype, not the weights'.
+        pre = hf.load(path, dtype=cfg.model.dtype)
+    except (hf.CheckpointError, OSError) as e:
+        raise ConfigError(f"model.init_from={path!r} cannot be read as a checkpoint: {e}") from None
+    model = dataclasses.replace(pre.config, init_from=path)
+    if pre.tokenizer is None:
+        raise ConfigError(f"model.init_from={path!r} has no tokenizer (tokenizer.json), so no text can be "
+                          "encoded for it")
+    if cfg.data.source == "sft" and pre.tokenizer.chat_template is None:
+        raise ConfigError(f"model.init_from={path!r} has no chat template (tokenizer_config.json or "
+                          "chat_template.jinja), which data.source=sft renders conversations with")
+    if cfg.data.seq_len > model.max_seq_len:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the max_seq_len={model.max_seq_len} of "
+                          f"model.init_from={path!r}")
+    return dataclasses.replace(cfg, model=model), pre
+
+
+def load_inputs(cfg: TrainConfig) -> Inputs:
+    """The resolved config, the corpus (encoded with the checkpoint's tokenizer when there is one)
+    and the model: the checkpoint's weights, or a random init from run.seed."""
+    cfg, pre = load_checkpoint(cfg)
+    corpus = load_corpus(cfg.data, None if pre is None else pre.tokenizer)
+    model = pre.model if pre is not None else build(cfg.model, corpus.vocab_size, cfg.run.seed)
+    return Inputs(cfg, corpus, model, pre)

@@ -1,0 +1,197 @@
+"""Fine-tuning end to end (docs/design.md#fine-tuning): a run starts from an imported checkpoint
+(model.init_from), trains on chat JSONL (data.source=sft) with the masked loss in the
+data-parallel trainer and in sim and threads learners, counts trained tokens only, evaluates on
+held-out conversations, and exports a folder that reloads with equal logits and the chat template;
+bad configs are one ConfigError naming the value."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from diloco import hf
+from diloco.algo import syncer as sync
+from diloco.config import (CodecConfig, ConfigError, DataConfig, FragmentsConfig, InnerConfig, MeshConfig,
+                           ModelConfig, RunConfig, RuntimeConfig, SyncerConfig, TrainConfig, validate)
+from diloco.data import held_out, sft, train_batch, trained_tokens
+from diloco.hf.tokenizer import load_tokenizer
+from diloco.inputs import load_inputs
+from diloco.model import build
+from diloco.run import export_model, run
+from diloco.runtime import build as build_setup
+from diloco.train.trainer import compile_steps, evaluate
+from test_generate_cli import FIXTURES, ROOT
+
+TINY = ModelConfig(name="tiny", d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=128)
+SGD = InnerConfig(optimizer="sgd", lr=0.1, schedule="constant", warmup_steps=0, clip_norm=0.0, weight_decay=0.0)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tiny random checkpoint with the fixture tokenizer and its ChatML template, and 30 short
+    conversations (a system prompt keeps the template's long default one out)."""
+    root = tmp_path_factory.mktemp("ft")
+    tok = load_tokenizer(FIXTURES / "tokenizer")
+    hf.save(root / "ckpt", TINY, build(TINY, tok.vocab_size, seed=0).params, tok)
+    lines = [{"system": "Add.", "prompt": f"{a}+{b}?", "response": f"{a} plus {b} is {a + b}."}
+             for a in range(6) for b in range(5)]
+    (root / "chat.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    return root
+
+
+def make_cfg(root, name, algo="dp", **groups) -> TrainConfig:
+    """4 steps, batch 4 of rows of 97 tokens, 2 devices; diloco: M = 2 learners of 1 device,
+    P = 1, H = 2, tau = 0, K = M, fp32 both ways."""
+    base = {
+        "model": ModelConfig(init_from=str(root / "ckpt")),  # the preset's shape is replaced
+        "data": DataConfig(source="sft", paths=(str(root / "chat.jsonl"),), seq_len=96, batch_size=4,
+                           val_fraction=0.2, data_dir=str(root / "data")),
+        "mesh": MeshConfig(devices=2),
+        "run": RunConfig(steps=4, log_every=1, eval_every=2, eval_batches=2, out_dir=str(root / name),
+                         progress=False, plot=False, tensorboard=False),
+        "fragments": FragmentsConfig(count=1, H=2, tau=0),
+        "codec": CodecConfig(up="fp32", down="fp32", zstd_level=0),
+        "syncer": SyncerConfig(quorum=2),
+        "runtime": RuntimeConfig(learners=2, devices_per_learner=1),
+    }
+    for group, over in groups.items():
+        base[group] = dataclasses.replace(base[group], **over)
+    return validate(TrainConfig(inner=SGD, algo=algo, **base))
+
+
+def trained_per_step(corpus, cfg, learner, learners):
+    return [trained_tokens(train_batch(corpus.train, seed=cfg.run.seed, learner=learner, num_learners=learners,
+                                       step=s, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len))
+            for s in range(cfg.run.steps)]
+
+
+def test_the_checkpoint_gives_shape_and_tokenizer_and_a_fixed_share_of_conversations_is_held_out(files):
+    cfg, corpus, model, pre = load_inputs(make_cfg(files, "inputs"))
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.family) == (32, 1, "llama")
+    assert cfg.model.init_from == str(files / "ckpt") and corpus.hf_tokenizer is pre.tokenizer
+    assert corpus.sft["examples"] == 30 and corpus.sft["val_examples"] == 6
+    # the held-out conversations are none of the trained ones, and the split does not move with run.seed
+    rows = lambda r: {tuple(t[s == k]) for t, s in zip(r.tokens, r.segments) for k in set(s) - {0}}  # noqa: E731
+    assert len(rows(corpus.val)) == 6 and not rows(corpus.val) & rows(corpus.train)
+    again = load_inputs(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=5))).corpus
+    assert np.array_equal(again.val.tokens, corpus.val.tokens)
+
+
+def test_data_parallel_sft_counts_trained_tokens_and_exports_a_chat_model(files):
+    cfg = make_cfg(files, "dp")
+    _, corpus, _, pre = load_inputs(cfg)
+    summary = run(cfg)
+    per_step = trained_per_step(corpus, cfg, 0, 1)
+    assert summary["tokens"] == sum(per_step) < cfg.run.steps * cfg.data.batch_size * cfg.data.seq_len
+    records = [json.loads(x) for x in (files / "dp" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["tokens"] for r in train] == list(np.cumsum(per_step))
+    assert train[-1]["loss"] < train[0]["loss"]
+    # the export reloads with the checkpoint's tokenizer and template, and evaluates to the run's eval loss
+    back = hf.load(summary["model_dir"])
+    assert back.tokenizer.chat_template == pre.tokenizer.chat_template
+    assert back.tokenizer.encode("2+3?") == pre.tokenizer.encode("2+3?")
+    mesh_cfg = dataclasses.replace(cfg, model=back.config)
+    from diloco.train.mesh import make_mesh
+
+    compiled = compile_steps(back.model, mesh_cfg, make_mesh(cfg.mesh, cfg.data.batch_size))
+    val = held_out(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, n=cfg.run.eval_batches)
+    got = evaluate(compiled, jax.device_put(back.model.params, compiled.state_sharding.params), val)
+    assert got == pytest.approx(summary["eval_loss"], rel=1e-5)
+
+
+def test_the_exported_folder_reloads_with_equal_logits(files, tmp_path):
+    cfg, corpus, model, _ = load_inputs(make_cfg(files, "export"))
+    # moved off the checkpoint, so a reload of the original would not pass
+    params = jax.tree.map(lambda x: x + 0.01 * np.sign(np.asarray(x)), model.params)
+    back = hf.load(export_model(tmp_path, cfg, corpus, params))
+    batch = train_batch(corpus.train, seed=0, learner=0, num_learners=1, step=0, batch_size=2, seq_len=96)
+    inputs = [batch[k][:, :-1] for k in ("tokens", "segments", "positions")]
+    np.testing.assert_allclose(np.asarray(back.model.packed(back.model.params, *inputs)),
+                               np.asarray(model.packed(params, *inputs)), rtol=1e-5, atol=1e-5)
+    assert back.tokenizer.chat_template is not None and back.config.d_model == cfg.model.d_model
+
+
+@pytest.mark.parametrize("kind", ["sim", "threads"])
+def test_diloco_learners_train_sft_and_the_ledger_books_the_trained_tokens(files, kind):
+    cfg = make_cfg(files, f"diloco-{kind}", algo="diloco", runtime=dict(kind=kind))
+    _, corpus, _, _ = load_inputs(cfg)
+    summary = run(cfg)
+    trained = sum(sum(trained_per_step(corpus, cfg, m, 2)) for m in range(2))
+    assert summary["token_ledger_imbalance"] == 0 and summary["merges"] == 2
+    assert summary["tokens_processed"] == trained
+    if kind == "sim":  # on a wall clock a late contribution may be overwritten first
+        assert summary["tokens_merged_share"] == 1.0
+    assert np.isfinite(summary["eval_loss"]) and (files / f"diloco-{kind}" / "model" / "chat_template.jinja").exists()
+
+
+def test_a_smaller_batch_trains_its_own_rows_and_reports_their_trained_tokens(files):
+    cfg = make_cfg(files, "rows", algo="diloco", runtime=dict(kind="sim"))
+    cfg, corpus, model, _ = load_inputs(cfg)
+    setup = build_setup.build(cfg, corpus, model)
+    st = sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0, 1: 0})
+    unit = build_setup.new_unit(setup, learner=1, incarnation=0, syncer_state=st)
+    unit.warm_up(2)
+    result = unit.step(rows=2)
+    want = train_batch(corpus.train, seed=cfg.run.seed, learner=1, num_learners=2, step=0, batch_size=2, seq_len=96)
+    assert result.tokens == trained_tokens(want) == int(want["targets"].sum()) > 0
+    assert unit.ls.step == 1
+
+
+def test_the_masked_eval_loss_is_the_mean_over_assistant_tokens_by_hand(files):
+    cfg, corpus, model, _ = load_inputs(make_cfg(files, "eval"))
+    from diloco.train.mesh import make_mesh
+
+    compiled = compile_steps(model, cfg, make_mesh(cfg.mesh, cfg.data.batch_size))
+    params = jax.device_put(model.params, compiled.state_sharding.params)
+    batches = held_out(corpus.val, batch_size=4, seq_len=96, n=2)
+    assert len(batches) == 1 and not batches[0]["targets"][len(corpus.val.tokens):].any()  # padded rows
+    b = batches[0]
+    logits = np.asarray(model.packed(model.params, b["tokens"][:, :-1], b["segments"][:, :-1], b["positions"][:, :-1]),
+                        np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    picked = [-logp[r, t, b["tokens"][r, t + 1]] for r, t in zip(*np.nonzero(b["targets"]))]
+    assert evaluate(compiled, params, batches) == pytest.approx(float(np.mean(picked)), rel=1e-5)
+    # over two batches the mean is per token, not per batch
+    split = [{k: v[:2] for k, v in b.items()}, {k: v[2:] for k, v in b.items()}]
+    half = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=2))
+    two = compile_steps(model, half, make_mesh(cfg.mesh, 2))
+    assert evaluate(two, jax.device_put(model.params, two.state_sharding.params), split) == pytest.approx(
+        float(np.mean(picked)), rel=1e-5)
+
+
+def test_bad_starts_are_config_errors_naming_the_value(files, tmp_path):
+    cfg = make_cfg(files, "bad")
+    cases = [
+        (dict(model=dataclasses.replace(cfg.model, init_from=str(tmp_path / "nowhere"))),
+         f"model.init_from='{tmp_path / 'nowhere'}': no such file or folder"),
+        (dict(model=ModelConfig()), "data.source=sft needs model.init_from"),
+        (dict(model=dataclasses.replace(cfg.model, init_from=str(tmp_path))),
+         f"model.init_from='{tmp_path}' cannot be read as a checkpoint: .*no config.json"),
+        (dict(model=dataclasses.replace(cfg.model, init_from=str(FIXTURES / "llama2"))),
+         "has no tokenizer"),
+        (dict(data=dataclasses.replace(cfg.data, seq_len=200)), "data.seq_len=200 exceeds the max_seq_len=128"),
+        (dict(data=dataclasses.replace(cfg.data, paths=())), "data.source=sft needs data.paths"),
+    ]
+    for over, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            load_inputs(dataclasses.replace(cfg, **over))
+    with pytest.raises(ConfigError, match=r"data.too_long='cut' not in truncate\|drop"):
+        validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, too_long="cut")))
+    assert not (files / "bad").exists()  # refused before the run directory is made
+
+
+def test_the_command_line_names_a_missing_checkpoint_in_one_line(files, tmp_path):
+    env = {**os.environ, "XLA_FLAGS": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "algo=dp", "data=sft",
+                           f"data.paths=[{files / 'chat.jsonl'}]", "model.init_from=missing_ckpt",
+                           f"run.out_dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "model.init_from='missing_ckpt': no such file or folder" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
