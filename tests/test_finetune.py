@@ -82,6 +82,16 @@ def test_the_checkpoint_gives_shape_and_tokenizer_and_a_fixed_share_of_conversat
     assert np.array_equal(again.val.tokens, corpus.val.tokens)
 
 
+def test_text_is_encoded_with_the_checkpoints_tokenizer(files, tmp_path):
+    (tmp_path / "notes.txt").write_text("one plus two is three. " * 40)
+    data = DataConfig(source="files", paths=(str(tmp_path / "notes.txt"),), seq_len=32, batch_size=4,
+                      data_dir=str(tmp_path / "data"))
+    cfg, corpus, _, pre = load_inputs(dataclasses.replace(make_cfg(files, "text"), data=data))
+    ids = np.concatenate([corpus.train, corpus.val])
+    assert ids.tolist() == pre.tokenizer.encode("one plus two is three. " * 40, add_special_tokens=False)
+    assert corpus.hf_tokenizer is pre.tokenizer and "checkpoint" in corpus.name
+
+
 def test_data_parallel_sft_counts_trained_tokens_and_exports_a_chat_model(files):
     cfg = make_cfg(files, "dp")
     _, corpus, _, pre = load_inputs(cfg)
@@ -128,6 +138,22 @@ def test_diloco_learners_train_sft_and_the_ledger_books_the_trained_tokens(files
     if kind == "sim":  # on a wall clock a late contribution may be overwritten first
         assert summary["tokens_merged_share"] == 1.0
     assert np.isfinite(summary["eval_loss"]) and (files / f"diloco-{kind}" / "model" / "chat_template.jinja").exists()
+
+
+def test_the_time_ledger_books_full_sft_batches_as_compute_however_few_tokens_they_train(files):
+    """Degraded time is the share of rows not computed (slices down), never of rows' padding or
+    prompt tokens: a full fine-tuning batch trains on a fraction of its tokens, on every chip."""
+    from diloco.algo import timeline
+    from diloco.runtime.sim.runtime import Sim
+
+    cfg, corpus, model, _ = load_inputs(make_cfg(files, "time", algo="diloco", runtime=dict(kind="sim")))
+    sim = Sim(cfg, build_setup.build(cfg, corpus, model), None, None)
+    sim.run()
+    secs = timeline.seconds(sim.host.time)
+    assert all(s["degraded"] == 0.0 and s["compute"] == pytest.approx(cfg.run.steps * cfg.runtime.step_time)
+               for s in secs.values())
+    sim.host.step(0, 0, 100.0, 101.0, 7, 101.0, rows=1)  # one row of 4: a quarter computed
+    assert timeline.seconds(sim.host.time)[0]["degraded"] == pytest.approx(0.75)
 
 
 def test_a_smaller_batch_trains_its_own_rows_and_reports_their_trained_tokens(files):

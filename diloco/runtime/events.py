@@ -24,12 +24,16 @@ class StepDone(NamedTuple):
     step: int  # the step count after this step
     start: float
     end: float
-    tokens: int  # fewer than a full batch when slices were down
+    tokens: int  # trained on: fewer when slices were down; of fine-tuning rows, the assistant's
     sends: tuple[tuple[int, int], ...]  # (fragment, seq) of each contribution this step sends
     frames: tuple[bytes | None, ...] = ()  # their wire frames (None: lost before the syncer got it)
     stalls: Stalls = ()
     loss: float | None = None
     fetched: Fetched = ()
+    # batch rows computed, fewer than data.batch_size when slices were down; 0 = the full batch.
+    # The time ledger's share of live chips, which `tokens` no longer gives once a fine-tuning
+    # batch trains on only its assistant tokens.
+    rows: int = 0
 
 
 class Flushed(NamedTuple):

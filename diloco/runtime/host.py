@@ -78,7 +78,7 @@ class SyncerHost:
             self.stalled(m, start, end)
         if isinstance(e, (ev.StepDone, ev.Flushed)):
             if isinstance(e, ev.StepDone):
-                self.step(m, inc, e.start, e.end, e.tokens, now)
+                self.step(m, inc, e.start, e.end, e.tokens, now, e.rows)
                 self.on_step(e)
             self.sent(m, inc, e.end if isinstance(e, ev.StepDone) else e.at, e.sends, e.frames)
             for (_, seq), frame in zip(e.sends, e.frames) if deliver else ():
@@ -123,10 +123,12 @@ class SyncerHost:
         return ""
 
     # --- what learners did ----------------------------------------------------------------------
-    def step(self, m: int, inc: int, start: float, end: float, tokens: int, now: float) -> None:
-        """A step of `tokens`: fewer than a full batch means slices were down, and that share of
-        the step's chip time is booked "degraded", not compute (goodput counts live chips)."""
-        share = tokens / (self.setup.spec.batch_size * self.setup.spec.seq_len)
+    def step(self, m: int, inc: int, start: float, end: float, tokens: int, now: float, rows: int = 0) -> None:
+        """A step of `tokens` over `rows` batch rows (0: all): fewer rows mean slices were down, and
+        that share of the step's chip time is booked "degraded", not compute (goodput counts live
+        chips)."""
+        full = self.setup.spec.batch_size
+        share = min(rows, full) / full if rows else 1.0
         split = timeline.step_split(start, end, share)
         self.book_time(m, "compute", start, split)
         if split < end:

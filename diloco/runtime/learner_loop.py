@@ -94,7 +94,7 @@ def run_incarnation(port: LearnerPort, unit: LearnerUnit, cfg: TrainConfig, spee
         end = port.clock()
         watch.observe(end - start)
         emit(ev.StepDone(m, inc, unit.ls.step, start, end, result.tokens, ev.pairs(result.sends),
-                         result.frames, watch.take(), result.loss))
+                         result.frames, watch.take(), result.loss, rows=rows or 0))
         if log:
             port.log({"kind": "train", "learner": m, "step": unit.ls.step, "time": end,
                       "tokens": unit.ls.step * result.tokens, "loss": result.loss})

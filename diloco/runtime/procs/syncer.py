@@ -88,7 +88,7 @@ def unpack_theta(paths: list, blob: bytes) -> dict:
 
 
 _FIELDS = {  # the fields events.to_json writes, per kind; a Died never comes from a learner
-    "StepDone": {"step", "start", "end", "tokens", "sends", "stalls", "loss", "fetched"},
+    "StepDone": {"step", "start", "end", "tokens", "sends", "stalls", "loss", "fetched", "rows"},
     "Flushed": {"at", "sends", "fetched"},
     "Applied": {"fragments", "fetched"},
     "Rejoined": {"died_at", "down_until", "at", "rejoin", "fetched"},
@@ -136,7 +136,7 @@ def parse_event(raw: bytes, m: int, inc: int, fragments: int, max_tokens: int, l
         ok = ok and all(a < b for a, b in zip(seqs, seqs[1:]))
     if kind == "StepDone":
         ok = ok and bs.is_count(data["step"]) and data["start"] <= data["end"]
-        ok = ok and bs.is_count(data["tokens"]) and data["tokens"] <= max_tokens
+        ok = ok and bs.is_count(data["tokens"]) and data["tokens"] <= max_tokens and bs.is_count(data["rows"])
         ok = ok and (data["loss"] is None or type(data["loss"]) in (int, float))
     if kind == "Applied":
         ok = ok and isinstance(data["fragments"], list) and all(map(fragment, data["fragments"]))

@@ -222,7 +222,8 @@ class Sim(HostedRuntime):
                 self._send(m, unit.ls.incarnation, self.now, result.sends, result.frames)
             return
         log = report.due(unit.ls.step + 1, self.cfg.run.log_every, self.cfg.run.steps)
-        result = unit.step(fetch_loss=log, rows=self._rows(m))
+        rows = self._rows(m)
+        result = unit.step(fetch_loss=log, rows=rows)
         self.steps_done += 1
         self.checkpoints.maybe_save(unit)
         inc = unit.ls.incarnation
@@ -230,7 +231,7 @@ class Sim(HostedRuntime):
         duration = r.step_time * speed * max(0.1, 1.0 + self.jitter * self.rng.standard_normal())
         end = self.now + duration
         step = ev.StepDone(m, inc, unit.ls.step, self.now, end, result.tokens, ev.pairs(result.sends),
-                           result.frames, loss=result.loss)
+                           result.frames, loss=result.loss, rows=rows)
         self.host.on_event(step, self.now, deliver=False)  # the modelled link delivers them
         self._send(m, inc, end, result.sends, result.frames)
         if log and self.writer is not None:
