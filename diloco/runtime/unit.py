@@ -17,7 +17,7 @@ from diloco.algo import messages
 from diloco.algo.codecs import Codec
 from diloco.algo.fragments import Fragment, Path, Schedule, assemble, get_path, set_path
 from diloco.algo.merge import pseudo_gradient
-from diloco.data import batch_at
+from diloco.data import train_batch, trained_tokens
 from diloco.train.trainer import Compiled
 
 
@@ -31,7 +31,7 @@ class StepResult(NamedTuple):
 class UnitSpec(NamedTuple):
     """What every learner shares: how to cut batches, fragments, schedule and the up codec."""
 
-    train_tokens: np.ndarray
+    train: object  # Corpus.train: the token stream (int32 [n]), or packed fine-tuning rows (sft.Rows)
     seed: int
     num_learners: int
     batch_size: int
@@ -122,20 +122,22 @@ class LearnerUnit:
         c, s = self.compiled, self.spec
         for rows in (s.batch_size, *smaller):
             state = jax.device_put(self.state, c.state_sharding, may_alias=False)
-            batch = batch_at(s.train_tokens, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
-                             step=0, batch_size=rows, seq_len=s.seq_len, shard_block=s.shard_block)
+            batch = train_batch(s.train, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
+                                step=0, batch_size=rows, seq_len=s.seq_len, shard_block=s.shard_block)
             jax.block_until_ready(c.train_step(state, jax.device_put(batch, c.batch_sharding)))
 
     def step(self, fetch_loss: bool = False, rows: int | None = None) -> StepResult:
         """One inner step on this learner's shard, then the sends the schedule asks for. `rows`
-        shrinks the batch (a learner that lost slices); its tokens, hence its weight, drop with it."""
+        shrinks the batch (a learner that lost slices); its tokens, hence its weight, drop with it.
+        The tokens are those trained on (of fine-tuning rows, the assistant's): what the ledger
+        books and the merge weighs."""
         s = self.spec
         rows = s.batch_size if rows is None else rows
-        batch = batch_at(s.train_tokens, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
-                         step=self.ls.step, batch_size=rows, seq_len=s.seq_len, shard_block=s.shard_block)
+        batch = train_batch(s.train, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
+                            step=self.ls.step, batch_size=rows, seq_len=s.seq_len, shard_block=s.shard_block)
         self.state, metrics = self.compiled.train_step(
             self.state, jax.device_put(batch, self.compiled.batch_sharding))
-        tokens = rows * s.seq_len
+        tokens = trained_tokens(batch)
         self.ls, sends = lsm.after_step(self.ls, s.schedule, tokens)
         frames = tuple(self._encode(send) for send in sends)
         loss = float(metrics["loss"]) if fetch_loss else None
