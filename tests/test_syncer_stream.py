@@ -182,7 +182,7 @@ def test_one_compiled_close_per_fragment_shape_whatever_the_contributor_count():
     grace = quorum.GraceConfig(K=1, gamma=0.8, cap_steps=10.0, tau=2)
     pol = _policy(1)._replace(grace=grace)
     st = _start(pol, 5, rng)
-    compiled = sync._close._cache_size()
+    compiled = sync._close_leaves._cache_size()
     for m in range(5):
         st = sync.observe_step_time(st, m, 1.0)
     seq = 0
@@ -194,7 +194,32 @@ def test_one_compiled_close_per_fragment_shape_whatever_the_contributor_count():
         if st.fragments[0].version == version:
             st, actions = sync.on_deadline(pol, st, 0, t0 + 100.0)
         assert st.fragments[0].version == version + 1 and merges(st)[-1]["learners"] == list(range(n))
-    assert sync._close._cache_size() == compiled
+    assert sync._close_leaves._cache_size() == compiled
+
+
+def test_fragments_of_equal_shapes_share_one_compiled_close_and_merge_as_they_did_alone():
+    """Four fragments, two shapes apart from their paths: init compiles two closes, not four, and
+    each fragment's round merges bit for bit as a syncer holding only that fragment merges it."""
+    rng = np.random.default_rng(5)
+    pol = _policy(1)
+    shapes = [((8, 6), (6,)), ((8, 6), (6,)), ((5, 5), (5,)), ((8, 6), (6,))]
+    frags, thetas = [], []
+    for i, (a, b) in enumerate(shapes):
+        paths = ((f"block_{i}", "w"), (f"block_{i}", "b"))
+        thetas.append({paths[0]: rng.standard_normal(a, np.float32), paths[1]: rng.standard_normal(b, np.float32)})
+        frags.append(Fragment(i, paths, sum(x.size for x in thetas[-1].values()), False))
+    before = sync._close_leaves._cache_size()
+    st = sync.init(pol, tuple(frags), tuple(thetas), {0: 0})
+    assert sync._close_leaves._cache_size() - before == 2
+    for i in range(len(frags)):
+        alone = sync.init(pol, (frags[i]._replace(index=0),), (thetas[i],), {0: 0})
+        diff = {p: rng.standard_normal(x.shape, np.float32) * np.float32(1e-2) for p, x in thetas[i].items()}
+        tensors, payload, _ = messages.pack_fragment(diff, messages.codec_from_spec(UP))
+        st, _ = sync.on_contribution(pol, st, raw_frame(tensors, payload, seq=1 + i, fragment=i, spec=UP), 1.0)
+        alone, _ = sync.on_contribution(pol, alone, raw_frame(tensors, payload, spec=UP), 1.0)
+        for path in thetas[i]:
+            np.testing.assert_array_equal(st.fragments[i].theta[path], alone.fragments[0].theta[path])
+        assert st.fragments[i].version == alone.fragments[0].version == 1
 
 
 def test_an_overflowing_contribution_is_dropped_and_the_rest_merge_from_a_rebuild():

@@ -21,7 +21,7 @@ pass (merge, outer step, broadcast delta, finiteness) compiled per fragment shap
 from __future__ import annotations
 
 import math
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, NamedTuple
 
 import jax
@@ -164,13 +164,14 @@ def init(cfg: Policy, fragments: tuple[Fragment, ...], values: tuple[Values, ...
 
 
 def compile_merges(cfg: Policy, st: SyncerState) -> None:
-    """Compile the close of every fragment shape now, not in its first round: the close takes the
-    round's sums, so one compile per shape serves any number of contributors. Runs each once on
-    zeros (the result is dropped; jit caches the executable by shape)."""
+    """Compile the close of every fragment shape now, not in its first round. The close takes the
+    round's sums as leaves in path order, not keyed by path, so fragments of equal shapes (every
+    middle block of a transformer) share one executable, and any number of contributors uses it.
+    Runs each shape once on zeros (the result is dropped; jit caches the executable)."""
     seen = set()
     for fs in st.fragments:
         method = cfg.embedding_merge if fs.spec.embedding else cfg.merge
-        sig = (method, tuple((p, x.shape) for p, x in fs.theta.items()))
+        sig = (method, tuple(x.shape for _, x in _in_order(fs.theta)))
         if sig in seen:
             continue
         seen.add(sig)
@@ -468,20 +469,47 @@ def _step(cfg: Policy, st: SyncerState, fs: FragmentState, p: int, rs: roundsum.
     return st, publish, math.sqrt(float(dss)) / float(df)
 
 
-@partial(jax.jit, static_argnums=(0, 1))
+def _in_order(tree: Values) -> list[tuple[Path, Any]]:
+    """A fragment's {path: array} in sorted path order, the order jax flattens a dict in, so the
+    leaves of an optimizer state over the dict line up with those over the tuple of arrays."""
+    return sorted(tree.items(), key=lambda kv: kv[0])
+
+
 def _close(opt: optax.GradientTransformation, per: str | None, sums: Values, gains: Values, theta: Values,
            outer_state: Any, prev: Values):
     """One pass closing a round: the merged delta from the sums, the outer step, the broadcast
     delta Theta' - ref (what every broadcast encodes), whether all of those and the optimizer state
     are finite, and the scaled square sums (ss, f) of the merged delta and of Theta' (their norms
-    are sqrt(ss) / f, evaluated in float64 by the caller)."""
+    are sqrt(ss) / f, evaluated in float64 by the caller). Keyed by path in and out; the jitted
+    pass sees only leaves, so its cache key is the fragment's shapes (compile_merges)."""
+    paths = [path for path, _ in _in_order(theta)]
+    leaves, state_def = jax.tree.flatten(outer_state)
+    tuple_def = _tuple_state_def(opt, tuple(theta[path].shape for path in paths))
+    if tuple_def.num_leaves != state_def.num_leaves:
+        raise ValueError(f"outer state of {state_def.num_leaves} leaves, {tuple_def.num_leaves} expected")
+    new_theta, new_leaves, diff, finite, dsq, tsq = _close_leaves(
+        opt, per, tuple_def, *(tuple(tree[path] for path in paths) for tree in (sums, gains, theta, prev)),
+        tuple(leaves))
+    return (dict(zip(paths, new_theta)), jax.tree.unflatten(state_def, new_leaves), dict(zip(paths, diff)),
+            finite, dsq, tsq)
+
+
+@lru_cache(maxsize=1024)
+def _tuple_state_def(opt: optax.GradientTransformation, shapes: tuple[tuple[int, ...], ...]):
+    """The structure of opt's state over a tuple of arrays of these shapes (no values built)."""
+    return jax.tree.structure(jax.eval_shape(opt.init, tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes)))
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2))
+def _close_leaves(opt, per, state_def, sums, gains, theta, prev, state_leaves):
+    outer_state = jax.tree.unflatten(state_def, state_leaves)
     delta = merging.merge_sums(sums, gains, per)
     new_theta, new_state = outer.outer_step(opt, theta, outer_state, delta)
-    diff = {path: new_theta[path] - prev[path] for path in prev}
+    diff = tuple(t - r for t, r in zip(new_theta, prev))
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
                                 for x in jax.tree.leaves((delta, new_theta, new_state, diff))]))
-    return (new_theta, new_state, diff, finite, merging._scaled_sumsq(jax.tree.leaves(delta)),
-            merging._scaled_sumsq(jax.tree.leaves(new_theta)))
+    return (new_theta, tuple(jax.tree.leaves(new_state)), diff, finite,
+            merging._scaled_sumsq(jax.tree.leaves(delta)), merging._scaled_sumsq(jax.tree.leaves(new_theta)))
 
 
 def _anchor(cfg: Policy, fs: FragmentState, base_version: int) -> Values:
