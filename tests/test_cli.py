@@ -59,7 +59,8 @@ def test_every_kind_of_user_error_is_one_block_without_a_traceback_and_leaves_no
     cases = [
         (["run.steps=20", "inner.warmup_steps=50"], "for a run this short set inner.warmup_steps=2"),
         (["data=files", "data.paths=[missing.txt]"], "file 'missing.txt' not found"),
-        (["algo=diloco", "runtime.learners=4", "runtime.devices_per_learner=2"], "only 2 are visible"),
+        (["algo=diloco", "runtime=threads", "runtime.learners=4", "runtime.devices_per_learner=2"], "only 2 are visible"),
+        (["algo=diloco", "runtime.devices_per_learner=4"], "only 2 devices are visible"),
         (["runtime.lerners=4"], "did you mean runtime.learners?"),
     ]
     for i, (overrides, message) in enumerate(cases):

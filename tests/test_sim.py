@@ -398,3 +398,23 @@ def test_replaying_the_recorded_inputs_rebuilds_the_syncer_exactly(tmp_path, bui
         assert a.version == b.version
         for path in a.theta:
             np.testing.assert_array_equal(a.theta[path], b.theta[path])
+
+
+def test_sim_learners_share_one_sub_mesh_and_one_compiled_step(tmp_path, corpus, model):
+    """sim steps its learners one after another, so all M share learner 0's devices and one
+    compiled step (docs/design.md#sim): one compile for the run, not one per learner; threads keeps
+    a sub-mesh each. sim needs only devices_per_learner devices."""
+    cfg = make_cfg(tmp_path, steps=2, runtime=dict(learners=3, devices_per_learner=2))
+    setup = setup_mod.build(cfg, corpus, model)
+    assert len(setup.compiled) == 1
+    sim = Sim(cfg, setup, None, None)
+    sim.run()
+    assert setup.compiled[0].train_step._cache_size() == 1
+    devices = set(jax.devices()[:2])
+    assert all(x.sharding.device_set == devices for u in sim.units for x in jax.tree.leaves(u.state.params))
+    threads = replace(cfg, runtime=replace(cfg.runtime, kind="threads"))
+    assert len(setup_mod.learner_meshes(threads)) == 3
+    wide = replace(cfg, runtime=replace(cfg.runtime, learners=8, devices_per_learner=8))
+    setup_mod.check_devices(wide)  # 8 learners of 8 devices: only 8 devices needed in sim
+    with pytest.raises(setup_mod.ConfigError, match="devices_per_learner=16, but only 8 devices"):
+        setup_mod.check_devices(replace(cfg, runtime=replace(cfg.runtime, devices_per_learner=16)))

@@ -32,7 +32,7 @@ class Setup(NamedTuple):
     fragments: tuple[Fragment, ...]
     policy: sync.Policy
     spec: UnitSpec
-    compiled: tuple[Compiled, ...]  # one per learner sub-mesh
+    compiled: tuple[Compiled, ...]  # one per learner sub-mesh (one for all learners in sim)
     theta0: tuple[dict, ...]  # per fragment, host FP32: the global model every learner starts from
 
 
@@ -88,10 +88,23 @@ def policy(cfg: TrainConfig) -> sync.Policy:
                        auth=auth_secret(cfg), clip=s.clip)
 
 
+def shares_mesh(cfg: TrainConfig) -> bool:
+    """Whether every learner runs on the one sub-mesh with one compiled step: sim steps its
+    learners one after another, so disjoint devices buy nothing but a compile per learner
+    (docs/design.md#sim); the wall-clock runtimes step them at once, on devices of their own."""
+    return cfg.runtime.kind == "sim"
+
+
 def check_devices(cfg: TrainConfig) -> None:
     """ConfigError unless the learners' sub-meshes fit on the visible devices."""
     r = cfg.runtime
     need, have = r.learners * r.devices_per_learner, len(jax.devices())
+    if shares_mesh(cfg):
+        need = r.devices_per_learner
+    if need > have and shares_mesh(cfg):
+        raise ConfigError(f"runtime.devices_per_learner={r.devices_per_learner}, but only {have} devices "
+                          f"are visible (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={need}, "
+                          f"or lower runtime.devices_per_learner)")
     if need > have:
         raise ConfigError(f"runtime.learners={r.learners} x runtime.devices_per_learner="
                           f"{r.devices_per_learner} = {need} devices, but only {have} are visible "
@@ -100,13 +113,15 @@ def check_devices(cfg: TrainConfig) -> None:
 
 
 def learner_meshes(cfg: TrainConfig) -> list:
-    """M disjoint sub-meshes of devices_per_learner devices each, data-parallel inside."""
+    """M disjoint sub-meshes of devices_per_learner devices each, data-parallel inside; in sim
+    the first one only, which every learner shares (shares_mesh)."""
     r = cfg.runtime
     check_devices(cfg)
     devices = jax.devices()
     mesh_cfg = MeshConfig(data=r.devices_per_learner, fsdp=1, devices=r.devices_per_learner)
+    count = 1 if shares_mesh(cfg) else r.learners
     return [make_mesh(mesh_cfg, cfg.data.batch_size, devices[m * r.devices_per_learner:(m + 1) * r.devices_per_learner])
-            for m in range(r.learners)]
+            for m in range(count)]
 
 
 def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
@@ -129,7 +144,7 @@ def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
 def new_unit(setup: Setup, learner: int, incarnation: int, syncer_state: sync.SyncerState,
              step: int = 0) -> LearnerUnit:
     """A learner starting from the syncer's current references: never from its own random init.
-    Learners beyond the sub-meshes built (scavenged ones, in sim) share them round-robin."""
+    Learners beyond the sub-meshes built (every learner in sim) share them round-robin."""
     anchors = {p: (fs.refs[-1][0], fs.refs[-1][1]) for p, fs in enumerate(syncer_state.fragments)}
     compiled = setup.compiled[learner % len(setup.compiled)]
     secret = setup.policy.auth
