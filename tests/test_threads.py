@@ -149,11 +149,11 @@ def test_exception_in_a_thread_propagates_and_stops_all(world, monkeypatch, no_l
     if where == "learner":
         step = LearnerUnit.step
 
-        def broken_step(self, fetch_loss=False, rows=None):
+        def broken_step(self, fetch_loss=False, rows=None, defer=False):
             if self.learner == 1 and self.ls.step == 3:
                 raised_at.append(time.monotonic())
                 raise Boom("learner 1 broke at step 3")
-            return step(self, fetch_loss, rows)
+            return step(self, fetch_loss, rows, defer)
 
         monkeypatch.setattr(LearnerUnit, "step", broken_step)
     else:

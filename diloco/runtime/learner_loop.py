@@ -54,20 +54,53 @@ def run_incarnation(port: LearnerPort, unit: LearnerUnit, cfg: TrainConfig, spee
     watch = StallWatch(m, r.stall_limit_steps)
     pace = Pace.of(r.step_period_s, r.rejoin_at, unit.ls.step, speed)
 
-    def emit(event: ev.Event) -> None:
+    def emit(event: ev.Event, overlapped: bool = False) -> None:
         waited = port.emit(event)
-        if waited is not None and watch.since is None:  # inside a stall it is part of the stall
+        # Inside a stall a wait for room is part of the stall; while a step runs (`overlapped`)
+        # it is inside that step's interval, which the step's end already covers.
+        if waited is not None and watch.since is None and not overlapped:
             watch.done.append(waited)
 
+    # A step's contributions are encoded after the next step is dispatched, so the host work runs
+    # while the devices compute (docs/design.md#deferred-encode). `held` is the previous step's
+    # StepDone awaiting its frames, then the events that came after it (kept in order); `release`
+    # sends them, and runs wherever the loop would otherwise wait or end.
+    held: list = []
+
+    def release(overlapped: bool = False) -> None:
+        if held:
+            done, log = held[0]
+            frames, loss = unit.finish()
+            emit(done._replace(frames=frames, loss=loss), overlapped)
+            if log:
+                port.log({"kind": "train", "learner": m, "step": done.step, "time": done.end,
+                          "tokens": done.step * done.tokens, "loss": loss})
+            for event in held[1:]:
+                emit(event, overlapped)
+            held.clear()
+
+    def send(event: ev.Event) -> None:
+        if held:
+            held.append(event)
+        else:
+            emit(event)
+
     while True:
-        if port.check(unit, watch):
+        try:
+            stopping = port.check(unit, watch)
+        except BaseException:  # killed at this step boundary: the step before it was reported, as
+            release()          # it would have been without deferral
+            raise
+        if stopping:
+            release()
             return False
         port.poll(unit)
         ready = unit.apply_due()
         if ready:
-            emit(ev.Applied(m, inc, tuple(q.fragment for q in ready)))
+            send(ev.Applied(m, inc, tuple(q.fragment for q in ready)))
         blocked = unit.blocking()
         if blocked is not None:
+            release()  # the syncer may be waiting for these very frames
             now = port.clock()
             give_up = watch.blocked(blocked.seq, now)
             if now >= give_up:
@@ -83,21 +116,22 @@ def run_incarnation(port: LearnerPort, unit: LearnerUnit, cfg: TrainConfig, spee
             continue  # its last slice went since the check (a loaded machine): the check ends it
         log = report.due(unit.ls.step + 1, cfg.run.log_every, steps)
         rows = None if tape is None else tape.rows(m, start)  # slices lost: a smaller batch
-        result = unit.step(fetch_loss=log, rows=rows)
+        result = unit.step(fetch_loss=log, rows=rows, defer=True)
+        release(overlapped=True)  # the previous step's frames, while this one runs
         jax.block_until_ready(unit.state)  # dispatch is asynchronous: time the step, not its launch
         compute = port.clock() - start
-        checkpoints.maybe_save(unit)
+        saved = checkpoints.maybe_save(unit)
         factor = speed * max(0.1, 1.0 + jitter * rng.standard_normal())
         until = pace.end(start, compute, factor)  # the speed factor and runtime.step_period_s
         while port.clock() < until:  # the artificial slowdown, taking broadcasts as they come
             port.wait(unit, until)
         end = port.clock()
         watch.observe(end - start)
-        emit(ev.StepDone(m, inc, unit.ls.step, start, end, result.tokens, ev.pairs(result.sends),
-                         result.frames, watch.take(), result.loss, rows=rows or 0))
-        if log:
-            port.log({"kind": "train", "learner": m, "step": unit.ls.step, "time": end,
-                      "tokens": unit.ls.step * result.tokens, "loss": result.loss})
+        held.append((ev.StepDone(m, inc, unit.ls.step, start, end, result.tokens, ev.pairs(result.sends),
+                                 (), watch.take(), None, rows=rows or 0), log))
+        if saved:  # a checkpoint is never ahead of the steps the syncer has heard of
+            release()
+    release()
     if cfg.fragments.final_sync:
         result = unit.flush()
         emit(ev.Flushed(m, inc, port.clock(), ev.pairs(result.sends), result.frames))

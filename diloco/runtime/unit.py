@@ -28,6 +28,15 @@ class StepResult(NamedTuple):
     frames: tuple[bytes, ...]
 
 
+class _Deferred(NamedTuple):
+    """A step's sends whose frames are encoded later, from device copies taken at the step."""
+
+    sends: tuple[lsm.Send, ...]
+    snapshot: dict[int, dict[Path, jax.Array]]  # fragment -> its params after the step
+    metrics: dict | None  # the step's metrics, when its loss is to be fetched
+    frames: tuple[bytes, ...] | None = None  # once encoded
+
+
 class UnitSpec(NamedTuple):
     """What every learner shares: how to cut batches, fragments, schedule and the up codec."""
 
@@ -64,6 +73,7 @@ class LearnerUnit:
         self.codec_states: dict[Path, object] = {}
         self.sent_local: dict[int, dict[Path, np.ndarray]] = {}  # fragment -> local values at its send
         self.dropped_frames = 0
+        self._deferred: list[_Deferred] = []  # step(defer=True) results awaiting finish()
 
     @property
     def tokens_per_step(self) -> int:
@@ -82,6 +92,8 @@ class LearnerUnit:
         self.ls, ready = lsm.to_apply(self.ls, self.spec.schedule)
         if not ready:
             return ()
+        if any(send.fragment == q.fragment for d in self._deferred for send in d.sends for q in ready):
+            self._settle()  # encode against the anchor the send was made from, before it moves
         alpha = self.spec.schedule.alpha
         params = self.state.params
         for q in ready:
@@ -95,11 +107,12 @@ class LearnerUnit:
             # case of two sends in flight); an overwrite voids it, as it voids the counters.
             sent = self.sent_local.pop(q.fragment, None)
             sent = sent if q.kept else None
-            for path, glob in values.items():
-                old = get_path(params, path)
-                local = None if sent is None and alpha == 0.0 else np.asarray(jax.device_get(old))
-                new = lsm.applied(glob, local, None if sent is None else sent[path], alpha)
-                params = set_path(params, path, jax.device_put(np.asarray(new, np.float32), old.sharding))
+            olds = {path: get_path(params, path) for path in values}
+            # One transfer each way per fragment, not one per tensor.
+            locals_ = jax.device_get(olds) if sent is not None or alpha != 0.0 else {}
+            news = {path: np.asarray(lsm.applied(glob, locals_.get(path), None if sent is None else sent[path],
+                                                 alpha), np.float32) for path, glob in values.items()}
+            params = self._put(params, olds, news)
         self.state = self.state.replace(params=params)
         return tuple(q for q in ready if not q.kept)
 
@@ -107,12 +120,21 @@ class LearnerUnit:
         """Move fragment p's params (and its latest send snapshot) by after - before: the unsent
         progress, and what a kept answer will keep, ride on the new version."""
         sent = self.sent_local.get(p)
-        for path in after:
-            old = get_path(params, path)
-            new = lsm.rebased(np.asarray(jax.device_get(old)), before[path], after[path])
-            params = set_path(params, path, jax.device_put(np.asarray(new, np.float32), old.sharding))
-            if sent is not None:
+        olds = {path: get_path(params, path) for path in after}
+        locals_ = jax.device_get(olds)
+        news = {path: np.asarray(lsm.rebased(np.asarray(locals_[path]), before[path], after[path]), np.float32)
+                for path in after}
+        if sent is not None:
+            for path in after:
                 sent[path] = lsm.rebased(sent[path], before[path], after[path])
+        return self._put(params, olds, news)
+
+    @staticmethod
+    def _put(params, olds: dict, news: dict):
+        """params with `news` in place of `olds`, each on its old sharding, in one device_put."""
+        placed = jax.device_put(news, {path: x.sharding for path, x in olds.items()})
+        for path, x in placed.items():
+            params = set_path(params, path, x)
         return params
 
     def warm_up(self, *smaller: int) -> None:
@@ -126,11 +148,12 @@ class LearnerUnit:
                                 step=0, batch_size=rows, seq_len=s.seq_len, shard_block=s.shard_block)
             jax.block_until_ready(c.train_step(state, jax.device_put(batch, c.batch_sharding)))
 
-    def step(self, fetch_loss: bool = False, rows: int | None = None) -> StepResult:
+    def step(self, fetch_loss: bool = False, rows: int | None = None, defer: bool = False) -> StepResult:
         """One inner step on this learner's shard, then the sends the schedule asks for. `rows`
         shrinks the batch (a learner that lost slices); its tokens, hence its weight, drop with it.
         The tokens are those trained on (of fine-tuning rows, the assistant's): what the ledger
-        books and the merge weighs."""
+        books and the merge weighs. `defer`: return at once, without frames or loss; `finish`
+        hands them out later, encoded after the next step is dispatched."""
         s = self.spec
         rows = s.batch_size if rows is None else rows
         batch = train_batch(s.train, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
@@ -139,20 +162,56 @@ class LearnerUnit:
             self.state, jax.device_put(batch, self.compiled.batch_sharding))
         tokens = trained_tokens(batch)
         self.ls, sends = lsm.after_step(self.ls, s.schedule, tokens)
-        frames = tuple(self._encode(send) for send in sends)
+        if defer:
+            self._deferred.append(_Deferred(sends, self._snapshot(sends), metrics if fetch_loss else None))
+            return StepResult(tokens, None, sends, ())
+        frames = tuple(self._encode(send, self._live(send.fragment)) for send in sends)
         loss = float(metrics["loss"]) if fetch_loss else None
         return StepResult(tokens, loss, sends, frames)
 
+    def finish(self) -> tuple[tuple[bytes, ...], float | None]:
+        """The frames and loss of the oldest deferred step (`step(defer=True)`), encoded now,
+        while the step dispatched since runs on the devices (docs/design.md#deferred-encode)."""
+        self._settle(1)
+        d = self._deferred.pop(0)
+        return d.frames, None if d.metrics is None else float(d.metrics["loss"])
+
+    @property
+    def deferred(self) -> int:
+        """Steps whose frames `finish` has still to hand out."""
+        return len(self._deferred)
+
+    def _live(self, p: int) -> dict[Path, jax.Array]:
+        """Fragment p's params as the state holds them now (read before the next step runs)."""
+        return {path: get_path(self.state.params, path) for path in self.spec.fragments[p].paths}
+
+    def _snapshot(self, sends: tuple[lsm.Send, ...]) -> dict[int, dict[Path, jax.Array]]:
+        """Device copies of each sent fragment's params as this step left them: the next step
+        donates (overwrites) the state, and the copy is queued before it, so it reads these."""
+        live = {send.fragment: self._live(send.fragment) for send in sends}
+        # A copy, not an alias (no compile, unlike jnp.copy, which compiles per shape).
+        return jax.device_put(live, jax.tree.map(lambda x: x.sharding, live), may_alias=False)
+
+    def _settle(self, count: int | None = None) -> None:
+        """Encode the oldest `count` (all: None) deferred steps not yet encoded, in step order, so
+        error-feedback residuals advance as they would without deferral."""
+        for i, d in enumerate(self._deferred[:count]):
+            if d.frames is None:
+                self._deferred[i] = d._replace(
+                    frames=tuple(self._encode(send, d.snapshot[send.fragment]) for send in d.sends), snapshot={})
+
     def flush(self) -> StepResult:
         """Final contributions of every fragment with unsent progress (see learner.flush)."""
+        self._settle()
         self.ls, sends = lsm.flush(self.ls)
-        return StepResult(0, None, sends, tuple(self._encode(send) for send in sends))
+        return StepResult(0, None, sends, tuple(self._encode(send, self._live(send.fragment)) for send in sends))
 
-    def _encode(self, send: lsm.Send) -> bytes:
-        """Quantize anchor - local (a pseudo-gradient against a version the syncer holds)."""
+    def _encode(self, send: lsm.Send, snapshot: dict[Path, jax.Array]) -> bytes:
+        """Quantize anchor - local (a pseudo-gradient against a version the syncer holds); `local`
+        is the fragment's params right after the sending step (`_snapshot`)."""
         frag = self.spec.fragments[send.fragment]
         _, anchor = self.anchors[send.fragment]
-        local = jax.device_get({path: get_path(self.state.params, path) for path in frag.paths})
+        local = jax.device_get(snapshot)  # one transfer for the fragment
         local = {path: np.asarray(local[path], np.float32) for path in frag.paths}
         if self.spec.schedule.keep:
             self.sent_local[send.fragment] = local
