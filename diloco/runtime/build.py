@@ -91,7 +91,7 @@ def policy(cfg: TrainConfig) -> sync.Policy:
 def shares_mesh(cfg: TrainConfig) -> bool:
     """Whether every learner runs on the one sub-mesh with one compiled step: sim steps its
     learners one after another, so disjoint devices buy nothing but a compile per learner
-    (docs/design.md#sim); the wall-clock runtimes step them at once, on devices of their own."""
+    (docs/design.md#runtimes); the wall-clock runtimes step them at once, on devices of their own."""
     return cfg.runtime.kind == "sim"
 
 
