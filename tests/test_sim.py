@@ -316,7 +316,7 @@ def test_bytes_are_the_serialized_frames_and_int4_payloads_are_analytic(tmp_path
 
 
 def test_run_diloco_reports_bytes_against_data_parallel(tmp_path, build, corpus, model):
-    cfg = make_cfg(tmp_path, steps=4)
+    cfg = make_cfg(tmp_path, steps=4, runtime=dict(learner_checkpoint_every=2))
     with build.patched():
         summary = run_diloco(cfg, corpus, model, tmp_path)
     dp = 2 * 2 * 4 * dp_bytes_per_step(count_params(model.params), 2)  # both directions, M = 2, 4 steps
@@ -327,6 +327,8 @@ def test_run_diloco_reports_bytes_against_data_parallel(tmp_path, build, corpus,
     evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in evals if r["kind"] == "eval"]
     assert evals[-1]["eval_loss"] == summary["eval_loss"] and evals[-1]["merges"] == 2
+    # No failure tape, so no sim learner can die and rejoin: no learner checkpoints are written.
+    assert not (tmp_path / "learners").exists()
 
 
 def test_unit_applies_broadcast_deltas_and_drops_what_it_cannot_decode(tmp_path, build):

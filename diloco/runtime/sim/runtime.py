@@ -351,8 +351,11 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable
             for event in kept:
                 inputs.append(event)
             tape = run_tape(cfg, run_dir)
-            ckpts = LearnerCheckpoints(None if run_dir is None else run_dir / "learners",
-                                       cfg.runtime.learner_checkpoint_every, cfg.run.keep_checkpoints)
+            # Only a rejoin reads a learner checkpoint, and without a failure tape no sim learner
+            # dies (a resume restores every learner from the run's snapshot), so none are written.
+            every = cfg.runtime.learner_checkpoint_every if tape is not None else 0
+            ckpts = LearnerCheckpoints(None if run_dir is None else run_dir / "learners", every,
+                                       cfg.run.keep_checkpoints)
             sim = Sim(cfg, setup, writer, evaluate, inputs, tape, ckpts)
             with _interruptible(sim):
                 if found is None:
