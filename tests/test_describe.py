@@ -1,6 +1,8 @@
 """The option listing is generated from the config dataclasses and their comments; a mistyped key
 gets the close matches, not Hydra's "use +key"."""
 
+import functools
+
 from diloco.config import TrainConfig
 from diloco.config.describe import describe, options, unknown_keys
 
@@ -13,8 +15,7 @@ def test_every_option_is_listed_with_its_default_and_comment():
     text = describe()
     cfg = TrainConfig()
     for key, default, _ in options():
-        section, _, name = key.partition(".")
-        assert default == (getattr(getattr(cfg, section), name) if name else getattr(cfg, section))
+        assert default == functools.reduce(getattr, key.split("."), cfg)  # nested: finetune.lora.rank
         assert f"  {key} = {default!r}" in text
     docs = dict((k, d) for k, _, d in options())
     assert docs["runtime.auth"].startswith("Learner authentication")

@@ -8,22 +8,22 @@ touched. The schema (schema.py) imports nothing of the rest, so there is no impo
 
 from __future__ import annotations
 
-from diloco.config.checks import (check, chaos_errors, data_errors, diloco_errors, inner_errors,
-                                  model_errors, start_errors)
+from diloco.config.checks import (check, chaos_errors, data_errors, diloco_errors, finetune_errors,
+                                  inner_errors, model_errors, start_errors)
 from diloco.config.convert import from_dict, to_dict
-from diloco.config.schema import (ChaosConfig, CodecConfig, ConfigError, DataConfig, FragmentsConfig,
-                                  InnerConfig, MeshConfig, ModelConfig, OuterConfig, RunConfig,
-                                  RuntimeConfig, SyncerConfig, TrainConfig)
+from diloco.config.schema import (ChaosConfig, CodecConfig, ConfigError, DataConfig, FinetuneConfig,
+                                  FragmentsConfig, InnerConfig, LoraConfig, MeshConfig, ModelConfig,
+                                  OuterConfig, RunConfig, RuntimeConfig, SyncerConfig, TrainConfig)
 
-__all__ = ["ChaosConfig", "CodecConfig", "ConfigError", "DataConfig", "FragmentsConfig", "InnerConfig",
-           "MeshConfig", "ModelConfig", "OuterConfig", "RunConfig", "RuntimeConfig", "SyncerConfig",
-           "TrainConfig", "from_dict", "load", "start_errors", "to_dict", "validate"]
+__all__ = ["ChaosConfig", "CodecConfig", "ConfigError", "DataConfig", "FinetuneConfig", "FragmentsConfig",
+           "InnerConfig", "LoraConfig", "MeshConfig", "ModelConfig", "OuterConfig", "RunConfig", "RuntimeConfig",
+           "SyncerConfig", "TrainConfig", "from_dict", "load", "start_errors", "to_dict", "validate"]
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check cross-field constraints that do not depend on the machine; return cfg unchanged."""
     errors = (model_errors(cfg.model) + data_errors(cfg.data) + inner_errors(cfg.inner, cfg.run.steps)
-              + diloco_errors(cfg) + chaos_errors(cfg.chaos))
+              + diloco_errors(cfg) + chaos_errors(cfg.chaos) + finetune_errors(cfg.finetune))
     r = cfg.run
     check(errors, r.steps > 0, f"run.steps={r.steps} must be > 0")
     for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "keep_checkpoints"):

@@ -14,7 +14,13 @@ from diloco.algo.codecs import CODECS
 from diloco.algo.fragments import FRAGMENTERS
 from diloco.algo.merge import MERGES
 from diloco.algo.outer import OUTER
-from diloco.config.schema import ChaosConfig, DataConfig, InnerConfig, MeshConfig, ModelConfig, TrainConfig
+from diloco.config.schema import (ChaosConfig, DataConfig, FinetuneConfig, InnerConfig, MeshConfig, ModelConfig,
+                                  TrainConfig)
+
+# finetune.lora.targets: each name and the projection of every block it adapts (the params path
+# below blocks/<i>/ of diloco/model/transformer.py).
+LORA_TARGETS = {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),
+                "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down")}
 
 
 def check(errors: list[str], ok: bool, message: str) -> None:
@@ -82,6 +88,20 @@ def data_errors(d: DataConfig) -> list[str]:
     return e
 
 
+def finetune_errors(f: FinetuneConfig) -> list[str]:
+    e: list[str] = []
+    lo = f.lora
+    check(e, lo.rank >= 0, f"finetune.lora.rank={lo.rank} must be >= 0 (0: full fine-tune)")
+    check(e, lo.alpha > 0, f"finetune.lora.alpha={lo.alpha} must be > 0")
+    check(e, lo.seed >= 0, f"finetune.lora.seed={lo.seed} must be >= 0")
+    unknown = [t for t in lo.targets if t not in LORA_TARGETS]
+    check(e, not unknown,
+          f"finetune.lora.targets={list(lo.targets)}: unknown {unknown}; known: {'|'.join(LORA_TARGETS)}")
+    check(e, len(set(lo.targets)) == len(lo.targets), f"finetune.lora.targets={list(lo.targets)} names one twice")
+    check(e, lo.rank == 0 or len(lo.targets) > 0, f"finetune.lora.rank={lo.rank} needs finetune.lora.targets")
+    return e
+
+
 def start_errors(cfg: TrainConfig) -> list[str]:
     """What fine-tuning needs, checked when a run starts rather than by `validate`: the data=sft
     preset composes and validates before the command line names the files and the checkpoint."""
@@ -95,6 +115,10 @@ def start_errors(cfg: TrainConfig) -> list[str]:
               "its chat template renders the conversations and its tokenizer encodes them")
         check(e, len(d.paths) > 0, "data.source=sft needs data.paths (JSONL files of conversations)")
     # A checkpoint's tokenizer encodes text; synthetic tokens are no text.
+    # LoRA adapts a checkpoint's weights; a random init has nothing worth keeping frozen.
+    check(e, cfg.finetune.lora.rank == 0 or m.init_from != "",
+          f"finetune.lora.rank={cfg.finetune.lora.rank} needs model.init_from=<hf folder | .gguf file>: "
+          "LoRA trains adapters on a pretrained model's frozen weights")
     check(e, not (m.init_from and d.source == "synthetic"),
           f"model.init_from={m.init_from!r} with data.source=synthetic: the chain's states are not "
           "the checkpoint's tokens; use data.source=sft, files or shakespeare")

@@ -48,16 +48,18 @@ def _comments() -> dict[tuple[str, str], str]:
 def options() -> list[tuple[str, Any, str]]:
     """(dotted key, default, meaning) of every option of TrainConfig, in schema order."""
     docs = _comments()
-    rows = []
-    for top in dataclasses.fields(schema.TrainConfig):
-        default = top.default_factory() if top.default is dataclasses.MISSING else top.default
-        if dataclasses.is_dataclass(default):
-            for f in dataclasses.fields(default):
-                rows.append((f"{top.name}.{f.name}", getattr(default, f.name),
-                             docs.get((type(default).__name__, f.name), "")))
-        else:
-            rows.append((top.name, default, docs.get(("TrainConfig", top.name), "")))
-    return rows
+
+    def rows(obj: Any, prefix: str) -> list[tuple[str, Any, str]]:
+        out = []
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):  # a nested section, finetune.lora
+                out += rows(value, f"{prefix}{f.name}.")
+            else:
+                out.append((f"{prefix}{f.name}", value, docs.get((type(obj).__name__, f.name), "")))
+        return out
+
+    return rows(schema.TrainConfig(), "")
 
 
 def describe(width: int = 100) -> str:

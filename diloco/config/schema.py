@@ -253,6 +253,26 @@ class ChaosConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters with a frozen A (docs/design.md#lora): a target's weight is W + (alpha /
+    rank) A B, W and A frozen, only B trained, so learners and the syncer see only the Bs."""
+
+    rank: int = 0  # r of each adapter; 0 = full fine-tune (every parameter trained)
+    alpha: float = 16.0  # the adapters' product is scaled by alpha / rank
+    # Projections adapted in every block: q k v o (attention), gate up down (MLP). Hu et al. (2021)
+    # section 7.1 find q and v the best use of a fixed budget.
+    targets: tuple[str, ...] = ("q", "v")
+    seed: int = 0  # of the frozen random A matrices: the same on every learner and process
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """What a run starting from model.init_from trains (docs/design.md#fine-tuning)."""
+
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -266,3 +286,4 @@ class TrainConfig:
     syncer: SyncerConfig = field(default_factory=SyncerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
