@@ -9,14 +9,14 @@ from typing import Any, NamedTuple
 
 from diloco.config import ConfigError, TrainConfig, start_errors
 from diloco.data import Corpus, load_corpus
-from diloco.model import Model, build
+from diloco.model import Model, build, lora
 
 
 class Inputs(NamedTuple):
     cfg: TrainConfig  # model: the checkpoint's shape when model.init_from is set
     corpus: Corpus
-    model: Model
-    pretrained: Any  # diloco.hf.Pretrained of model.init_from, or None
+    model: Model  # with finetune.lora.rank > 0: params are the adapters, the checkpoint's frozen
+    pretrained: Any  # diloco.hf.Pretrained of model.init_from (its model the full one), or None
 
 
 def load_checkpoint(cfg: TrainConfig):
@@ -51,8 +51,18 @@ def load_checkpoint(cfg: TrainConfig):
 
 def load_inputs(cfg: TrainConfig) -> Inputs:
     """The resolved config, the corpus (encoded with the checkpoint's tokenizer when there is one)
-    and the model: the checkpoint's weights, or a random init from run.seed."""
+    and the model: the checkpoint's weights, or a random init from run.seed; with
+    finetune.lora.rank > 0 the checkpoint frozen and LoRA adapters as the params that train."""
     cfg, pre = load_checkpoint(cfg)
     corpus = load_corpus(cfg.data, None if pre is None else pre.tokenizer)
     model = pre.model if pre is not None else build(cfg.model, corpus.vocab_size, cfg.run.seed)
+    if cfg.finetune.lora.rank > 0:  # start_errors: only with model.init_from
+        model = lora.adapt(cfg.finetune.lora, model)
     return Inputs(cfg, corpus, model, pre)
+
+
+def full_params(inputs: Inputs, params: dict) -> dict:
+    """The full model's params of a run's trained `params` (the adapters merged into the checkpoint
+    under LoRA), in the tree of `abstract_params(cfg.model, vocab)`."""
+    lo = inputs.cfg.finetune.lora
+    return params if lo.rank == 0 else lora.merge(lo, inputs.pretrained.model.params, params)

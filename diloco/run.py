@@ -17,7 +17,7 @@ from diloco.config import ConfigError, TrainConfig, to_dict
 from diloco.data import Corpus, held_out
 from diloco.data.corpus import val_bytes_per_token
 from diloco.evaluation import bits_per_byte
-from diloco.inputs import load_inputs
+from diloco.inputs import full_params, load_inputs
 from diloco.model import Model, count_params
 from diloco.runtime import build as build_setup
 from diloco.runtime import procs, sim, threads
@@ -108,14 +108,17 @@ def _final_theta(rt) -> dict:
     return rt.theta if getattr(rt, "theta", None) is not None else sync.theta(rt.host.state)
 
 
-def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path) -> dict:
+def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path,
+               full: Callable[[dict], dict] = lambda params: params) -> dict:
+    """`full`: the full model's params of the trained ones (inputs.full_params: LoRA merges its
+    adapters into the checkpoint), which the export writes."""
     setup = build_setup.build(cfg, corpus, model)
     runtime = {"sim": sim.run, "threads": threads.run, "procs": procs.run}[cfg.runtime.kind]
     rt, summary = runtime(cfg, setup, run_dir, global_evaluator(cfg, corpus, model, setup))
-    summary["model_dir"] = str(export_model(run_dir, cfg, corpus, params_of(model, _final_theta(rt))))
+    summary["model_dir"] = str(export_model(run_dir, cfg, corpus, full(params_of(model, _final_theta(rt)))))
     M, steps = cfg.runtime.learners, cfg.run.steps
     # Through the M learners' links, both directions (each sends and receives dp_bytes_per_step),
-    # for the same number of steps.
+    # for the same number of steps; under LoRA data parallel too would all-reduce the adapters only.
     dp = 2 * M * steps * dp_bytes_per_step(count_params(model.params), M)
     summary["dp_bytes_same_steps"] = int(dp)
     sent = summary["bytes_up"] + summary["bytes_down"]
@@ -139,11 +142,16 @@ def run(cfg: TrainConfig) -> dict:
     What can fail on the user's input (the run directory, the checkpoint to start from, the data,
     the devices) is checked before the run directory is written."""
     check_run_dir(cfg)
-    cfg, corpus, model, _ = load_inputs(cfg)  # cfg.model: model.init_from's shape, if set
+    inputs = load_inputs(cfg)
+    cfg, corpus, model, pre = inputs  # cfg.model: model.init_from's shape, if set
     if cfg.algo == "diloco":
         build_setup.check_devices(cfg)
     run_dir = prepare_run_dir(cfg)
+    full = lambda params: full_params(inputs, params)  # noqa: E731
     head = {"corpus": corpus.name, "algo": cfg.algo, "params": count_params(model.params)}
+    if cfg.finetune.lora.rank > 0:  # the adapters train and travel; the model is the checkpoint's
+        head.update(params=count_params(pre.model.params), adapter_params=count_params(model.params))
+        head["adapter_share"] = head["adapter_params"] / head["params"]
     if cfg.model.init_from:
         head["init_from"] = cfg.model.init_from
     if corpus.sft is not None:
@@ -151,12 +159,12 @@ def run(cfg: TrainConfig) -> dict:
     t0 = time.perf_counter()
     if cfg.algo == "diloco":
         summary = {**head, "learners": cfg.runtime.learners, "runtime": cfg.runtime.kind,
-                   **run_diloco(cfg, corpus, model, run_dir)}
+                   **run_diloco(cfg, corpus, model, run_dir, full)}
     else:
         mesh = make_mesh(cfg.mesh, cfg.data.batch_size)
         state, result = train_dp(cfg, corpus, model, mesh, run_dir)
         summary = {**head, "devices": f"{mesh.devices.size} x {jax.devices()[0].platform}", **result,
-                   "model_dir": str(export_model(run_dir, cfg, corpus, state.params))}
+                   "model_dir": str(export_model(run_dir, cfg, corpus, full(state.params)))}
     summary.setdefault("wall_s", time.perf_counter() - t0)
     if cfg.algo == "diloco" and summary["wall_s"] > 0:
         summary["tokens_per_s"] = summary["tokens_processed"] / summary["wall_s"]
