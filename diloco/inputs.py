@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+import jax
+
 from diloco.config import ConfigError, TrainConfig, start_errors
 from diloco.data import Corpus, load_corpus
 from diloco.model import Model, build, lora
@@ -65,4 +67,7 @@ def full_params(inputs: Inputs, params: dict) -> dict:
     """The full model's params of a run's trained `params` (the adapters merged into the checkpoint
     under LoRA), in the tree of `abstract_params(cfg.model, vocab)`."""
     lo = inputs.cfg.finetune.lora
-    return params if lo.rank == 0 else lora.merge(lo, inputs.pretrained.model.params, params)
+    if lo.rank == 0:
+        return params
+    # On the host: trained params may be sharded over a mesh the checkpoint's arrays are not on.
+    return lora.merge(lo, inputs.pretrained.model.params, jax.device_get(params))

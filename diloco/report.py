@@ -92,6 +92,8 @@ def render_summary(summary: dict[str, Any], title: str) -> str:
         head.append(f"{g('learners')} learners")
     if g("params"):
         head.append(f"{g('params'):,} parameters")
+    if g("adapter_params"):  # LoRA: what trains and travels
+        head.append(f"LoRA: {g('adapter_params'):,} trained ({_pct(g('adapter_share'))})")
     lines: list[tuple[str, str]] = []
     if g("eval_loss") is not None:
         text = f"{g('eval_loss'):.4f} nats/token"

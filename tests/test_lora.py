@@ -197,3 +197,23 @@ def test_finetune_lora_composes_from_the_configs():
         raw = compose(config_name="train", overrides=["finetune=lora", "finetune.lora.rank=2", "run.out_dir=runs/t"])
     cfg = validate(from_dict(TrainConfig, OmegaConf.to_container(raw, resolve=True)))
     assert cfg.finetune.lora.rank == 2 and "gate" in cfg.finetune.lora.targets
+
+
+def test_a_data_parallel_lora_run_exports_from_its_sharded_adapters(files):
+    """The trained Bs are sharded over the trainer's 2 devices, the checkpoint's arrays are not:
+    the export merges on the host."""
+    from diloco.report import render_summary
+
+    summary = run(lora_cfg(files, "dp"))
+    back = hf.load(summary["model_dir"])
+    assert count_params(back.model.params) == summary["params"] and np.isfinite(summary["eval_loss"])
+    assert "18,912 parameters, LoRA: 1,024 trained (5.4%)" in render_summary(summary, "dp")
+
+
+@pytest.mark.slow
+def test_procs_children_build_the_same_lora_model(files):
+    """Every procs child rebuilds the adapters and the As from the config (Theta_0's fingerprint
+    would refuse a mismatch) and ships the Bs only."""
+    summary = run(lora_cfg(files, "procs", algo="diloco", runtime=dict(kind="procs")))
+    assert summary["token_ledger_imbalance"] == 0 and summary["merges"] == 2
+    assert summary["bytes_up"] < 0.1 * 307_488  # a full fine-tune of this config sends 307,488 bytes up in sim
