@@ -58,6 +58,8 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     resolved = to_dict(cfg)
     if cfg.run.resume and path.exists():
         saved = yaml.safe_load(path.read_text())
+        # A section added since that run was made (finetune) held its library defaults then.
+        saved = {**{g: v for g, v in to_dict(TrainConfig()).items() if g not in saved}, **saved}
         changed = [f"{g}.{k}: {saved.get(g, {}).get(k)!r} -> {v!r}"
                    for g, section in resolved.items() if isinstance(section, dict)
                    for k, v in section.items()

@@ -217,3 +217,17 @@ def test_procs_children_build_the_same_lora_model(files):
     summary = run(lora_cfg(files, "procs", algo="diloco", runtime=dict(kind="procs")))
     assert summary["token_ledger_imbalance"] == 0 and summary["merges"] == 2
     assert summary["bytes_up"] < 0.1 * 307_488  # a full fine-tune of this config sends 307,488 bytes up in sim
+
+
+def test_a_run_made_before_the_finetune_section_still_resumes_and_a_changed_lora_is_refused(tmp_path):
+    import yaml
+
+    from diloco.config import RunConfig, to_dict
+    from diloco.run import prepare_run_dir
+
+    cfg = TrainConfig(run=RunConfig(out_dir=str(tmp_path), resume=True))
+    old = {g: v for g, v in to_dict(cfg).items() if g != "finetune"}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    prepare_run_dir(cfg)  # the missing section held its defaults
+    with pytest.raises(ConfigError, match=r"finetune.lora: \{'rank': 0.*-> \{'rank': 4"):
+        prepare_run_dir(dataclasses.replace(cfg, finetune=FinetuneConfig(LoraConfig(rank=4))))
