@@ -14,6 +14,7 @@ import pytest
 
 from diloco import hf
 from diloco.algo.merge import pseudo_gradient, rda, weighted_average
+from diloco.runtime import build as build_setup
 from diloco.config import ConfigError, FinetuneConfig, LoraConfig, ModelConfig, TrainConfig, from_dict, validate
 from diloco.data import train_batch
 from diloco.hf.tokenizer import load_tokenizer
@@ -182,6 +183,12 @@ def test_bad_lora_settings_are_config_errors_naming_the_value(files):
     gelu = build(dataclasses.replace(TINY, mlp="gelu"), 300, seed=0)
     with pytest.raises(ConfigError, match=r"this model has no \['gate'\] projection \(it has q\|k\|v\|o\|up\|down\)"):
         lora.adapt(LORA, gelu)
+    # more fragments than adapter tensors: known only once the adapters are built
+    many = lora_cfg(files, "many", algo="diloco", runtime=dict(kind="sim"))
+    many = dataclasses.replace(many, fragments=dataclasses.replace(many.fragments, count=999))
+    inputs = load_inputs(many)
+    with pytest.raises(ConfigError, match=r"fragments.count=999 does not fit this model: the model has \d+ tensors"):
+        build_setup.build(inputs.cfg, inputs.corpus, inputs.model)
     # the nested section reads from plain data (Hydra's output) like any other
     assert from_dict(TrainConfig, {"finetune": {"lora": {"rank": 2, "targets": ["q", "up"]}}}).finetune.lora == \
         LoraConfig(rank=2, targets=("q", "up"))

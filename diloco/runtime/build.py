@@ -128,7 +128,10 @@ def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
     f, c = cfg.fragments, cfg.codec
     # One fragment holds everything: there is nothing to separate embeddings from.
     flag = is_embedding if f.count > 1 else None
-    fragments = make_fragments(model.params, f.count, f.strategy, flag)
+    try:
+        fragments = make_fragments(model.params, f.count, f.strategy, flag)
+    except ValueError as e:  # the count suits the model only once it is built (a LoRA's adapters)
+        raise ConfigError(f"fragments.count={f.count} does not fit this model: {e}") from None
     schedule = make_schedule(f.count, f.H, f.tau, f.alpha, f.keep_overlap, f.others)
     up = make_codec(c.up, error_feedback=c.error_feedback, zstd_level=c.zstd_level, block=c.block,
                     topk_fraction=c.topk_fraction)
