@@ -18,7 +18,7 @@ from diloco import hf
 from diloco.algo import syncer as sync
 from diloco.config import (CodecConfig, ConfigError, DataConfig, FragmentsConfig, InnerConfig, MeshConfig,
                            ModelConfig, RunConfig, RuntimeConfig, SyncerConfig, TrainConfig, validate)
-from diloco.data import held_out, sft, train_batch, trained_tokens
+from diloco.data import held_out, train_batch, trained_tokens
 from diloco.hf.tokenizer import load_tokenizer
 from diloco.inputs import load_inputs
 from diloco.model import build
@@ -31,17 +31,20 @@ TINY = ModelConfig(name="tiny", d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
 SGD = InnerConfig(optimizer="sgd", lr=0.1, schedule="constant", warmup_steps=0, clip_norm=0.0, weight_decay=0.0)
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def write_files(root):
     """A tiny random checkpoint with the fixture tokenizer and its ChatML template, and 30 short
-    conversations (a system prompt keeps the template's long default one out)."""
-    root = tmp_path_factory.mktemp("ft")
+    conversations (a system prompt keeps the template's long default one out), under `root`."""
     tok = load_tokenizer(FIXTURES / "tokenizer")
     hf.save(root / "ckpt", TINY, build(TINY, tok.vocab_size, seed=0).params, tok)
     lines = [{"system": "Add.", "prompt": f"{a}+{b}?", "response": f"{a} plus {b} is {a + b}."}
              for a in range(6) for b in range(5)]
     (root / "chat.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
     return root
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return write_files(tmp_path_factory.mktemp("ft"))
 
 
 def make_cfg(root, name, algo="dp", **groups) -> TrainConfig:

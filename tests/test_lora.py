@@ -17,12 +17,10 @@ from diloco.algo.merge import pseudo_gradient, rda, weighted_average
 from diloco.runtime import build as build_setup
 from diloco.config import ConfigError, FinetuneConfig, LoraConfig, ModelConfig, TrainConfig, from_dict, validate
 from diloco.data import train_batch
-from diloco.hf.tokenizer import load_tokenizer
 from diloco.inputs import full_params, load_inputs
 from diloco.model import build, count_params, lora, with_params
 from diloco.run import export_model, run
-from test_finetune import TINY, make_cfg
-from test_generate_cli import FIXTURES
+from test_finetune import TINY, make_cfg, write_files
 
 LORA = LoraConfig(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
 
@@ -30,13 +28,7 @@ LORA = LoraConfig(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """The tiny random checkpoint and 30 conversations of tests/test_finetune.py."""
-    root = tmp_path_factory.mktemp("lora")
-    tok = load_tokenizer(FIXTURES / "tokenizer")
-    hf.save(root / "ckpt", TINY, build(TINY, tok.vocab_size, seed=0).params, tok)
-    lines = [{"system": "Add.", "prompt": f"{a}+{b}?", "response": f"{a} plus {b} is {a + b}."}
-             for a in range(6) for b in range(5)]
-    (root / "chat.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
-    return root
+    return write_files(tmp_path_factory.mktemp("lora"))
 
 
 def lora_cfg(root, name, lo=LORA, **groups) -> TrainConfig:
