@@ -207,8 +207,9 @@ class LearnerUnit:
         return StepResult(0, None, sends, tuple(self._encode(send, self._live(send.fragment)) for send in sends))
 
     def _encode(self, send: lsm.Send, snapshot: dict[Path, jax.Array]) -> bytes:
-        """Quantize anchor - local (a pseudo-gradient against a version the syncer holds); `local`
-        is the fragment's params right after the sending step (`_snapshot`)."""
+        """Quantize anchor - local (a pseudo-gradient against a version the syncer holds); the
+        local values are `snapshot`, the fragment's params right after the sending step (`_live`
+        before the next step runs, or `_snapshot`'s copy)."""
         frag = self.spec.fragments[send.fragment]
         _, anchor = self.anchors[send.fragment]
         local = jax.device_get(snapshot)  # one transfer for the fragment
