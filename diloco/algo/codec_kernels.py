@@ -11,6 +11,11 @@ bytes are the same as the numpy codecs': tests/test_codecs.py::test_golden_wire_
 Imported on the first encode or decode, so importing the codecs does not load numba. cache=True
 keeps the compiled code in __pycache__, so a process after the first loads it instead of compiling.
 nogil=True: learner threads encode in parallel.
+
+The syncer's per-contribution passes (diloco/algo/roundsum.py) are here too: the delta and its two
+norms in one pass, and the running-sum update. Their float32 arithmetic is numpy's, operation for
+operation, so the deltas and sums are bit-identical; the norms are float64 sums of exact float64
+squares, accumulated in independent lanes so the loop vectorises without fastmath.
 """
 
 from __future__ import annotations
@@ -125,3 +130,63 @@ def decode_blocks(packed, scales, kind, bits, lut, lut_max, out):
                 if not np.isfinite(out[b, i]):
                     return False
     return True
+
+
+# Independent float64 partial sums per norm: without fastmath LLVM keeps a float sum in program
+# order, so a single accumulator is one serial add per value (the first numba delta was slower
+# than numpy for it, docs/experiments.md#syncer-round); sixteen lanes are one vector add per lane
+# group. The square of a float32 in float64 is exact and at most 1.2e77, so no sum of fewer than
+# 2^200 of them overflows or underflows: the norm is finite whenever every value is, and no slice
+# needs the 2^-+80 rescaling the float32 dots did.
+_LANES = 16
+
+
+@njit(cache=True, nogil=True)
+def delta_sumsq(anchor, ref, d):
+    """d = anchor - (ref - d) over d (1-D float32; numpy's two subtractions, in order), and the
+    float64 sums of squares of d before and after: (wire, delta). A non-finite value makes its sum
+    inf or nan."""
+    n = d.size
+    m = n - n % _LANES
+    wl = np.zeros(_LANES, np.float64)
+    dl = np.zeros(_LANES, np.float64)
+    for i in range(0, m, _LANES):
+        for j in range(_LANES):
+            w = d[i + j]
+            x = anchor[i + j] - (ref[i + j] - w)
+            d[i + j] = x
+            wl[j] += np.float64(w) * np.float64(w)
+            dl[j] += np.float64(x) * np.float64(x)
+    for i in range(m, n):
+        w = d[i]
+        x = anchor[i] - (ref[i] - w)
+        d[i] = x
+        wl[0] += np.float64(w) * np.float64(w)
+        dl[0] += np.float64(x) * np.float64(x)
+    return wl.sum(), dl.sum()
+
+
+@njit(cache=True, nogil=True)
+def sumsq(x):
+    """The float64 sum of squares of a 1-D float32 array (inf or nan if a value is not finite)."""
+    n = x.size
+    m = n - n % _LANES
+    acc = np.zeros(_LANES, np.float64)
+    for i in range(0, m, _LANES):
+        for j in range(_LANES):
+            acc[j] += np.float64(x[i + j]) * np.float64(x[i + j])
+    for i in range(m, n):
+        acc[0] += np.float64(x[i]) * np.float64(x[i])
+    return acc.sum()
+
+
+@njit(cache=True, nogil=True)
+def axpy(d, old, a, old_scaled):
+    """d = d + a old (old_scaled) or d = a d + old, over d (1-D float32, a float32): numpy's
+    multiply then add, rounded apart (no fused multiply-add without fastmath)."""
+    if old_scaled:
+        for i in range(d.size):
+            d[i] = d[i] + old[i] * a
+    else:
+        for i in range(d.size):
+            d[i] = d[i] * a + old[i]

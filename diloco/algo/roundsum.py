@@ -21,9 +21,10 @@ scales its norm (its unit is unchanged), so it costs nothing; under `average` th
 with the scales folded into the coefficients, as it is when a REPEAT replaces a contribution or an
 `overflow` drops one: `rebuild` decodes the kept payloads again. Those are rare; the fold is not.
 
-Deltas are float32 whatever the wire precision was. Norms are float64 sums of float32 dots over
-slices, finite whenever the true norm is: a slice whose squares overflow or underflow float32 is
-summed again scaled by 2^-+80 (a power of two, so exact), the rule of merge._scaled_sumsq on the host.
+Deltas are float32 whatever the wire precision was. Norms are float64 sums of the values' exact
+float64 squares, finite whenever the true norm is (no float32 square overflows or underflows
+there), and inf when a value is not finite. The passes are numba loops (codec_kernels.py): the
+delta and both its norms in one pass over the tensor, the sum update in one more.
 """
 
 from __future__ import annotations
@@ -38,9 +39,6 @@ from diloco.algo.codec_base import Codec
 
 Path = tuple
 Values = Mapping[Path, np.ndarray]
-# Elementwise passes walk tensors in 256 KB slices so the two subtractions of a delta stay in L2
-# (one DRAM pass instead of three); each slice's dot is float32, their sum float64.
-CHUNK = 1 << 16
 _LIMIT = 2.0**40  # largest multiplier a fold applies to the old sum; beyond it the new one is scaled
 
 
@@ -114,45 +112,44 @@ def owned(x: np.ndarray) -> np.ndarray:
     return np.array(x, np.float32, order="C")
 
 
-def _ss(c: np.ndarray) -> float:
-    """sum of squares of one float32 slice as a float64, finite whenever the true one is: a float32
-    dot or, where its squares overflowed or underflowed, the dot of the slice scaled by 2^-+80."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        q = float(np.dot(c, c))
-    if math.isfinite(q) and q >= 2.0**-80:
-        return q
-    if q == 0.0 and not c.any():
-        return 0.0
-    if not math.isfinite(q) and not np.isfinite(c).all():  # the values themselves overflowed
-        return math.inf
-    f = np.float32(2.0**-80 if not math.isfinite(q) else 2.0**80)
-    x = c * f
-    return float(np.dot(x, x)) / float(f) ** 2
+_KERNELS = None
+
+
+def _kernels():
+    """diloco.algo.codec_kernels, imported on first use, as codecs.py does: importing the syncer
+    does not load numba."""
+    global _KERNELS
+    if _KERNELS is None:
+        from diloco.algo import codec_kernels
+
+        _KERNELS = codec_kernels
+    return _KERNELS
+
+
+def _flat(x) -> np.ndarray:
+    return np.ascontiguousarray(x, np.float32).reshape(-1)
+
+
+def _root(ss: float) -> float:
+    # a nan sum is a nan or an inf - inf among the values: a non-finite norm either way, inf
+    return math.sqrt(ss) if math.isfinite(ss) else math.inf
 
 
 def _sumsq(flat: np.ndarray) -> float:
-    return math.fsum(_ss(flat[lo:lo + CHUNK]) for lo in range(0, flat.size, CHUNK))
+    return _kernels().sumsq(_flat(flat))
 
 
 def norm(x: np.ndarray) -> float:
     """||x|| of a float32 array as a float64, finite whenever the true norm is."""
-    return math.sqrt(_sumsq(np.asarray(x, np.float32).reshape(-1)))
+    return _root(_sumsq(x))
 
 
 def delta(anchor: np.ndarray, ref: np.ndarray, wire: np.ndarray) -> tuple[np.ndarray, float, float]:
     """(delta, ||wire||, ||delta||) with delta = anchor - (ref - wire) exactly as
     merge.pseudo_gradient(anchor, local) of local = ref - wire computes it, written over `wire`
-    (which must be `owned`). One DRAM pass: each slice's dots and subtractions stay in cache."""
-    d, a, r = wire.reshape(-1), np.asarray(anchor).reshape(-1), np.asarray(ref).reshape(-1)
-    wire_ss, delta_ss = [], []
-    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing delta shows as an inf norm
-        for lo in range(0, d.size, CHUNK):
-            c = d[lo:lo + CHUNK]
-            wire_ss.append(_ss(c))
-            np.subtract(r[lo:lo + CHUNK], c, out=c)
-            np.subtract(a[lo:lo + CHUNK], c, out=c)
-            delta_ss.append(_ss(c))
-    return wire, math.sqrt(math.fsum(wire_ss)), math.sqrt(math.fsum(delta_ss))
+    (which must be `owned`). One pass: both norms are summed while the values are in registers."""
+    wire_ss, delta_ss = _kernels().delta_sumsq(_flat(anchor), _flat(ref), wire.reshape(-1))
+    return wire, _root(wire_ss), _root(delta_ss)
 
 
 def delta_of_local(anchor: np.ndarray, local_values: np.ndarray) -> tuple[np.ndarray, float]:
@@ -196,20 +193,9 @@ def fold(rs: RoundSum, key, weight: float, deltas: list[np.ndarray], norms: tupl
 
 
 def _axpy(d: np.ndarray, old: np.ndarray, a: np.float32, old_scaled: bool) -> None:
-    """d = d + a old (old_scaled) or d = a d + old, over d, a slice at a time through an L2-sized
-    scratch: two numpy passes that stay in cache (BLAS saxpy was 2-6x slower here, threads
-    contending for two shared cores)."""
-    tmp = np.empty(min(CHUNK, d.size), np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):  # an overflow shows at the close, not here
-        for lo in range(0, d.size, CHUNK):
-            c, o = d[lo:lo + CHUNK], old[lo:lo + CHUNK]
-            t = tmp[:c.size]
-            if old_scaled:
-                np.multiply(o, a, out=t)
-                np.add(c, t, out=c)
-            else:
-                np.multiply(c, a, out=c)
-                np.add(c, o, out=c)
+    """d = d + a old (old_scaled) or d = a d + old, over d, in float32 (a multiply, then an add,
+    each rounded, as numpy's two passes did) and in one pass. An overflow shows at the close."""
+    _kernels().axpy(d.reshape(-1), _flat(old), np.float32(a), bool(old_scaled))
 
 
 def radii(rs: RoundSum, weights: list[float], scales: list[float], method: str) -> tuple[float, ...]:
