@@ -3,6 +3,8 @@
     python benchmarks/syncer_round.py                       # the grid: M = 2, 4, 8, 16 x 0.1M..40M values
     python benchmarks/syncer_round.py --learners 8 --sizes 3.34e6 --repeats 7
     python benchmarks/syncer_round.py --startup             # init + first rounds of the 100.7M model
+    git show 1d226a6:diloco/algo/roundsum.py > /tmp/roundsum_before.py  # the numpy passes
+    python benchmarks/syncer_round.py --learners 8 --sizes 3.34e6 --baseline /tmp/roundsum_before.py
 
 A round is M contributions of one fragment (int4 + zstd up, int8 down: the run's default codecs),
 K = M, so the M-th contribution merges (RDA, outer Nesterov) and publishes. Timed: the M calls of
@@ -12,6 +14,10 @@ values, the bytes of the round's contributions in fp32, interleaved with the rou
 same load. Every figure is a median with its min and max over `--repeats` rounds, after one
 untimed round (it compiled the merge before the streaming accumulator made init compile it).
 
+`--baseline FILE` (another version of diloco/algo/roundsum.py) times its per-contribution passes
+(delta, the sum update, norms) against the current ones in the same process, rounds alternated
+A B B A so both see the same load, and adds the paired ratio baseline / current per round pair.
+
 `--startup` times `sync.init` of the 100.7M-parameter model (24 fragments, M = 8: what compiles
 there) and then the first and second round of every fragment: first - second is the compile
 stall a round still pays. Writes benchmarks/results/syncer_round.json (or --out).
@@ -20,6 +26,7 @@ stall a round still pays. Writes benchmarks/results/syncer_round.json (or --out)
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
@@ -30,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
-from diloco.algo import messages, quorum  # noqa: E402
+from diloco.algo import messages, quorum, roundsum  # noqa: E402
 from diloco.algo import syncer as sync  # noqa: E402
 from diloco.algo.fragments import Fragment, make_fragments  # noqa: E402
 from diloco.algo.outer import make_outer  # noqa: E402
@@ -66,6 +73,25 @@ def frames_for(st, p: int, M: int, seq: int, codec, spec: str, rng) -> list[byte
     return out
 
 
+PASSES = ("delta", "_axpy", "norm", "delta_of_local")  # what roundsum's fold and the syncer call per contribution
+
+
+def passes_of(path: str | None) -> tuple[dict, dict | None]:
+    """(the current roundsum passes, those of the roundsum file at `path`, or None)."""
+    current = {name: getattr(roundsum, name) for name in PASSES}
+    if path is None:
+        return current, None
+    spec = importlib.util.spec_from_file_location("roundsum_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return current, {name: getattr(module, name) for name in PASSES}
+
+
+def use(passes: dict) -> None:
+    for name, f in passes.items():
+        setattr(roundsum, name, f)
+
+
 def spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
@@ -84,6 +110,8 @@ def one_round(pol, st, frames) -> tuple[object, float, float]:
 def grid(args) -> list[dict]:
     rows = []
     up_codec = messages.codec_from_spec(args.up)
+    current, baseline = passes_of(args.baseline)
+    variants = ("current",) if baseline is None else ("current", "baseline")
     for n in args.sizes:
         n = int(float(n))
         for M in args.learners:
@@ -100,19 +128,22 @@ def grid(args) -> list[dict]:
             src = np.ones(M * frag.size, np.float32)
             dst = np.empty_like(src)
             first = None
-            rounds, closes, copies = [], [], []
-            for r in range(args.repeats + 1):
+            times = {v: ([], [], []) for v in variants}  # rounds, closes, copies
+            order = [variants[(r + 1) // 2 % len(variants)] for r in range(len(variants) * (args.repeats + 1))]
+            for r, v in enumerate(order):  # A B B A A B ...; the first round of each variant untimed
+                use(current if v == "current" else baseline)
                 frames = frames_for(st, 0, M, r + 1, up_codec, args.up, rng)
                 st, seconds, close = one_round(pol, st, frames)
                 t = time.perf_counter()
                 np.copyto(dst, src)
                 copy = time.perf_counter() - t
-                if r == 0:
-                    first = seconds
+                if r < len(variants):
+                    first = seconds if v == "current" else first
                     continue
-                rounds.append(seconds)
-                closes.append(close)
-                copies.append(copy)
+                for xs, x in zip(times[v], (seconds, close, copy)):
+                    xs.append(x)
+            use(current)
+            rounds, closes, copies = times["current"]
             row = {"learners": M, "values": frag.size, "init_s": init_s, "first_round_s": first,
                    "round_s": spread(rounds), "last_contribution_s": spread(closes),
                    "memcpy_s": spread(copies),
@@ -123,6 +154,16 @@ def grid(args) -> list[dict]:
                   f"{row['last_contribution_s']['median']:.4f} s, memcpy {row['memcpy_s']['median']:.4f} s: "
                   f"{row['ratio']:.1f}x (n={args.repeats}; init {init_s:.2f} s, first round {first:.3f} s)",
                   flush=True)
+            if baseline is not None:
+                b_rounds, b_closes, b_copies = times["baseline"]
+                paired = [b / c for b, c in zip(b_rounds, rounds)]
+                row["baseline"] = {"round_s": spread(b_rounds), "last_contribution_s": spread(b_closes),
+                                   "memcpy_s": spread(b_copies),
+                                   "ratio": statistics.median(b_rounds) / statistics.median(b_copies),
+                                   "baseline_over_current": spread(paired)}
+                print(f"      baseline: round {statistics.median(b_rounds):.4f} s [{min(b_rounds):.4f}, "
+                      f"{max(b_rounds):.4f}], {row['baseline']['ratio']:.1f}x memcpy; baseline / current "
+                      f"{statistics.median(paired):.2f} [{min(paired):.2f}, {max(paired):.2f}]", flush=True)
     return rows
 
 
@@ -179,6 +220,8 @@ def main() -> None:
     p.add_argument("--startup-learners", type=int, default=8)
     p.add_argument("--fragments", type=int, default=24)
     p.add_argument("--limit", type=int, default=0, help="--startup: only the first N fragments (0 = all)")
+    p.add_argument("--baseline", default=None,
+                   help="a roundsum.py whose per-contribution passes are timed against the current ones, alternated")
     p.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before, after)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
