@@ -14,7 +14,7 @@ SMOLLM2 := $(VENV)/.smollm2
 # Torch and transformers, only to regenerate the parity fixtures (tests/fixtures/hf/README.md).
 PARITY := .venv-parity/.installed
 
-.PHONY: train test test-slow bench smollm2 parity-fixtures test-parity clean-venv
+.PHONY: train test test-slow bench finetune smollm2 parity-fixtures test-parity clean-venv
 
 PIP := $(PY) -m pip -qq --disable-pip-version-check  # -qq: errors only, no warnings
 
@@ -54,6 +54,11 @@ test: $(STAMP) $(SMOLLM2)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)
+
+# SmolLM2-135M-Instruct taught a task three ways (data parallel, Decoupled DiLoCo, DiLoCo + LoRA),
+# scored by its generated answers: about an hour on a 2-core CPU (docs/finetuning.md).
+finetune: $(STAMP) $(SMOLLM2)
+	$(PY) scripts/finetune_study.py $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/inner_step.py $(ARGS)

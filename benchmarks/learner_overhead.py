@@ -1,6 +1,8 @@
 """Tokens/s of a Decoupled DiLoCo learner against the plain trainer, same model and devices.
 
     python benchmarks/learner_overhead.py --model small --devices 2 --steps 48 -P 24 -H 24 --tau 2
+    python benchmarks/learner_overhead.py --checkpoint smollm2 --sft --devices 1 --batch 2 --seq 256 \
+        --steps 3 --repeats 3 -P 4 -H 8 [--lora-rank 8]     # fine-tuning SmolLM2-135M (docs/finetuning.md)
 
 The learner runs the same jitted inner step plus its per-step work, as the wall-clock learner
 loop (diloco/runtime/learner_loop.py) does it, waiting for each step to end: applying merged fragments tau steps later (fed back by a local syncer with K = 1),
@@ -11,12 +13,19 @@ on the critical path (apply_due, the fragment's device copy, the schedule's coun
 the devices compute (with --no-defer it runs inside step(), on the path, and its time includes
 waiting for the step to end). Goal: >= 0.99x; critical host work
 <= 0.3% of a step. Writes benchmarks/results/learner_overhead.json.
+
+With --checkpoint the model is that checkpoint (as model.init_from) and, with --sft, the batches
+are packed rows of the record task's conversations (diloco/experiments/records.py) with the
+masked loss; --lora-rank trains LoRA adapters on it instead (finetune.lora). The figures then
+also give the plain step's compile time and the process's peak memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -28,9 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
 from diloco.algo import syncer as sync  # noqa: E402
-from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig,  # noqa: E402
-                           RuntimeConfig, TrainConfig, from_dict, validate)
-from diloco.data import batch_at, load_corpus  # noqa: E402
+from diloco.config import (DataConfig, FinetuneConfig, FragmentsConfig, InnerConfig, LoraConfig,  # noqa: E402
+                           ModelConfig, RunConfig, RuntimeConfig, TrainConfig, from_dict, validate)
+from diloco.data import load_corpus, train_batch, trained_tokens  # noqa: E402
+from diloco.experiments import records  # noqa: E402
+from diloco.inputs import load_inputs  # noqa: E402
 from diloco.model import build  # noqa: E402
 from diloco.runtime import build as build_setup  # noqa: E402
 from diloco.runtime import unit as unit_mod  # noqa: E402
@@ -50,23 +61,50 @@ def main() -> None:
     p.add_argument("-H", "--sync-every", type=int, default=24)
     p.add_argument("--tau", type=int, default=2)
     p.add_argument("--no-defer", action="store_true", help="encode each step's fragment before the next step")
+    p.add_argument("--checkpoint", default="", help="a HF folder, a .gguf or smollm2: start from it")
+    p.add_argument("--sft", action="store_true", help="the record task's chats, masked loss (needs --checkpoint)")
+    p.add_argument("--lora-rank", type=int, default=0, help="> 0: train LoRA adapters (needs --checkpoint)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model_cfg = from_dict(ModelConfig, yaml.safe_load((CONFIGS / "model" / f"{args.model}.yaml").read_text()))
+    data = DataConfig(source="synthetic", seq_len=args.seq, batch_size=args.batch, synthetic_vocab=256,
+                      synthetic_tokens=200_000)
+    inner, finetune = InnerConfig(warmup_steps=0), FinetuneConfig()
+    if args.checkpoint:
+        from diloco.generation import resolve
+
+        model_cfg = ModelConfig(init_from=str(resolve(args.checkpoint)))
+        inner = InnerConfig(warmup_steps=0, lr=1e-4)
+        finetune = FinetuneConfig(lora=LoraConfig(rank=args.lora_rank))
+    if args.sft:
+        chats = records.write_jsonl(Path(tempfile.mkdtemp()) / "train.jsonl", records.splits(0, 1000, 1)[0])
+        data = DataConfig(source="sft", paths=(str(chats),), seq_len=args.seq, batch_size=args.batch,
+                          data_dir=str(chats.parent))
     cfg = validate(TrainConfig(
-        model=model_cfg, data=DataConfig(source="synthetic", seq_len=args.seq, batch_size=args.batch,
-                                         synthetic_vocab=256, synthetic_tokens=200_000),
-        inner=InnerConfig(warmup_steps=0), run=RunConfig(steps=10_000, progress=False), algo="diloco",
+        model=model_cfg, data=data, inner=inner, finetune=finetune,
+        run=RunConfig(steps=10_000, progress=False), algo="diloco",
         fragments=FragmentsConfig(count=args.fragments, H=args.sync_every, tau=args.tau),
         runtime=RuntimeConfig(learners=1, devices_per_learner=args.devices)))
-    corpus = load_corpus(cfg.data)
-    model = build(cfg.model, corpus.vocab_size, seed=0)
+    if args.checkpoint:
+        cfg, corpus, model, _ = load_inputs(cfg)
+    else:
+        corpus = load_corpus(cfg.data)
+        model = build(cfg.model, corpus.vocab_size, seed=0)
+    t_build = time.perf_counter()
     setup = build_setup.build(cfg, corpus, model)
+    build_s = time.perf_counter() - t_build
     syncer = sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0})
     unit = build_setup.new_unit(setup, 0, 0, syncer)
     compiled = setup.compiled[0]
-    state = compiled.init(model.params)
-    tokens = args.batch * args.seq
+    state = compiled.init(jax.device_put(model.params, compiled.state_sharding.params))
+
+    def batch(i: int):
+        return train_batch(corpus.train, seed=0, learner=0, num_learners=1, step=i, batch_size=args.batch,
+                           seq_len=args.seq)
+
+    # Trained tokens of a step: every predicted token of a window, the assistant's of packed rows.
+    # The learner draws the same batches at the same steps, so both loops count alike.
+    tokens = sum(trained_tokens(batch(i)) for i in range(args.steps)) / args.steps
 
     # Host work, timed piece by piece: on the CPU backend a "dispatch" may run the step inline, so
     # the time of a whole step() call would count device compute as host work.
@@ -92,9 +130,7 @@ def main() -> None:
         nonlocal state
         t = time.perf_counter()
         for i in range(n):
-            batch = batch_at(corpus.train, seed=0, learner=0, num_learners=1, step=i,
-                             batch_size=args.batch, seq_len=args.seq)
-            state, metrics = compiled.train_step(state, jax.device_put(batch, compiled.batch_sharding))
+            state, metrics = compiled.train_step(state, jax.device_put(batch(i), compiled.batch_sharding))
         jax.block_until_ready(metrics)
         return n * tokens / (time.perf_counter() - t)
 
@@ -128,7 +164,10 @@ def main() -> None:
         jax.block_until_ready(unit.state.params)
         return n * tokens / (time.perf_counter() - t - elsewhere)
 
-    plain(3), learner(3)  # compile and warm up both paths
+    t_first = time.perf_counter()
+    plain(1)  # compiles the train step (the learner's is the same executable)
+    first_s = time.perf_counter() - t_first
+    plain(2), learner(3)  # warm up both paths
     for v in host.values():
         v.clear()
     rates = {"plain": [], "learner": []}
@@ -138,6 +177,7 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in rates.items()}
     ratios = [a / b for a, b in zip(rates["learner"], rates["plain"])]
     step_s = tokens / med["plain"]
+    compile_s = first_s - step_s  # the first call less a warm step
     # Host work per step: means (a send step costs more than a quiet one; the mean is the share).
     steps = args.repeats * args.steps
     mean = {k: sum(v) / steps for k, v in host.items()}
@@ -149,12 +189,17 @@ def main() -> None:
               "ratio_per_block": ratios, "ratio_spread": [min(ratios), max(ratios)], "plain_step_s": step_s,
               "host_s_per_step": mean, "critical_host_s_per_step": critical,
               "critical_host_share": critical / step_s,
-              "encode_share": mean["encode_work"] / step_s}
+              "encode_share": mean["encode_work"] / step_s,
+              "params": sum(x.size for x in jax.tree.leaves(model.params)),
+              "trained_tokens_per_step": tokens, "plain_compile_s": compile_s, "build_s": build_s,
+              # ru_maxrss is KiB on Linux: the whole process, both loops' states included
+              "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     path = write("learner_overhead", result, args.out)
     print(f"plain {med['plain']:,.0f} tok/s   learner {med['learner']:,.0f} tok/s   ratio {result['ratio']:.3f} "
           f"[{min(ratios):.3f}, {max(ratios):.3f}] n={len(ratios)}   critical host work "
           f"{100 * result['critical_host_share']:.2f}% of a step, encode "
-          f"{100 * result['encode_share']:.2f}%   (wrote {path})")
+          f"{100 * result['encode_share']:.2f}%   plain step {step_s:.3f} s, compile {compile_s:.1f} s, "
+          f"peak RSS {result['peak_rss_gb']:.2f} GB   (wrote {path})")
 
 
 if __name__ == "__main__":

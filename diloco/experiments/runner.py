@@ -51,6 +51,15 @@ def enable_compilation_cache(path: str) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+def _comparable(d: dict) -> dict:
+    """A config dict as two runs of it compare: under model.init_from the run writes the
+    checkpoint's shape into `model` (diloco/inputs.py), so only the path and the compute dtype
+    are the config's own there."""
+    if d["model"].get("init_from"):
+        d = {**d, "model": {k: d["model"][k] for k in ("init_from", "dtype")}}
+    return d
+
+
 def _finished(cfg: TrainConfig, run_dir: Path) -> dict | None:
     """The summary of a finished run of exactly this config in run_dir, if there is one. The saved
     config is loaded as today's code would load it, so a run made before a config field existed
@@ -62,16 +71,15 @@ def _finished(cfg: TrainConfig, run_dir: Path) -> dict | None:
         saved = to_dict(from_dict(TrainConfig, yaml.safe_load(paths[0].read_text())))
     except ConfigError:  # a field that no longer exists: a different config
         return None
-    if saved != to_dict(cfg):
+    if _comparable(saved) != _comparable(to_dict(cfg)):
         return None
     return {**json.loads(paths[1].read_text()), **json.loads(paths[2].read_text())}
 
 
 def _same_run(cfg: TrainConfig) -> dict:
     """cfg as a dict, without where it is written."""
-    d = to_dict(cfg)
-    d["run"] = {k: v for k, v in d["run"].items() if k != "out_dir"}
-    return d
+    d = _comparable(to_dict(cfg))
+    return {**d, "run": {k: v for k, v in d["run"].items() if k != "out_dir"}}
 
 
 def _twin(cfg: TrainConfig, out_dir: Path) -> Path | None:
@@ -102,8 +110,9 @@ def _copy_twin(cfg: TrainConfig, twin: Path, run_dir: Path) -> None:
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
-def run_job(job: Job, settings: Settings) -> dict:
-    """Train one run (or reuse it) and return its row (diloco/experiments/measure.py)."""
+def trained(job: Job, settings: Settings) -> dict:
+    """Train one run, or reuse a finished run of its config (in its directory or, copied, from a
+    twin elsewhere under out_dir), and return its summary with wall_s."""
     from diloco.run import run
 
     run_dir = Path(job.cfg.run.out_dir)
@@ -124,6 +133,13 @@ def run_job(job: Job, settings: Settings) -> dict:
         timing = {"wall_s": time.perf_counter() - start}
         (run_dir / "timing.json").write_text(json.dumps(timing))
         summary = {**summary, **timing}
+    return summary
+
+
+def run_job(job: Job, settings: Settings) -> dict:
+    """Train one run (or reuse it) and return its row (diloco/experiments/measure.py)."""
+    run_dir = Path(job.cfg.run.out_dir)
+    summary = trained(job, settings)
     row = measure.row(job.cfg, summary, run_dir)
     print(f"[{job.experiment}] {job.variant} seed {job.seed}: eval loss {row['eval_loss']:.4f} "
           f"({summary['wall_s']:.1f} s)", flush=True)
