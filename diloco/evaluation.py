@@ -18,13 +18,13 @@ import numpy as np
 import yaml
 
 from diloco.config import ConfigError, DataConfig, from_dict
-from diloco.data import eval_batches, load_corpus
+from diloco.data import held_out, load_corpus, trained_tokens
 from diloco.data.corpus import val_bytes_per_token
 from diloco.data.errors import DataError
 from diloco.data.sources import files_text, resolve_paths
 from diloco.generation import resolve
 from diloco.hf import CheckpointError, Pretrained, load
-from diloco.train.step import next_token_loss
+from diloco.train.step import make_loss
 
 
 @dataclass(frozen=True)
@@ -67,22 +67,18 @@ def windows(tokens: np.ndarray, seq_len: int, batch_size: int) -> list[np.ndarra
     return [np.stack(rows[i:i + batch_size]) for i in range(0, len(rows), batch_size)]
 
 
-def _loss_fn(pre: Pretrained):
-    @jax.jit
-    def loss(params, batch):
-        return next_token_loss(pre.model.apply, params, batch)
-    return loss
-
-
-def mean_loss(pre: Pretrained, batches: list[np.ndarray]) -> float:
-    """Token-weighted mean next-token loss over `batches` (nats/token)."""
-    loss = _loss_fn(pre)
+def mean_loss(pre: Pretrained, batches: list) -> float:
+    """Token-weighted mean next-token loss over `batches` (nats/token): of windows, every next
+    token; of packed fine-tuning rows (dicts), the assistant's tokens only, as training counts
+    them (make_loss, the trainer's own rule)."""
+    packed = pre.model.packed if batches and isinstance(batches[0], dict) else None
+    loss = jax.jit(make_loss(pre.model.apply, packed))
     total = count = 0.0
     for b in batches:
-        n = b.shape[0] * (b.shape[1] - 1)
-        total += float(loss(pre.model.params, b)) * n
-        count += n
-    return total / count
+        value, n = loss(pre.model.params, b)
+        total += float(value) * float(n)
+        count += float(n)
+    return total / max(count, 1.0)
 
 
 def _run_dir(checkpoint: str) -> Path | None:
@@ -110,15 +106,18 @@ def run(cfg: EvaluateConfig, out=sys.stdout) -> dict:
 
 def _on_validation_split(pre: Pretrained, run_dir: Path, cfg: EvaluateConfig) -> dict:
     """The exact batches the run evaluated on (diloco.run.global_evaluator), so a run's model
-    evaluates here to the eval loss its summary reports."""
+    evaluates here to the eval loss its summary reports: windows of the validation stream, or
+    the held-out conversations of a fine-tuning run with its masked loss."""
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     data = from_dict(DataConfig, saved["data"], "data")
-    corpus = load_corpus(data)
-    batches = eval_batches(corpus.val, batch_size=data.batch_size, seq_len=cfg.seq_len or data.seq_len,
-                           n=saved["run"]["eval_batches"])
+    # A run from model.init_from encoded its data with the checkpoint's tokenizer, which its
+    # exported model carries (diloco/inputs.py).
+    corpus = load_corpus(data, pre.tokenizer if saved["model"].get("init_from") else None)
+    batches = held_out(corpus.val, batch_size=data.batch_size, seq_len=cfg.seq_len or data.seq_len,
+                       n=saved["run"]["eval_batches"])
     nats = mean_loss(pre, batches)
     per_token = val_bytes_per_token(corpus)
-    return {"text": f"{run_dir} validation split ({corpus.name})", "tokens": int(sum(b[:, 1:].size for b in batches)),
+    return {"text": f"{run_dir} validation split ({corpus.name})", "tokens": sum(map(trained_tokens, batches)),
             "nats_per_token": nats, "bits_per_byte": None if per_token is None else bits_per_byte(nats, per_token)}
 
 

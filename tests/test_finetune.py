@@ -5,6 +5,7 @@ held-out conversations, and exports a folder that reloads with equal logits and 
 bad configs are one ConfigError naming the value."""
 
 import dataclasses
+import io
 import json
 import os
 import subprocess
@@ -116,6 +117,13 @@ def test_data_parallel_sft_counts_trained_tokens_and_exports_a_chat_model(files)
     val = held_out(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, n=cfg.run.eval_batches)
     got = evaluate(compiled, jax.device_put(back.model.params, compiled.state_sharding.params), val)
     assert got == pytest.approx(summary["eval_loss"], rel=1e-5)
+    # and so does scripts/evaluate.py on the run directory: the held-out rows, the masked loss
+    from diloco.evaluation import EvaluateConfig
+    from diloco.evaluation import run as evaluate_run
+
+    result = evaluate_run(EvaluateConfig(checkpoint=str(files / "dp")), out=io.StringIO())
+    assert result["nats_per_token"] == pytest.approx(summary["eval_loss"], rel=1e-5)
+    assert result["tokens"] == sum(map(trained_tokens, val))
 
 
 def test_the_exported_folder_reloads_with_equal_logits(files, tmp_path):
