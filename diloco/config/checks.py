@@ -15,7 +15,8 @@ from diloco.algo.fragments import FRAGMENTERS
 from diloco.algo.merge import MERGES
 from diloco.algo.outer import OUTER
 from diloco.config.schema import (ChaosConfig, DataConfig, FinetuneConfig, InnerConfig, MeshConfig, ModelConfig,
-                                  TrainConfig)
+                                  RuntimeConfig, TrainConfig)
+from diloco.runtime import store_s3
 
 # finetune.lora.targets: each name and the projection of every block it adapts (the params path
 # below blocks/<i>/ of diloco/model/transformer.py).
@@ -197,6 +198,7 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
           f"sim steps take runtime.step_time={r.step_time} virtual seconds")
     check(e, r.rejoin_at in ("own", "schedule"), f"runtime.rejoin_at={r.rejoin_at!r} must be own or schedule")
     check(e, r.auth in ("auto", "on", "off"), f"runtime.auth={r.auth!r} not in auto|on|off")
+    e += store_errors(r)
     check(e, re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", r.auth_secret_env) is not None,
           f"runtime.auth_secret_env={r.auth_secret_env!r} is not an environment variable name")
     check(e, r.rejoin_at != "schedule" or r.step_period_s > 0,
@@ -221,6 +223,33 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
         check(e, cfg.data.batch_size % r.devices_per_learner == 0,
                f"data.batch_size={cfg.data.batch_size} is not divisible by "
                f"runtime.devices_per_learner={r.devices_per_learner}")
+    return e
+
+
+def store_errors(r: RuntimeConfig) -> list[str]:
+    """The procs object store's URL and options (diloco/runtime/store_s3.py's validators: they
+    name the value, and never echo a password an endpoint should not hold)."""
+    e: list[str] = []
+    scheme = r.store_url.partition("://")[0] if "://" in r.store_url else ""
+    try:
+        store_s3.split_options(r.store_url)
+    except ValueError as err:
+        e.append(f"runtime.store_url: {err}")
+    for name, ok_schemes, validate in (("store_endpoint", ("s3",), store_s3.check_endpoint),
+                                       ("store_region", ("s3",), store_s3.check_region)):
+        value = getattr(r, name)
+        if not value:
+            continue
+        try:
+            validate(value, f"runtime.{name}")
+        except ValueError as err:
+            e.append(str(err))
+        check(e, scheme in ok_schemes, f"runtime.{name} is set but runtime.store_url="
+              f"{store_s3.redacted(r.store_url)!r} is not an s3:// URL")
+    try:
+        store_s3.check_retry_s(r.store_retry_s, "runtime.store_retry_s")
+    except ValueError as err:
+        e.append(str(err))
     return e
 
 

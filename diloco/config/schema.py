@@ -218,6 +218,13 @@ class RuntimeConfig:
     restart_s: float = 5.0  # seconds from a learner's slices returning to its first step again
     learner_checkpoint_every: int = 50  # inner steps between a learner's own checkpoints; 0 = never
     store_url: str = ""  # procs: object store of the run's traffic (gs://..., s3://...); "" = <run dir>/store
+    # s3:// store_url: an S3-compatible server's http(s)://host:port ("" = AWS_ENDPOINT_URL_S3 or
+    # AWS_ENDPOINT_URL, else AWS) and region ("" = AWS_REGION, else us-east-1 with an endpoint);
+    # s3:// and gs://: how long a store operation is retried through an outage before the run fails
+    # (docs/design.md#object-store-transport). Credentials come from the environment, never the config.
+    store_endpoint: str = ""
+    store_region: str = ""
+    store_retry_s: float = 60.0
     # Learner authentication (docs/algorithm.md#authenticated-learners): each contribution carries an
     # HMAC tag under its learner's key, derived from a run secret. auto = on where frames cross a
     # process boundary (procs), off in-process (sim, threads). The secret is read from the file

@@ -16,7 +16,9 @@ lock. A reader never sees a torn object:
   The driver has an opt-in `file_io_locking: {"mode": "non_atomic"}` that writes in place; this
   module pins mode "os" (the default) in the spec, so a shared context cannot switch it on.
 * `gs://` and `s3://`: a PUT of a whole object is atomic for readers in both services (a GET
-  returns the old or the new object, never a mix), and both lists are strongly consistent.
+  returns the old or the new object, never a mix), and both lists are strongly consistent. An
+  S3-compatible server at another endpoint, its region and the retry deadline are options in the
+  URL's query (diloco/runtime/store_s3.py); transient failures are retried there, up to the deadline.
 * `memory://`: in-process, private to one BlobStore; for tests.
 """
 
@@ -37,6 +39,8 @@ import tensorstore as ts
 
 from diloco.algo import messages
 from diloco.algo.bounds import loads_json
+from diloco.runtime import store_s3
+from diloco.runtime.store_s3 import StoreUnavailable  # noqa: F401  (re-exported for callers)
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +88,8 @@ def _spec(url: str, sync: bool) -> Any:
     """The kvstore spec for a URL or plain path; ValueError naming the URL if it is not one."""
     if not isinstance(url, str) or not url:
         raise ValueError(f"blob store URL must be a non-empty str, got {url!r}")
-    scheme, sep, rest = url.partition("://")
+    base, opts = store_s3.split_options(url)
+    scheme, sep, rest = base.partition("://")
     if not sep:  # a plain path: the file driver, made absolute so child processes agree on it
         scheme, rest = "file", os.path.abspath(url)
     elif scheme not in _SCHEMES:
@@ -96,6 +101,10 @@ def _spec(url: str, sync: bool) -> Any:
                 "file_io_locking": {"mode": "os"}}
     if scheme in ("gs", "s3") and not rest.split("/")[0]:
         raise ValueError(f"blob store URL {url!r}: {scheme}:// needs a bucket ({scheme}://bucket/prefix)")
+    if scheme == "s3":
+        bucket, _, path = rest.partition("/")
+        path = urllib.parse.unquote(path).strip("/")
+        return store_s3.s3_spec(bucket, path + "/" if path else "", opts)
     return f"{scheme}://{rest.rstrip('/')}/" if rest else url
 
 
@@ -104,19 +113,36 @@ class BlobStore:
 
     `url`: `file:///abs/dir` or a plain path (file driver), `memory://` (tests; private to this
     object), `gs://bucket/prefix` or `s3://bucket/prefix` (tensorstore's gcs / s3 drivers, with
-    their usual credentials). `sync=False` skips the file driver's fsyncs: still atomic for
-    readers, but not durable across a machine crash (a killed process loses nothing either way).
-    Pickles as (url, sync), so a spawned process reopens the same store (not for memory://).
+    their usual credentials; `s3://bucket/prefix?endpoint=http://host:port&region=r&retry_s=60`
+    for another S3-compatible server, diloco/runtime/store_s3.py). `sync=False` skips the file
+    driver's fsyncs: still atomic for readers, but not durable across a machine crash (a killed
+    process loses nothing either way). Pickles as (url, sync), so a spawned process reopens the
+    same store (not for memory://).
+
+    On gs:// and s3:// every operation is retried while it fails transiently, for at most the
+    URL's `retry_s` (default 60 s), then raises StoreUnavailable (store_s3.call); opening lists
+    the store once, so a wrong endpoint or bucket fails here, naming the URL.
     """
 
     def __init__(self, url: str, *, sync: bool = True):
         self.url, self.sync = url, sync
+        scheme = url.partition("://")[0] if isinstance(url, str) else ""
         try:
             self._kv = ts.KvStore.open(_spec(url, sync)).result()
+            self._retry_s = (store_s3.retry_s_of(store_s3.split_options(url)[1])
+                             if scheme in ("gs", "s3") else None)
+            if self._retry_s is not None:
+                self._call(lambda: self._kv.list(_prefix_range(LATEST)), "open (list down/latest)")
         except ValueError as e:
-            if url in str(e):
+            if store_s3.redacted(url) in str(e):
                 raise
-            raise ValueError(f"cannot open blob store URL {url!r}: {e}") from None
+            raise ValueError(f"cannot open blob store URL {store_s3.redacted(url)!r}: {e}") from None
+
+    def _call(self, op: Callable[[], Any], what: str) -> Any:
+        """`op()` resolved; on a network store, with store_s3.call's retries and deadline."""
+        if self._retry_s is None:
+            return op().result()
+        return store_s3.call(op, f"{store_s3.redacted(self.url)} {what}", self._retry_s)
 
     def __reduce__(self):
         return _reopen, (self.url, self.sync)
@@ -125,7 +151,8 @@ class BlobStore:
         return f"BlobStore({self.url!r})"
 
     def put(self, key: str, data: bytes) -> None:
-        self._kv.write(_check_key(key), bytes(data)).result()
+        key, data = _check_key(key), bytes(data)
+        self._call(lambda: self._kv.write(key, data), f"put {key}")
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         """The object, or None if there is none (never written, or deleted e.g. by gc).
@@ -139,7 +166,8 @@ class BlobStore:
         key = _check_key(key)
         if max_bytes is not None:
             try:
-                probe = self._kv.read(key, byte_range=slice(max_bytes, max_bytes + 1)).result()
+                probe = self._call(lambda: self._kv.read(key, byte_range=slice(max_bytes, max_bytes + 1)),
+                                   f"get {key}")
             except ValueError as e:
                 if "OUT_OF_RANGE" not in str(e):
                     raise
@@ -147,7 +175,7 @@ class BlobStore:
                 if probe.state != "value":
                     return None
                 raise TooLarge(key, max_bytes)
-        r = self._kv.read(key).result()
+        r = self._call(lambda: self._kv.read(key), f"get {key}")
         if r.state != "value":
             return None
         if max_bytes is not None and len(r.value) > max_bytes:
@@ -156,16 +184,19 @@ class BlobStore:
 
     def list(self, prefix: str = "") -> list[str]:
         """Every key under `prefix` (a plain string prefix, not only whole path parts), sorted."""
-        return sorted(k.decode() for k in self._kv.list(_prefix_range(prefix)).result())
+        keys = _prefix_range(prefix)
+        return sorted(k.decode() for k in self._call(lambda: self._kv.list(keys), f"list {prefix}"))
 
     def delete(self, key: str) -> None:
         """Remove one object; a missing one is not an error (gc and a reader may race)."""
-        self._kv.write(_check_key(key), None).result()
+        key = _check_key(key)
+        self._call(lambda: self._kv.write(key, None), f"delete {key}")
 
     def delete_prefix(self, prefix: str) -> None:
         if not prefix:
             raise ValueError("delete_prefix needs a non-empty prefix; it would delete the whole store")
-        self._kv.delete_range(_prefix_range(prefix)).result()
+        keys = _prefix_range(prefix)
+        self._call(lambda: self._kv.delete_range(keys), f"delete_prefix {prefix}")
 
 
 def _reopen(url: str, sync: bool) -> BlobStore:

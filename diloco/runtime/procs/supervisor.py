@@ -52,7 +52,7 @@ import numpy as np
 from diloco import report
 from diloco import watch as run_watch
 from diloco.config import ConfigError, TrainConfig
-from diloco.runtime import blobstore as bs
+from diloco.runtime import blobstore as bs, store_s3
 from diloco.runtime.procs.learner import EXIT_DOWN, died, fingerprint, learner_main
 from diloco.runtime.procs.recovery import restartable
 from diloco.runtime.procs.syncer import rep_key, syncer_main, unpack_theta
@@ -426,7 +426,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="diloco-procs-")))
         else:
             run_dir = root = Path(run_dir).absolute()  # children may resolve paths elsewhere
-        url = cfg.runtime.store_url or f"file://{root / 'store'}"
+        url = store_s3.run_store_url(cfg.runtime, f"file://{root / 'store'}")  # options ride in the URL
         writer = None
         if run_dir is not None:
             writer = report.MetricsWriter(run_dir / "metrics.jsonl", run_watch.for_run(cfg, run_dir, "wall"))

@@ -1,0 +1,316 @@
+"""The blob store over the S3 protocol, against a local S3-compatible server (localbucket, on
+127.0.0.1 only, started and stopped by these tests): round-trips, key schemes, atomicity, a bad
+endpoint, and outages (the server stopped, or answering 503 SlowDown) that writes and reads ride
+out with nothing lost (docs/design.md#object-store-transport)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from http import HTTPStatus
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+localbucket = pytest.importorskip("localbucket")
+
+from diloco.runtime import blobstore as bs  # noqa: E402
+from diloco.runtime import store_s3  # noqa: E402
+
+BUCKET = "diloco"
+
+
+class LocalS3:
+    """localbucket serving `root` (one folder per bucket) on 127.0.0.1, in this process.
+
+    `stop()` closes the listening socket and every open connection (a real outage, not a server
+    that still answers on kept-alive connections); `start()` serves the same files on the same
+    port again. While `slow_down` is set, every request is answered 503 SlowDown.
+    """
+
+    def __init__(self, root: Path, port: int = 0):
+        self.root, self.port, self.slow_down, self.requests = Path(root), port, False, 0
+        (self.root / BUCKET).mkdir(parents=True, exist_ok=True)
+        self._server: ThreadingHTTPServer | None = None
+        self._conns: set[socket.socket] = set()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, prefix: str = "run", **opts) -> str:
+        return store_s3.with_options(f"s3://{BUCKET}/{prefix}", endpoint=self.endpoint, **opts)
+
+    def start(self) -> "LocalS3":
+        owner = self
+
+        class Handler(localbucket.S3Handler):
+            data_root = self.root
+
+            def log_message(self, *args):
+                pass
+
+            def _dispatch(self, action):
+                owner.requests += 1
+                if owner.slow_down:
+                    self._send_error(localbucket.S3Error(HTTPStatus.SERVICE_UNAVAILABLE, "SlowDown",
+                                                         "Please reduce your request rate."))
+                    return
+                super()._dispatch(action)
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads, block_on_close, allow_reuse_address = True, False, True
+
+            def get_request(self):
+                conn, addr = super().get_request()
+                owner._conns.add(conn)
+                return conn, addr
+
+            def shutdown_request(self, request):
+                owner._conns.discard(request)
+                super().shutdown_request(request)
+
+        self._server = Server(("127.0.0.1", self.port), Handler)
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        for conn in list(self._conns):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._conns.clear()
+        self._server = None
+
+
+@pytest.fixture
+def s3(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test-key-id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test-secret")
+    server = LocalS3(tmp_path / "s3").start()
+    yield server
+    server.stop()
+
+
+def _fill(store: bs.BlobStore, n: int, tag: str) -> dict[str, bytes]:
+    out = {}
+    for i in range(n):
+        key, data = f"seq/{tag}/{i:04d}", f"{tag}-{i}".encode() * (1 + i)
+        store.put(key, data)
+        out[key] = data
+    return out
+
+
+def test_round_trip_put_get_list_delete(s3):
+    store = bs.BlobStore(s3.url())
+    assert store.get("a/b") is None and store.list() == []
+    store.put("a/b", b"hello")
+    store.put("a/c", bytes(range(256)) * 4096)  # 1 MiB
+    store.put("b", b"")
+    assert store.get("a/b") == b"hello" and store.get("a/c") == bytes(range(256)) * 4096 and store.get("b") == b""
+    assert store.list() == ["a/b", "a/c", "b"] and store.list("a/") == ["a/b", "a/c"] and store.list("a/c") == ["a/c"]
+    assert store.get("a/c", max_bytes=1 << 20) is not None
+    with pytest.raises(bs.TooLarge):
+        store.get("a/c", max_bytes=(1 << 20) - 1)
+    store.put("a/b", b"again")  # a pointer's one writer rewrites it
+    assert store.get("a/b") == b"again"
+    store.delete("a/b")
+    store.delete("a/b")  # a missing one is not an error
+    assert store.get("a/b") is None and store.list() == ["a/c", "b"]
+    store.delete_prefix("a/")
+    assert store.list() == ["b"]
+    # The prefix is the store's: objects live under <bucket>/run/ on the server, nothing outside it.
+    assert sorted(p.name for p in (s3.root / BUCKET / "run").iterdir()) == ["b"]
+    assert bs.BlobStore(s3.url("other")).list() == []
+    # A spawned process reopens the same store from its URL, endpoint included.
+    import pickle
+    assert pickle.loads(pickle.dumps(store)).list() == ["b"]
+
+
+def test_key_schemes_pointer_acks_gc_and_control_over_s3(s3):
+    store = bs.BlobStore(s3.url())
+    keys = [bs.send_contribution(store, m, 0, seq, f"frame {m} {seq}".encode()) for m in (1, 0) for seq in (0, 1)]
+    assert keys[0] == "up/0001/0000/000000000000"
+    seen: set[str] = set()
+    got = bs.poll_contributions(store, seen)
+    assert [bs.parse_contribution_key(k) for k, _ in got] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
+    assert bs.poll_contributions(store, seen) == []
+    bs.publish(store, 0, 1, None, b"full 1", [(0, 0, 0)], fragments=2)
+    bs.publish(store, 0, 2, b"delta 2", b"full 2", [(0, 0, 1)], fragments=2)
+    assert bs.latest(store, 2) == {0: bs.Published(2, True, ((0, 0, 1),))}
+    assert bs.fetch_fragment(store, 0, 2, want_full=False) == b"delta 2"
+    assert bs.full_versions(store, 0) == [1, 2]
+    assert bs.write_ack(store, 0, 0, 1) == 1 and bs.write_ack(store, 0, 0, 0) == 1 and bs.read_ack(store, 0, 0) == 1
+    deleted = bs.gc(store, keep_versions=1, delivered={(0, 0): 1})
+    assert deleted == ["down/0000/000000000001.full", "up/0000/0000/000000000000", "up/0000/0000/000000000001"]
+    bs.write_control(store, "heartbeat/learner-0000", {"step": 3})
+    assert bs.read_control(store, "heartbeat/learner-0000") == {"step": 3}
+    assert bs.list_control(store) == ["heartbeat/learner-0000"]
+
+
+def test_a_reader_sees_the_old_or_the_new_object_never_a_mix(s3):
+    """A PUT is atomic for readers (localbucket writes a temporary file and renames it, as S3's
+    PUT replaces the object whole): a pointer rewritten while read is always one of its versions."""
+    writer, reader = bs.BlobStore(s3.url()), bs.BlobStore(s3.url())
+    versions = [bytes([65 + i]) * (1 << 20) for i in range(4)]
+    writer.put("down/latest", versions[0])
+    stop = threading.Event()
+
+    def rewrite():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            writer.put("down/latest", versions[i % 4])
+
+    t = threading.Thread(target=rewrite)
+    t.start()
+    try:
+        reads = [reader.get("down/latest") for _ in range(40)]
+    finally:
+        stop.set()
+        t.join()
+    assert all(r in versions for r in reads) and len(set(reads)) > 1
+
+
+def test_bad_urls_and_endpoints_fail_at_start_naming_the_value(s3, tmp_path):
+    from dataclasses import replace
+
+    from diloco.config import ConfigError, RuntimeConfig, TrainConfig, validate
+
+    with pytest.raises(ValueError, match="ftp://x"):
+        bs.BlobStore("s3://diloco/run?endpoint=ftp://x")
+    with pytest.raises(ValueError, match="'colour'"):
+        bs.BlobStore(f"s3://diloco/run?endpoint={s3.endpoint}&colour=red")
+    with pytest.raises(ValueError) as info:
+        bs.BlobStore("s3://diloco/run?endpoint=http://me:hunter2@127.0.0.1:9")
+    assert "hunter2" not in str(info.value) and "127.0.0.1:9" in str(info.value)
+    with pytest.raises(ValueError, match="needs a bucket"):
+        bs.BlobStore(f"s3:///run?endpoint={s3.endpoint}")
+    # No server there: the open's probe retries to the deadline, then names the endpoint.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = sock.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(bs.StoreUnavailable, match=f"127.0.0.1:{dead}"):
+        bs.BlobStore(f"s3://diloco/run?endpoint=http://127.0.0.1:{dead}&retry_s=1")
+    assert time.monotonic() - t0 < 5
+    # A bucket the server does not have is no transient failure: refused at once, naming the URL.
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="s3://nosuchbucket/run"):
+        bs.BlobStore(f"s3://nosuchbucket/run?endpoint={s3.endpoint}")
+    assert time.monotonic() - t0 < 5
+
+    base = TrainConfig(runtime=RuntimeConfig(kind="procs", learners=1, devices_per_learner=1))
+    for runtime, want in [(dict(store_url="s3://b/p", store_endpoint="localhost:9000"), "'localhost:9000'"),
+                          (dict(store_url="s3://b/p", store_region="US East"), "'US East'"),
+                          (dict(store_url="", store_endpoint="http://127.0.0.1:9000"), "not an s3:// URL"),
+                          (dict(store_url="s3://b/p", store_retry_s=0.0), "store_retry_s=0.0"),
+                          (dict(store_url="s3://b/p?retry_s=-1"), "'-1'")]:
+        with pytest.raises(ConfigError, match=want):
+            validate(replace(base, runtime=replace(base.runtime, **runtime)))
+    ok = validate(replace(base, runtime=replace(base.runtime, store_url="s3://b/p", store_endpoint=s3.endpoint,
+                                                store_retry_s=30.0)))
+    assert store_s3.run_store_url(ok.runtime, "file:///x") == f"s3://b/p?endpoint={s3.endpoint}&retry_s=30"
+    assert store_s3.run_store_url(base.runtime, "file:///x") == "file:///x"
+
+
+def test_the_s3_spec_reads_the_aws_environment_and_never_holds_a_secret():
+    env = {"AWS_ENDPOINT_URL": "http://a:1", "AWS_ENDPOINT_URL_S3": "http://b:2", "AWS_REGION": "eu-west-1",
+           "AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": "s3cr3t"}
+    spec = store_s3.s3_spec("bkt", "p/", {}, env)
+    assert spec["endpoint"] == "http://b:2" and spec["aws_region"] == "eu-west-1"
+    assert spec["aws_credentials"] == {"type": "environment"}
+    assert "s3cr3t" not in repr(spec) and "AKIDEXAMPLE" not in repr(spec)
+    spec = store_s3.s3_spec("bkt", "", {"endpoint": "http://c:3", "region": "r1"}, env)
+    assert spec["endpoint"] == "http://c:3" and spec["aws_region"] == "r1"  # the URL's options win
+    spec = store_s3.s3_spec("bkt", "", {}, {"AWS_ENDPOINT_URL": "http://a:1"})
+    assert spec["endpoint"] == "http://a:1" and spec["aws_region"] == "us-east-1" and "aws_credentials" not in spec
+    assert "endpoint" not in store_s3.s3_spec("bkt", "", {}, {})  # AWS itself; the driver finds the region
+    with pytest.raises(ValueError, match="AWS_ENDPOINT_URL_S3='nope'"):
+        store_s3.s3_spec("bkt", "", {}, {"AWS_ENDPOINT_URL_S3": "nope"})
+    retries = store_s3.request_retries(60.0)
+    assert 4 <= retries["max_retries"] <= 16 and retries["max_delay"] == "2s"
+
+
+class _Future:
+    def __init__(self, outcome):
+        self.outcome, self.cancelled = outcome, False
+
+    def result(self, timeout=None):
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_call_repeats_transient_failures_up_to_its_deadline_and_raises_others_at_once():
+    now = [0.0]
+
+    def sleep(dt):
+        now[0] += dt
+
+    outcomes = [ValueError("UNAVAILABLE: connection refused"), ValueError("ABORTED: All 8 retry attempts failed"),
+                "done"]
+    got = store_s3.call(lambda: _Future(outcomes.pop(0)), "put x", 60, sleep=sleep, clock=lambda: now[0])
+    assert got == "done" and now[0] == pytest.approx(0.3)  # 0.1 s, then 0.2 s
+    with pytest.raises(ValueError, match="NOT_FOUND"):
+        store_s3.call(lambda: _Future(ValueError("NOT_FOUND: NoSuchBucket")), "list", 60, sleep=sleep,
+                      clock=lambda: now[0])
+    now[0] = 0.0
+    calls = []
+    with pytest.raises(bs.StoreUnavailable, match=r"put x: the store kept failing for 10 s \(10 attempts"):
+        store_s3.call(lambda: calls.append(1) or _Future(ValueError("UNAVAILABLE: down")), "put x", 10,
+                      sleep=sleep, clock=lambda: now[0])
+    assert now[0] == pytest.approx(10)  # back-off 0.1, 0.2, ... 2 s, capped by the deadline
+    assert not isinstance(bs.StoreUnavailable("x"), ValueError)  # never taken for damage
+
+
+def test_writes_and_reads_ride_out_a_stopped_server_and_lose_nothing(s3):
+    store = bs.BlobStore(s3.url(retry_s=30))
+    written = _fill(store, 5, "before")
+    restarted = threading.Event()
+
+    def outage():
+        s3.stop()
+        time.sleep(3)
+        s3.start()
+        restarted.set()
+
+    t = threading.Thread(target=outage)
+    t0 = time.monotonic()
+    t.start()
+    written |= _fill(store, 10, "during")  # the first of these waits for the server
+    seen = {k: store.get(k) for k in written}
+    t.join()
+    assert restarted.is_set() and time.monotonic() - t0 >= 3
+    assert seen == written and store.list("seq/") == sorted(written)
+
+
+def test_throttling_503_slow_down_is_retried_and_loses_nothing(s3):
+    store = bs.BlobStore(s3.url(retry_s=30))
+    s3.slow_down = True
+    before = s3.requests
+    threading.Timer(2.0, lambda: setattr(s3, "slow_down", False)).start()
+    t0 = time.monotonic()
+    written = _fill(store, 5, "throttled")
+    assert time.monotonic() - t0 >= 2 and s3.requests - before > 6  # retried, not failed
+    assert {k: store.get(k) for k in written} == written and store.list("seq/") == sorted(written)
+
+
+def test_a_store_down_past_its_deadline_raises_a_clear_error(s3):
+    store = bs.BlobStore(s3.url(retry_s=1.5))
+    s3.stop()
+    t0 = time.monotonic()
+    with pytest.raises(bs.StoreUnavailable, match=r"put up/x: the store kept failing for 1.5 s"):
+        store.put("up/x", b"frame")
+    assert time.monotonic() - t0 < 4
