@@ -314,3 +314,59 @@ def test_a_store_down_past_its_deadline_raises_a_clear_error(s3):
     with pytest.raises(bs.StoreUnavailable, match=r"put up/x: the store kept failing for 1.5 s"):
         store.put("up/x", b"frame")
     assert time.monotonic() - t0 < 4
+
+
+# One short procs run of tests/test_procs.py's tiny model with its traffic over S3, and one where
+# the server is down for 3 s mid-run (its helpers imported, so both stay the same run).
+from test_procs import STEPS, M, P, variant, world  # noqa: E402,F401  (world: a module fixture)
+
+
+def _check_run(rt, summary, cfg):
+    assert rt.syncer.exitcode == 0 and rt.finished["complete"]
+    assert rt.finished["steps"] == {str(m): STEPS for m in range(M)}
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    assert rt.finished["tokens"]["processed"] == P * M * STEPS * tokens_per_step  # every step booked once
+    assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
+
+
+def test_a_procs_run_over_s3_balances_its_ledger(world, tmp_path, s3):
+    from diloco.runtime import procs
+
+    _, _, evaluate_global, _ = world
+    cfg, setup, run_dir = variant(world, tmp_path, store_url=f"s3://{BUCKET}/run", store_endpoint=s3.endpoint,
+                                  store_retry_s=30.0)
+    rt, summary = procs.run(cfg, setup, run_dir, evaluate_global)
+    _check_run(rt, summary, cfg)
+    assert not (run_dir / "store").exists()  # the traffic went to the server
+    assert bs.BlobStore(s3.url()).list("rep/") == []  # every report read
+
+
+@pytest.mark.slow
+def test_a_procs_run_rides_out_the_s3_server_down_for_3_s(world, tmp_path, s3):
+    from diloco.runtime import procs
+
+    cfg, setup, run_dir = variant(world, tmp_path, store_url=f"s3://{BUCKET}/run", store_endpoint=s3.endpoint,
+                                  store_retry_s=30.0)
+    up, done, outage = s3.root / BUCKET / "run" / "up", threading.Event(), {}
+
+    def outage_once_traffic_flows():
+        while not done.is_set() and not (up.is_dir() and any(up.rglob("*"))):
+            time.sleep(0.05)
+        if done.is_set():
+            return
+        s3.stop()
+        outage["stopped"] = time.monotonic()
+        time.sleep(3)
+        s3.start()
+        outage["restarted"], outage["run_going"] = time.monotonic(), not done.is_set()
+
+    t = threading.Thread(target=outage_once_traffic_flows)
+    t.start()
+    try:
+        rt, summary = procs.run(cfg, setup, run_dir, None)
+    finally:
+        done.set()
+        t.join()
+    assert outage.get("run_going"), outage  # the server came back while the run was still going
+    _check_run(rt, summary, cfg)
+    assert sorted(rt.exits) == [(f"learner-{m}", 0, 0) for m in range(M)]  # nobody crashed or restarted
