@@ -274,6 +274,23 @@ def test_call_repeats_transient_failures_up_to_its_deadline_and_raises_others_at
     assert now[0] == pytest.approx(10)  # back-off 0.1, 0.2, ... 2 s, capped by the deadline
     assert not isinstance(bs.StoreUnavailable("x"), ValueError)  # never taken for damage
 
+    # An attempt with no answer is cancelled after attempt_s and made again (a dead connection).
+    now[0] = 0.0
+    hung = []
+
+    class Hung(_Future):
+        def result(self, timeout=None):
+            now[0] += timeout
+            raise TimeoutError
+
+    def op():
+        hung.append(Hung(None) if len(hung) < 2 else _Future("late"))
+        return hung[-1]
+
+    assert store_s3.call(op, "get x", 60, sleep=sleep, clock=lambda: now[0]) == "late"
+    assert [f.cancelled for f in hung] == [True, True, False] and now[0] == pytest.approx(2 * 15 + 0.3)
+    assert store_s3.attempt_s(60) == 15 and store_s3.attempt_s(30) == 10 and store_s3.attempt_s(1.5) == 1.5
+
 
 def test_writes_and_reads_ride_out_a_stopped_server_and_lose_nothing(s3):
     store = bs.BlobStore(s3.url(retry_s=30))

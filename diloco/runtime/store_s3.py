@@ -13,13 +13,14 @@ Failures are retried in two layers. tensorstore retries each HTTP request that f
 (connection refused or reset, 5xx, 429 / 503 SlowDown) with exponential back-off, per its context
 resource `s3_request_retries` (set here from the deadline). `call` retries a whole operation
 that still fails transiently, with back-off, until the store's deadline (`retry_s`, default 60 s),
-and bounds each attempt's wait by it, so a server that accepts and never answers cannot hang a
-reader; then it raises StoreUnavailable. Every operation is safe to repeat: objects are written
+and cancels an attempt with no answer after `attempt_s`, so a dead connection or a server that
+accepts and never answers cannot hang a reader; then it raises StoreUnavailable. Every operation is safe to repeat: objects are written
 whole under keys no other write reuses, pointers by their one writer (docs/design.md#object-store-transport).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -27,6 +28,8 @@ import time
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any, Callable
+
+log = logging.getLogger(__name__)
 
 DEFAULT_RETRY_S = 60.0
 ENV_ENDPOINT = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
@@ -168,6 +171,13 @@ def s3_spec(bucket: str, path: str, opts: Mapping[str, str], env: Mapping[str, s
     return spec
 
 
+def attempt_s(retry_s: float) -> float:
+    """How long one attempt of an operation may take: a quarter of the deadline, at least 10 s
+    (a 16 MB put at a few MB/s), at most the deadline. A larger object over a slower link needs a
+    larger runtime.store_retry_s."""
+    return min(retry_s, max(retry_s / 4, 10.0))
+
+
 def transient(error: BaseException) -> bool:
     """Whether a tensorstore error may pass if the operation is repeated."""
     return isinstance(error, ValueError) and str(error).split(":", 1)[0].strip() in _TRANSIENT
@@ -177,22 +187,27 @@ def call(op: Callable[[], Any], what: str, retry_s: float, *, sleep: Callable[[f
          clock: Callable[[], float] = time.monotonic) -> Any:
     """`op()` (a tensorstore Future) resolved, repeated with back-off (0.1 s doubling to 2 s) while
     it fails transiently, for at most `retry_s` seconds in all; then StoreUnavailable naming `what`.
-    A non-transient error is raised at once, unchanged."""
-    deadline, delay, attempts = clock() + retry_s, 0.1, 0
+    A non-transient error is raised at once, unchanged.
+
+    One attempt waits at most attempt_s(retry_s), then is cancelled and made again: a request
+    caught by an outage can sit on a dead connection with no answer and no error (seen with a
+    server stopped for 3 s mid-run, tests/test_blobstore_s3.py), and a fresh attempt reconnects."""
+    deadline, delay, attempts, per_attempt = clock() + retry_s, 0.1, 0, attempt_s(retry_s)
     while True:
         attempts += 1
         future = op()
         try:
-            return future.result(timeout=max(deadline - clock(), 0.001))
+            return future.result(timeout=max(min(deadline - clock(), per_attempt), 0.001))
         except TimeoutError:
             future.cancel()
-            last: BaseException = TimeoutError("the last attempt was still failing (in tensorstore's "
-                                               "request retries) at the deadline")
+            last: BaseException = TimeoutError(f"an attempt had no answer within {per_attempt:g} s")
         except ValueError as e:
             if not transient(e):
                 raise
             last = e
         left = deadline - clock()
+        if attempts == 1 and left > 0:
+            log.warning("%s: %s; retrying for up to %g s", what, str(last)[:300], retry_s)
         if left <= 0:
             raise StoreUnavailable(f"{what}: the store kept failing for {retry_s:g} s ({attempts} attempts; "
                                    f"last: {str(last)[:300]})")
