@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--checkpoint", default="", help="a HF folder, a .gguf or smollm2: start from it")
     p.add_argument("--sft", action="store_true", help="the record task's chats, masked loss (needs --checkpoint)")
     p.add_argument("--lora-rank", type=int, default=0, help="> 0: train LoRA adapters (needs --checkpoint)")
+    p.add_argument("--lora-targets", default="q,k,v,o,gate,up,down", help="as configs/finetune/lora.yaml")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model_cfg = from_dict(ModelConfig, yaml.safe_load((CONFIGS / "model" / f"{args.model}.yaml").read_text()))
@@ -75,7 +76,7 @@ def main() -> None:
 
         model_cfg = ModelConfig(init_from=str(resolve(args.checkpoint)))
         inner = InnerConfig(warmup_steps=0, lr=1e-4)
-        finetune = FinetuneConfig(lora=LoraConfig(rank=args.lora_rank))
+        finetune = FinetuneConfig(lora=LoraConfig(rank=args.lora_rank, targets=tuple(args.lora_targets.split(","))))
     if args.sft:
         chats = records.write_jsonl(Path(tempfile.mkdtemp()) / "train.jsonl", records.splits(0, 1000, 1)[0])
         data = DataConfig(source="sft", paths=(str(chats),), seq_len=args.seq, batch_size=args.batch,
