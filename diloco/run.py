@@ -110,6 +110,13 @@ def _final_theta(rt) -> dict:
     return rt.theta if getattr(rt, "theta", None) is not None else sync.theta(rt.host.state)
 
 
+def dp_bytes_same_steps(cfg: TrainConfig, params: int) -> float:
+    """Bytes data parallel moves through the M learners' links in cfg's steps, both directions:
+    each link sends and receives dp_bytes_per_step of `params` every step."""
+    M = cfg.runtime.learners
+    return 2 * M * cfg.run.steps * dp_bytes_per_step(params, M)
+
+
 def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path,
                full: Callable[[dict], dict] = lambda params: params) -> dict:
     """`full`: the full model's params of the trained ones (inputs.full_params: LoRA merges its
@@ -118,10 +125,8 @@ def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path,
     runtime = {"sim": sim.run, "threads": threads.run, "procs": procs.run}[cfg.runtime.kind]
     rt, summary = runtime(cfg, setup, run_dir, global_evaluator(cfg, corpus, model, setup))
     summary["model_dir"] = str(export_model(run_dir, cfg, corpus, full(params_of(model, _final_theta(rt)))))
-    M, steps = cfg.runtime.learners, cfg.run.steps
-    # Through the M learners' links, both directions (each sends and receives dp_bytes_per_step),
-    # for the same number of steps; under LoRA data parallel too would all-reduce the adapters only.
-    dp = 2 * M * steps * dp_bytes_per_step(count_params(model.params), M)
+    # Under LoRA data parallel too would all-reduce the adapters only.
+    dp = dp_bytes_same_steps(cfg, count_params(model.params))
     summary["dp_bytes_same_steps"] = int(dp)
     sent = summary["bytes_up"] + summary["bytes_down"]
     summary["dp_bytes_over_diloco"] = dp / sent if sent else float("inf")

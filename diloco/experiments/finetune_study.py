@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco.bandwidth.analytic import dp_bytes_per_step
 from diloco.config import ConfigError, from_dict
 from diloco.experiments import records, runner
 from diloco.experiments.spec import ExperimentSpec, Job, Settings, Variant, hydra_configs, train_config
@@ -114,17 +113,13 @@ def downstream(model_path: Path, test: list[dict], cfg: StudyConfig, cache: Path
 def masked_loss(job: Job) -> float:
     """The held-out masked loss of the run's starting checkpoint, on the windows every run is
     evaluated on (the study's eval_sequences): the 'before' of the loss column."""
-    import jax
-
     from diloco.data import held_out
+    from diloco.evaluation import mean_loss
     from diloco.inputs import load_inputs
-    from diloco.train.mesh import make_mesh
-    from diloco.train.trainer import compile_steps, evaluate
 
-    cfg, corpus, model, _ = load_inputs(job.cfg)
-    compiled = compile_steps(model, cfg, make_mesh(cfg.mesh, cfg.data.batch_size))
-    val = held_out(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, n=cfg.run.eval_batches)
-    return evaluate(compiled, jax.device_put(model.params, compiled.state_sharding.params), val)
+    cfg, corpus, _, pre = load_inputs(job.cfg)
+    return mean_loss(pre, held_out(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
+                                   n=cfg.run.eval_batches))
 
 
 def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -155,13 +150,6 @@ def row(job: Job, summary: dict, score: dict, dp_bytes: float) -> dict:
             "run_dir": cfg.run.out_dir}
 
 
-def reference_bytes(job: Job, params: int) -> float:
-    """What data parallel sends through the M learners' links, both ways, in the same steps: a
-    bf16 ring all-reduce of the full model every step (diloco.bandwidth.analytic)."""
-    M = job.cfg.runtime.learners
-    return 2 * M * job.cfg.run.steps * dp_bytes_per_step(params, M)
-
-
 def table(base: dict, rows: list[dict]) -> str:
     lo, hi = wilson(base["exact"], base["n"])
     lines = ["| model | trained / all params | exact match [95% CI] | format ok | fields right | "
@@ -181,6 +169,7 @@ def table(base: dict, rows: list[dict]) -> str:
 def run(cfg: StudyConfig) -> list[Path]:
     """Train and score every variant; write <out_dir>/finetune.{md,json}."""
     from diloco.generation import resolve
+    from diloco.run import dp_bytes_same_steps
 
     checkpoint = resolve(cfg.checkpoint)
     train_file, test = data_files(cfg)
@@ -198,7 +187,7 @@ def run(cfg: StudyConfig) -> list[Path]:
     for job in planned:
         summary = runner.trained(job, settings)
         if dp_bytes is None:  # the data-parallel reference: the full model, every step
-            dp_bytes = reference_bytes(job, summary["params"])
+            dp_bytes = dp_bytes_same_steps(job.cfg, summary["params"])
         score = downstream(Path(job.cfg.run.out_dir) / "model", test, cfg,
                            Path(job.cfg.run.out_dir) / "downstream.json")
         rows.append(row(job, summary, score, dp_bytes))
