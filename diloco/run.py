@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -122,7 +123,11 @@ def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path,
     """`full`: the full model's params of the trained ones (inputs.full_params: LoRA merges its
     adapters into the checkpoint), which the export writes."""
     setup = build_setup.build(cfg, corpus, model)
-    runtime = {"sim": sim.run, "threads": threads.run, "procs": procs.run}[cfg.runtime.kind]
+    if cfg.runtime.kind == "ray":  # an optional extra: imported only when asked for
+        from diloco.runtime import ray_runtime
+        runtime = ray_runtime.run
+    else:
+        runtime = {"sim": sim.run, "threads": threads.run, "procs": procs.run}[cfg.runtime.kind]
     rt, summary = runtime(cfg, setup, run_dir, global_evaluator(cfg, corpus, model, setup))
     summary["model_dir"] = str(export_model(run_dir, cfg, corpus, full(params_of(model, _final_theta(rt)))))
     # Under LoRA data parallel too would all-reduce the adapters only.
@@ -147,7 +152,19 @@ def _from_records(run_dir: Path) -> dict:
 def run(cfg: TrainConfig) -> dict:
     """Train as `cfg` says, write outputs into cfg.run.out_dir, print and return the summary.
     What can fail on the user's input (the run directory, the checkpoint to start from, the data,
-    the devices) is checked before the run directory is written."""
+    the devices) is checked before the run directory is written. Started apart
+    (runtime.launch=external, docs/cluster.md): a learner runs (scripts/learner.py) and exits with
+    its status; the syncer host (scripts/syncer.py) started again on its run directory resumes it,
+    as a scheduler restarts it with the same command line."""
+    if cfg.runtime.launch == "external":
+        from diloco.runtime.procs.standalone import run_learner
+        if cfg.runtime.learner_index >= 0:
+            code = run_learner(cfg)
+            if code:
+                raise SystemExit(code)
+            return {"learner": cfg.runtime.learner_index, "exitcode": 0}
+        if used_by_a_run(Path(cfg.run.out_dir)):
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
     check_run_dir(cfg)
     inputs = load_inputs(cfg)
     cfg, corpus, model, pre = inputs  # cfg.model: model.init_from's shape, if set

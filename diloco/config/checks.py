@@ -181,7 +181,17 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     check(e, s.anchor in ("current", "base"), f"syncer.anchor={s.anchor!r} not in current|base")
     check(e, s.scale in ("admitted", "live"), f"syncer.scale={s.scale!r} not in admitted|live")
     check(e, cfg.fragments.others in ("now", "defer"), f"fragments.others={cfg.fragments.others!r} not in now|defer")
-    check(e, r.kind in ("sim", "threads", "procs"), f"runtime.kind={r.kind!r} not in sim|threads|procs")
+    check(e, r.kind in ("sim", "threads", "procs", "ray"), f"runtime.kind={r.kind!r} not in sim|threads|procs|ray")
+    check(e, r.launch in ("local", "external"), f"runtime.launch={r.launch!r} not in local|external")
+    check(e, r.launch == "local" or r.kind == "procs",
+          f"runtime.launch={r.launch!r} needs runtime.kind=procs (got {r.kind!r})")
+    check(e, -1 <= r.learner_index < r.learners,
+          f"runtime.learner_index={r.learner_index} must be in 0..{r.learners - 1} (runtime.learners={r.learners}), "
+          "or -1 where no single learner is meant")
+    for name in ("learner_resources", "syncer_resources"):
+        res = getattr(r, name)
+        check(e, all(isinstance(v, float) and v >= 0 for v in res.values()) and any(v > 0 for v in res.values()),
+              f"runtime.{name}={res} must map Ray resource names to amounts >= 0, at least one > 0")
     check(e, not (cfg.chaos.enabled and cfg.chaos.scavenge and r.kind != "sim"),
            f"chaos.scavenge={list(cfg.chaos.scavenge)} needs runtime.kind=sim (got {r.kind!r})")
     check(e, cfg.chaos.wall_scale > 0, f"chaos.wall_scale={cfg.chaos.wall_scale} must be > 0")
@@ -217,8 +227,8 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     if cfg.algo == "diloco":
         # sim resumes from its snapshots; threads and procs from the syncer checkpoint a stop saves
         # (procs: and its journal, kept only with run.checkpoint_every > 0), docs/design.md#stopping-a-run
-        check(e, not cfg.run.resume or r.kind != "procs" or cfg.run.checkpoint_every > 0,
-               f"run.resume=true with runtime.kind=procs needs run.checkpoint_every > 0 (got "
+        check(e, not cfg.run.resume or r.kind not in ("procs", "ray") or cfg.run.checkpoint_every > 0,
+               f"run.resume=true with runtime.kind={r.kind} needs run.checkpoint_every > 0 (got "
                f"{cfg.run.checkpoint_every}): the syncer's checkpoints and journal are what it resumes from")
         check(e, cfg.data.batch_size % r.devices_per_learner == 0,
                f"data.batch_size={cfg.data.batch_size} is not divisible by "

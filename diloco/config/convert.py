@@ -47,6 +47,11 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path} must be a list, got {value!r}")
         (item,) = typing.get_args(tp)[:1]
         return tuple(_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:  # a mapping of names to values (Ray resources): keys strings, values coerced
+        key_tp, item = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a mapping, got {value!r}")
+        return {_coerce(key_tp, k, f"{path} key"): _coerce(item, v, f"{path}.{k}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{path} must be true or false, got {value!r}")

@@ -233,6 +233,17 @@ class RuntimeConfig:
     auth: str = "auto"  # auto | on | off
     auth_secret_env: str = "DILOCO_AUTH_SECRET"
     auth_secret_file: str = ""
+    # Beyond one machine (docs/cluster.md). procs: local = this process spawns the syncer and every
+    # learner and restarts them; external = it hosts the syncer only (scripts/syncer.py) and each
+    # learner is started apart by a scheduler (scripts/learner.py), coupled through the store.
+    launch: str = "local"
+    learner_index: int = -1  # scripts/learner.py: the learner this process runs, 0..learners-1
+    # ray: the cluster to join ("" = start one on this machine; "auto" or host:port = a running one),
+    # each learner's placement group bundle (Ray resources: CPU, GPU, TPU, ...) and the syncer
+    # actor's resources (a CPU node).
+    ray_address: str = ""
+    learner_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    syncer_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
 
 
 @dataclass(frozen=True)

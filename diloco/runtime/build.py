@@ -23,6 +23,7 @@ from diloco.algo.outer import make_outer
 from diloco.config import ConfigError, MeshConfig, TrainConfig
 from diloco.data import Corpus
 from diloco.model import Model, is_embedding
+from diloco.runtime import placement
 from diloco.runtime.unit import LearnerUnit, UnitSpec
 from diloco.train.mesh import make_mesh
 from diloco.train.trainer import Compiled, compile_steps
@@ -43,7 +44,7 @@ def outer_optimizer(cfg: TrainConfig):
 
 # Where frames cross a process boundary (an object store another process can write to) learners
 # are authenticated unless the config says otherwise; in one process there is no one to forge them.
-AUTH_BY_DEFAULT = ("procs",)
+AUTH_BY_DEFAULT = ("procs", "ray")
 
 
 def auth_secret(cfg: TrainConfig) -> Secret | None:
@@ -63,6 +64,10 @@ def auth_secret(cfg: TrainConfig) -> Secret | None:
         where = f"runtime.auth_secret_file={r.auth_secret_file!r}"
     elif os.environ.get(r.auth_secret_env):
         raw, where = os.environ[r.auth_secret_env].encode("utf-8"), f"${r.auth_secret_env}"
+    elif r.launch == "external":  # processes started apart cannot inherit a secret made here
+        raise ConfigError(f"runtime.auth is on and the learners are started apart (runtime.launch=external): "
+                          f"every process needs the same run secret, in ${r.auth_secret_env} or "
+                          "runtime.auth_secret_file (e.g. `openssl rand -hex 32`), or set runtime.auth=off")
     else:
         os.environ[r.auth_secret_env] = secrets.token_hex(32)
         raw, where = os.environ[r.auth_secret_env].encode("utf-8"), "a random secret"
@@ -95,33 +100,44 @@ def shares_mesh(cfg: TrainConfig) -> bool:
     return cfg.runtime.kind == "sim"
 
 
-def check_devices(cfg: TrainConfig) -> None:
-    """ConfigError unless the learners' sub-meshes fit on the visible devices."""
+# Runtimes whose every learner is a process of its own: such a process may see only its own
+# devices (a host, a Ray actor given only its accelerators), docs/pathways.md#which-devices-a-learner-gets.
+ONE_LEARNER_PER_PROCESS = ("procs", "ray")
+
+
+def learner_device_lists(cfg: TrainConfig, devices) -> list[tuple]:
+    """Each sub-mesh's devices out of `devices` (placement.learner_devices): one per learner, or
+    the one every learner shares in sim. ConfigError unless they fit; the messages for too few
+    devices are the ones this check has always given, with the CPU flag that fixes them."""
     r = cfg.runtime
-    need, have = r.learners * r.devices_per_learner, len(jax.devices())
-    if shares_mesh(cfg):
-        need = r.devices_per_learner
-    if need > have and shares_mesh(cfg):
+    count = 1 if shares_mesh(cfg) else r.learners
+    one_per_process = r.kind in ONE_LEARNER_PER_PROCESS
+    need, have = count * r.devices_per_learner, len(devices)
+    own = one_per_process and have == r.devices_per_learner
+    if need > have and not own and shares_mesh(cfg):
         raise ConfigError(f"runtime.devices_per_learner={r.devices_per_learner}, but only {have} devices "
                           f"are visible (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={need}, "
                           f"or lower runtime.devices_per_learner)")
-    if need > have:
+    if need > have and not own:
         raise ConfigError(f"runtime.learners={r.learners} x runtime.devices_per_learner="
                           f"{r.devices_per_learner} = {need} devices, but only {have} are visible "
                           f"(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={need}, or lower "
                           f"runtime.learners or runtime.devices_per_learner)")
+    return placement.learner_devices(devices, count, r.devices_per_learner, one_per_process=one_per_process)
+
+
+def check_devices(cfg: TrainConfig) -> None:
+    """ConfigError unless the learners' sub-meshes fit on the visible devices."""
+    learner_device_lists(cfg, jax.devices())
 
 
 def learner_meshes(cfg: TrainConfig) -> list:
     """M disjoint sub-meshes of devices_per_learner devices each, data-parallel inside; in sim
-    the first one only, which every learner shares (shares_mesh)."""
+    the first one only, which every learner shares (shares_mesh). In a process that sees only one
+    learner's devices (procs, ray) all M are that one sub-mesh: the process runs one of them."""
     r = cfg.runtime
-    check_devices(cfg)
-    devices = jax.devices()
     mesh_cfg = MeshConfig(data=r.devices_per_learner, fsdp=1, devices=r.devices_per_learner)
-    count = 1 if shares_mesh(cfg) else r.learners
-    return [make_mesh(mesh_cfg, cfg.data.batch_size, devices[m * r.devices_per_learner:(m + 1) * r.devices_per_learner])
-            for m in range(count)]
+    return [make_mesh(mesh_cfg, cfg.data.batch_size, list(devs)) for devs in learner_device_lists(cfg, jax.devices())]
 
 
 def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:

@@ -33,6 +33,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import Counter
@@ -59,10 +60,25 @@ log = logging.getLogger(__name__)
 
 POLL_MIN, POLL_MAX = 0.002, 0.05  # seconds: back-off bounds of every procs poll loop
 EXIT_DOWN = 75  # a learner whose chaos tape took all its slices (EX_TEMPFAIL): restarted, not an error
+# A learner started apart (diloco/runtime/procs/standalone.py) that finds a newer incarnation of
+# itself has claimed its index: the scheduler started a replacement, so this one steps aside.
+EXIT_SUPERSEDED = 76
+FENCE_S = 2.0  # seconds between such a learner's looks at its claim
 # Seconds a rejoining learner looks for a readable full copy of a fragment before it gives up on
 # it and starts that fragment from Theta_0 at version 0 (its sends are then stale until it catches
 # up): the store is damaged beyond what fallbacks mend, and crashing would fail the whole run.
 VIEW_TIMEOUT_S = 60.0
+
+
+def orphaned(parent: int | None) -> bool:
+    """Whether the supervisor that spawned this process is gone; never for a process a scheduler
+    started (parent None: scripts/learner.py, a Ray actor), whose lifetime is the scheduler's."""
+    return parent is not None and os.getppid() != parent
+
+
+def in_main_thread() -> bool:
+    """Signal handlers can be set only here; a Ray actor runs its methods in worker threads."""
+    return threading.current_thread() is threading.main_thread()
 
 
 def event_key(learner: int, incarnation: int, n: int) -> str:
@@ -115,7 +131,8 @@ def child_main(name: str, store_url: str, cfg: TrainConfig, cache: str | None, b
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     # Ctrl-C reaches the whole process group; the supervisor decides what stops, and how.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if in_main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     store = bs.BlobStore(store_url, sync=False)
     try:
         body(store, cfg, *args)
@@ -124,10 +141,10 @@ def child_main(name: str, store_url: str, cfg: TrainConfig, cache: str | None, b
         raise
 
 
-def wait_for(poll: Callable[[], Any], parent: int, stopping: Callable[[], bool] = lambda: False) -> Any:
+def wait_for(poll: Callable[[], Any], parent: int | None, stopping: Callable[[], bool] = lambda: False) -> Any:
     """Poll with back-off until `poll()` is truthy; None once `stopping()` (SIGTERM); exit if the
     supervisor is gone (orphaned)."""
-    poller = bs.Poller(POLL_MIN, POLL_MAX, stop=lambda: os.getppid() != parent or stopping())
+    poller = bs.Poller(POLL_MIN, POLL_MAX, stop=lambda: orphaned(parent) or stopping())
     found = poller.until(poll)
     if found is None and not stopping():
         raise SystemExit(f"supervisor {parent} is gone")
@@ -223,10 +240,13 @@ class ProcLearner:
     """Learner (m, incarnation) in its own process; owns its unit, writes its own event stream."""
 
     def __init__(self, store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m: int,
-                 incarnation: int, parent: int, resumed: bool = False):
-        """resumed: the first incarnation of a resumed run, coming back from a stop."""
+                 incarnation: int, parent: int | None, resumed: bool = False,
+                 superseded: Callable[[], bool] | None = None):
+        """resumed: the first incarnation of a resumed run, coming back from a stop. parent: the
+        supervisor's pid (None: started by a scheduler). superseded: whether a newer incarnation
+        has claimed this learner (started apart: asked every FENCE_S at step boundaries)."""
         self.store, self.cfg, self.m, self.inc, self.parent = store, cfg, m, incarnation, parent
-        self.resumed = resumed
+        self.resumed, self.superseded, self.fenced_at = resumed, superseded, time.monotonic()
         self.setup = child_setup(cfg, store)
         r = cfg.runtime
         self.speed, self.jitter = (list(r.speeds) or [1.0] * r.learners)[m], r.jitter
@@ -253,7 +273,7 @@ class ProcLearner:
         return time.time() - self.t0  # wall time: every process (and host) shares the syncer's t0
 
     def _nap(self, dt: float) -> None:
-        if os.getppid() != self.parent:
+        if orphaned(self.parent):
             raise SystemExit(f"supervisor {self.parent} is gone")
         time.sleep(max(0.0, min(dt, self.nap_until - self.clock())))
 
@@ -326,6 +346,13 @@ class ProcLearner:
         if self.tape is not None and not self.tape.alive(self.m, self.clock()):
             self.checkpoints.close()
             sys.exit(EXIT_DOWN)  # all its slices are down: the supervisor starts its successor
+        if self.superseded is not None and time.monotonic() - self.fenced_at >= FENCE_S:
+            self.fenced_at = time.monotonic()
+            if self.superseded():  # what it writes from now on would be booked by nobody
+                log.error("learner %d incarnation %d: a newer incarnation has claimed this learner; exiting",
+                          self.m, self.inc)
+                self.checkpoints.close()
+                sys.exit(EXIT_SUPERSEDED)
         return self.terminating
 
     def poll(self, unit: LearnerUnit) -> None:
@@ -404,13 +431,19 @@ def _version(key: str) -> int:
 
 
 def learner_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m: int, incarnation: int,
-                 parent: int, resumed: bool = False) -> None:
-    rt = ProcLearner(store, cfg, run_dir, m, incarnation, parent, resumed)
+                 parent: int | None, resumed: bool = False, superseded: Callable[[], bool] | None = None,
+                 exposed: Callable[[ProcLearner], None] | None = None) -> None:
+    """exposed: given the learner once built, for a host that stops it without a signal (a Ray
+    actor sets `terminating` from another thread)."""
+    rt = ProcLearner(store, cfg, run_dir, m, incarnation, parent, resumed, superseded)
+    if exposed is not None:
+        exposed(rt)
 
     def stop(signum, frame):  # SIGTERM (the supervisor stopping, or a preemption notice)
         rt.terminating = True
 
-    signal.signal(signal.SIGTERM, stop)
+    if in_main_thread():
+        signal.signal(signal.SIGTERM, stop)
     rt.run()
     if rt.terminating:  # not done: the supervisor restarts it if the run goes on
         sys.exit(128 + signal.SIGTERM)

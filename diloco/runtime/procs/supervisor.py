@@ -217,8 +217,13 @@ class Procs:
                 self._restart_syncer(code)
             for m in range(self.M):
                 self._watch(m)
-            alive = [p.sentinel for m, p in self.learners.items() if m not in self.done]
-            wait_for_exit(alive + [self.syncer.sentinel], timeout=POLL)
+            self._wait([p for m, p in self.learners.items() if m not in self.done] + [self.syncer], POLL)
+
+    def _wait(self, children: list, timeout: float) -> None:
+        """Until one of `children` exits, or `timeout` s. A child is anything with the surface of
+        multiprocessing's Process that this class uses (exitcode, pid, terminate, kill, join):
+        the Ray runtime's actors (diloco/runtime/ray_runtime.py) wrap themselves so."""
+        wait_for_exit([p.sentinel for p in children], timeout=timeout)
 
     def _restart_syncer(self, code: int) -> None:
         inc = self.syncer_incarnation
@@ -262,12 +267,17 @@ class Procs:
 
     def _read_reports(self, evaluate: bool = True) -> None:
         """The syncer's reports, in order: metrics records, eval requests, the end. A malformed one
-        (not JSON, too large, fields or Theta not what its kind needs) is logged and skipped."""
+        (not JSON, too large, fields or Theta not what its kind needs) is logged and skipped. How
+        many were read is kept in the store (`ctl/reports`), for a syncer restarted by a process
+        that did not spawn its predecessor: scripts/syncer.py started again, a Ray actor."""
+        start = self.reports
         while True:
             key = rep_key(self.reports, "json")
             try:
                 record = bs.read_json(self.store, key, finite=False)  # a loss may be NaN
                 if record is None:
+                    if self.reports > start:
+                        bs.write_control(self.store, "reports", {"read": self.reports})
                     return
                 theta = self._report_theta(record)
             except ValueError as e:
@@ -418,9 +428,14 @@ def keep_secret(cfg: TrainConfig, run_dir: Path | None) -> None:
 
 
 def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
-        evaluate: Callable[[dict], float] | None) -> tuple[Procs, dict]:
+        evaluate: Callable[[dict], float] | None, supervisor: type[Procs] | None = None) -> tuple[Procs, dict]:
     """Run Decoupled DiLoCo as supervised processes; returns the finished supervisor (for its
-    records) and a summary with the same keys as sim's and threads'."""
+    records) and a summary with the same keys as sim's and threads'. `supervisor`: Procs, or a
+    subclass that starts the processes elsewhere (the syncer host of learners started apart,
+    diloco/runtime/procs/standalone.py; Ray actors, diloco/runtime/ray_runtime.py)."""
+    if supervisor is None:
+        from diloco.runtime.procs.standalone import SyncerOnly as External
+        supervisor = External if cfg.runtime.launch == "external" else Procs
     with contextlib.ExitStack() as stack:
         if run_dir is None:  # the store and nothing else
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="diloco-procs-")))
@@ -432,7 +447,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
             writer = report.MetricsWriter(run_dir / "metrics.jsonl", run_watch.for_run(cfg, run_dir, "wall"))
             stack.callback(writer.close)
         run_tape(cfg, run_dir)  # for the record: every learner process derives the same tape
-        rt = Procs(cfg, setup, run_dir, evaluate, writer, url, str(root / "xla_cache"))
+        rt = supervisor(cfg, setup, run_dir, evaluate, writer, url, str(root / "xla_cache"))
         summary = rt.run()
         if evaluate is not None:
             rt._eval(rt.finished["time"], rt.finished["steps"]["0"], rt.theta, rt.finished["processed0"],

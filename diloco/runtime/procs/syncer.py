@@ -56,7 +56,7 @@ from diloco.runtime import blobstore as bs
 from diloco.runtime import events as ev
 from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.procs.learner import (POLL_MAX, POLL_MIN, buried, child_main, child_setup, died, event_key,
-                                          max_frame)
+                                          in_main_thread, max_frame)
 from diloco.runtime.procs.recovery import Recovery
 from diloco.runtime.runlog import write_decisions
 
@@ -484,13 +484,17 @@ def _full_frame(st: sync.SyncerState, p: int, version: int, merged: tuple) -> by
 
 
 def syncer_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, want_evals: bool,
-                restart: bool, reports_read: int, resume: dict | None = None) -> None:
+                restart: bool, reports_read: int, resume: dict | None = None, exposed=None) -> None:
+    """exposed: given the syncer once built, for a host that stops it without a signal (Ray)."""
     rt = ProcSyncer(store, cfg, run_dir, want_evals, restart, reports_read, resume)
+    if exposed is not None:
+        exposed(rt)
 
     def stop(signum, frame):  # SIGTERM from the supervisor: finish with what has been booked
         rt.stopping = True
 
-    signal.signal(signal.SIGTERM, stop)
+    if in_main_thread():
+        signal.signal(signal.SIGTERM, stop)
     rt.run()
 
 

@@ -1,0 +1,173 @@
+"""Learners and the syncer started apart by whatever supervises processes on a cluster (a
+Kubernetes restartPolicy, Slurm --requeue, systemd, a person with a shell), coupled only through
+the run's object store and its config: scripts/learner.py and scripts/syncer.py.
+
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 6 (learners fail and
+rejoin independently); docs/cluster.md#learners-and-syncer-started-apart.
+
+What the procs supervisor (diloco/runtime/procs/supervisor.py) does for its children, each process
+does here for itself, through the same control objects:
+
+* Incarnations: a learner claims the next incarnation of its index (`ctl/claim/<m>`). A claim with
+  a predecessor writes that predecessor's exit notice (`ctl/died/<m>/<inc>`) unless the
+  predecessor wrote one on its way out: a process killed by -9, the OOM killer or a lost node left
+  none, so the syncer learns of the death from the successor, books it after the predecessor's last
+  event, and lets the successor rejoin. A learner that ends in order (done, its chaos tape down,
+  SIGTERM) writes its own notice.
+* Fencing: a claim carries a random token. A learner that finds another token on its index (the
+  scheduler started a second copy, or replaced one it only thought dead) exits at its next step
+  boundary without a notice (EXIT_SUPERSEDED), so one process at most writes under a live
+  incarnation; what the stale one wrote after its successor's claim is never booked (the syncer's
+  admission check drops an old incarnation's traffic).
+* The syncer host (SyncerOnly, scripts/syncer.py) is the procs supervisor without learners: it
+  spawns and restarts the syncer process, reads its reports, evaluates, writes metrics.jsonl and
+  the summary. Started again after kill -9 it continues as the next syncer incarnation
+  (checkpoint + journal, diloco/runtime/procs/recovery.py) from the reports its predecessor had
+  read (`ctl/reports`); at the end it writes `ctl/finished`, so a learner started after that exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from pathlib import Path
+
+from diloco.config import ConfigError, TrainConfig, to_dict
+from diloco.runtime import blobstore as bs, store_s3
+from diloco.runtime.procs.learner import (EXIT_SUPERSEDED, POLL_MIN, child_main, died, fingerprint,
+                                          learner_body)
+from diloco.runtime.procs.recovery import restartable
+from diloco.runtime.procs.supervisor import _PREFIXES, Procs
+
+log = logging.getLogger(__name__)
+
+# Keys that may differ between the processes of one run: where each keeps its own files and how it
+# is watched, and which learner it is. Everything else must be the syncer's (same model, data, rules).
+PER_PROCESS = {("run", "out_dir"), ("run", "resume"), ("run", "progress"), ("run", "tensorboard"),
+               ("run", "plot"), ("runtime", "learner_index")}
+
+
+def store_url(cfg: TrainConfig) -> str:
+    """The run's store as every process of it opens it: runtime.store_url, else <run.out_dir>/store
+    (one machine, or a shared file system), with the S3 options in the URL."""
+    root = Path(cfg.run.out_dir).absolute()
+    return store_s3.run_store_url(cfg.runtime, f"file://{root / 'store'}")
+
+
+def run_clock(store: bs.BlobStore) -> float:
+    """The syncer's clock now (0 before it has started it): when a notice says a process died."""
+    start = bs.read_control(store, "start")
+    return 0.0 if not isinstance(start, dict) else time.time() - float(start["t0"])
+
+
+def claim(store: bs.BlobStore, m: int, token: str) -> int:
+    """Claim learner m's next incarnation under `token`, writing the predecessor's exit notice if
+    it left none (it was killed); the incarnation claimed."""
+    held = bs.read_control(store, f"claim/{m:04d}")
+    inc = 0 if held is None else int(held["incarnation"]) + 1
+    bs.write_control(store, f"claim/{m:04d}", {"incarnation": inc, "token": token, "host": socket.gethostname(),
+                                               "pid": os.getpid(), "at": time.time()})
+    if inc > 0 and bs.read_control(store, died(m, inc - 1)) is None:
+        bs.write_control(store, died(m, inc - 1), {"at": run_clock(store), "exitcode": -signal.SIGKILL})
+    return inc
+
+
+def config_diff(mine: dict, theirs: dict) -> list[str]:
+    """The keys, outside PER_PROCESS, whose values differ between two resolved configs."""
+    return [f"{g}.{k}: {section.get(k)!r} here, {v!r} in the run" for g, other in theirs.items()
+            if isinstance(other, dict) for k, v in other.items()
+            if (section := mine.get(g, {})).get(k) != v and (g, k) not in PER_PROCESS]
+
+
+def wait_for_run(store: bs.BlobStore, cfg: TrainConfig, url: str) -> None:
+    """Until the syncer host has written the run record; ConfigError if this process's config is
+    not the run's (it would rebuild another Theta_0, or book by other rules)."""
+    record = bs.Poller(POLL_MIN, 1.0).until(lambda: bs.read_control(store, "run"))
+    diff = config_diff(to_dict(cfg), record.get("config", {}))
+    if diff:
+        raise ConfigError(f"this learner's config is not the run's in {store_s3.redacted(url)}:\n  " + "\n  ".join(diff))
+
+
+def run_learner(cfg: TrainConfig) -> int:
+    """Run learner runtime.learner_index as its next incarnation until it is done, stopped or
+    superseded; its exit status (0 done, 75 its chaos tape down, 143 SIGTERM, 76 superseded)."""
+    m = cfg.runtime.learner_index
+    if m < 0:
+        raise ConfigError(f"scripts/learner.py needs runtime.learner_index in 0..{cfg.runtime.learners - 1}, "
+                          f"got {m} (e.g. runtime.learner_index=$SLURM_PROCID)")
+    run_dir = Path(cfg.run.out_dir).absolute()
+    url = store_url(cfg)
+    store = bs.BlobStore(url, sync=False)
+    if bs.read_control(store, "finished") is not None:
+        log.info("the run in %s has finished; learner %d has nothing to do", store_s3.redacted(url), m)
+        return 0
+    token = secrets.token_hex(8)
+    inc = claim(store, m, token)
+    log.info("learner %d: incarnation %d, waiting for the syncer's run record", m, inc)
+    wait_for_run(store, cfg, url)
+    superseded = lambda: (bs.read_control(store, f"claim/{m:04d}") or {}).get("token") != token  # noqa: E731
+    name = f"learner-{m:04d}-{inc:04d}"
+    try:
+        child_main(name, url, cfg, str(run_dir / "xla_cache"), learner_body, run_dir, m, inc, None, False,
+                   superseded)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, int):
+            log.error("learner %d incarnation %d: %s", m, inc, e.code)
+    except BaseException:
+        bs.write_control(store, died(m, inc), {"at": run_clock(store), "exitcode": 1})
+        raise
+    if code != EXIT_SUPERSEDED:  # its successor, if any, wrote this notice already
+        bs.write_control(store, died(m, inc), {"at": run_clock(store), "exitcode": code})
+    return code
+
+
+class SyncerOnly(Procs):
+    """The procs supervisor of a run whose learners are started apart: it spawns and restarts only
+    the syncer, and never writes a learner's exit notice (each learner's successor does)."""
+
+    def _start(self) -> None:
+        procs = bs.read_control(self.store, "procs")
+        if bs.read_control(self.store, "finished") is not None:
+            raise ConfigError(f"the run in {store_s3.redacted(self.url)} has finished (ctl/finished): "
+                              "nothing to restart; a new run needs a new runtime.store_url or run.out_dir")
+        if procs is None:
+            self._fresh()
+            return
+        if not restartable(self.cfg, self.run_dir):
+            raise ConfigError("the store holds this run's syncer already; starting it again restores its "
+                              f"checkpoints and journal, kept only with run.checkpoint_every > 0 (got "
+                              f"{self.cfg.run.checkpoint_every})")
+        self.reports = int((bs.read_control(self.store, "reports") or {}).get("read", 0))
+        self._spawn_syncer(int(procs["syncer_incarnation"]) + 1)
+
+    def _fresh(self) -> None:
+        """A new run: the store must hold no other run's traffic (learners may have claimed
+        their incarnations already, so control objects stay)."""
+        used = [p for p in _PREFIXES if p != "ctl/" and self.store.list(p)]
+        if used:
+            raise ConfigError(f"the store {store_s3.redacted(self.url)} holds another run's objects ({', '.join(used)}) "
+                              "but no record of its syncer: give each run its own runtime.store_url")
+        bs.write_control(self.store, "run", {"theta0": fingerprint(self.setup.theta0), "learners": self.M,
+                                             "config": to_dict(self.cfg)})
+        self._spawn_syncer(0)
+
+    def _spawn(self, m: int, incarnation: int) -> None:
+        raise AssertionError("learners are started apart (scripts/learner.py)")
+
+    def _watch(self, m: int) -> None:
+        pass  # each learner's exit notice comes from itself or from its successor's claim
+
+    def _write_procs(self) -> None:
+        bs.write_control(self.store, "procs", {
+            "supervisor": os.getpid(), "syncer": self.syncer.pid, "syncer_incarnation": self.syncer_incarnation,
+            "launch": "external", "learners": {}})
+
+    def _supervise(self) -> None:
+        super()._supervise()
+        bs.write_control(self.store, "finished", {"at": self.clock()})
