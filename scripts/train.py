@@ -3,9 +3,11 @@
     python scripts/train.py model=tiny run.steps=200
     python scripts/train.py run.out_dir=runs/x run.resume=true
     python scripts/train.py --describe          # every option, its default and meaning
+    python scripts/train.py -m hydra/launcher=submitit_local outer.lr=0.5,0.7   # a sweep (docs/sweeps.md)
 
 A user's mistake (config, data, devices, checkpoints, a used run directory) prints one `error:`
-block and exits 2 without a traceback; `--debug` or HYDRA_FULL_ERROR=1 shows it.
+block and exits 2 without a traceback; `--debug` or HYDRA_FULL_ERROR=1 shows it. In a multirun
+each job runs in <run.out_dir>/<job number> and the sweep ends with the first failed job's `error:`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from diloco.cli import fail, quiet_logs
@@ -28,6 +33,12 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # The errors a user's input causes; anything else is a bug and keeps its traceback.
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
 DEBUG = "--debug" in sys.argv or os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+class JobUserError(CompactHydraException):
+    """A user's mistake in one job of a multirun. Hydra hands a failed job's exception back to the
+    process that started the sweep (pickled, under submitit) and prints this kind as its message
+    alone, where any other exception gets a traceback."""
 
 
 def _groups() -> dict[str, list[str]]:
@@ -66,8 +77,6 @@ def _stopped(stop: KeyboardInterrupt, run_dir: Path) -> None:
     """A stopped run prints its partial summary and the line that resumes it, then exits 130.
     threads and procs raise RunStopped with what they saved; sim and the data-parallel trainer a
     plain KeyboardInterrupt after their final snapshot or checkpoint."""
-    from hydra.core.hydra_config import HydraConfig
-
     from diloco.runtime.stop import EXIT_STATUS, RunStopped, stop_message
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a late Ctrl-C must not traceback the printing
@@ -86,6 +95,12 @@ def main(raw: DictConfig) -> None:
 
     # The one place a DictConfig is seen: converted once to frozen, validated dataclasses.
     plain = OmegaConf.to_container(raw, resolve=True)
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    if multirun:
+        # All jobs of a sweep resolve the same run.out_dir, the sweep's directory (hydra.sweep.dir);
+        # each runs in its own Hydra job directory under it instead, <sweep dir>/<job number>.
+        plain.setdefault("run", {})["out_dir"] = os.path.join(hydra_cfg.sweep.dir, hydra_cfg.sweep.subdir)
     run_dir = Path(str(plain.get("run", {}).get("out_dir", "")))
     fresh = bool(run_dir.parts) and _ours(run_dir)  # a directory this start made, not an earlier run's
     try:
@@ -98,9 +113,22 @@ def main(raw: DictConfig) -> None:
             _clean_failed_start(run_dir)
         if DEBUG:
             raise
+        if multirun:
+            # The other jobs go on; the sweep reports the first failed one's error when all are done.
+            # Under submitit a job's stderr is its own log (<sweep dir>/.submitit/<id>/): say it there too.
+            if "SUBMITIT_FOLDER" in os.environ:
+                print(f"error: {err}", file=sys.stderr)
+            raise JobUserError(f"error: {err}") from None
         fail(err)
 
 
 if __name__ == "__main__":
     sys.argv[1:] = _preflight(sys.argv[1:])
-    main()
+    try:
+        main()
+    except SystemExit as done:
+        # Hydra ends a sweep whose job failed with status 1, raised while it handles that job's
+        # exception; a user's mistake keeps the status 2 of a single run's `error:`.
+        if isinstance(done.__context__, JobUserError):
+            sys.exit(2)
+        raise
