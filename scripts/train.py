@@ -41,6 +41,15 @@ class JobUserError(CompactHydraException):
     alone, where any other exception gets a traceback."""
 
 
+def _job_error(message: object) -> JobUserError:
+    """A sweep job's user error, to raise: the other jobs go on and the sweep reports the first
+    failed one's when all are done. Under submitit a job's stderr is its own log
+    (<sweep dir>/.submitit/<id>/), so the job says it there too."""
+    if "SUBMITIT_FOLDER" in os.environ:
+        print(f"error: {message}", file=sys.stderr)
+    return JobUserError(f"error: {message}")
+
+
 def _groups() -> dict[str, list[str]]:
     """Config group -> its presets (configs/<group>/*.yaml): `model=tiny` picks one."""
     return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(CONFIGS.iterdir()) if d.is_dir()}
@@ -57,6 +66,16 @@ def _preflight(argv: list[str]) -> list[str]:
     if errors:
         fail("\n  ".join(["the command line names options that do not exist:", *errors]))
     return [a for a in argv if a != "--debug"]
+
+
+def _job_tasks() -> int:
+    """How many copies of this job its launcher started. submitit starts tasks_per_node x nodes
+    of each job (through srun on Slurm), and every copy would be a whole run in the same directory."""
+    if "SUBMITIT_FOLDER" not in os.environ:  # set by submitit in the processes of its jobs
+        return 1
+    import submitit
+
+    return submitit.JobEnvironment().num_tasks
 
 
 def _ours(run_dir: Path) -> bool:
@@ -91,12 +110,15 @@ def _stopped(stop: KeyboardInterrupt, run_dir: Path) -> None:
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def main(raw: DictConfig) -> None:
     quiet_logs()
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    if multirun and (tasks := _job_tasks()) > 1:  # before JAX, and before any copy writes a file
+        raise _job_error(f"this sweep job was started as {tasks} tasks, each a whole run in one directory; "
+                         "set hydra.launcher.tasks_per_node=1 hydra.launcher.nodes=1 (docs/sweeps.md)")
     from diloco.run import run  # after the preflight: importing JAX takes seconds
 
     # The one place a DictConfig is seen: converted once to frozen, validated dataclasses.
     plain = OmegaConf.to_container(raw, resolve=True)
-    hydra_cfg = HydraConfig.get()
-    multirun = hydra_cfg.mode == RunMode.MULTIRUN
     if multirun:
         # All jobs of a sweep resolve the same run.out_dir, the sweep's directory (hydra.sweep.dir);
         # each runs in its own Hydra job directory under it instead, <sweep dir>/<job number>.
@@ -114,11 +136,7 @@ def main(raw: DictConfig) -> None:
         if DEBUG:
             raise
         if multirun:
-            # The other jobs go on; the sweep reports the first failed one's error when all are done.
-            # Under submitit a job's stderr is its own log (<sweep dir>/.submitit/<id>/): say it there too.
-            if "SUBMITIT_FOLDER" in os.environ:
-                print(f"error: {err}", file=sys.stderr)
-            raise JobUserError(f"error: {err}") from None
+            raise _job_error(err) from None
         fail(err)
 
 
