@@ -161,7 +161,7 @@ def steps_of(out: Path, index: int) -> int:
 
 
 @pytest.mark.parametrize("victim,nap", [
-    pytest.param(1, 0.01, id="follower-killed-survivor-in-collectives"),
+    pytest.param(1, 0.01, id="follower-killed-survivor-in-collectives", marks=pytest.mark.slow),
     pytest.param(0, 0.01, id="leader-killed"),
     pytest.param(1, 60.0, id="follower-killed-survivor-idle", marks=pytest.mark.slow),
 ])
@@ -194,3 +194,61 @@ def test_a_killed_process_ends_its_whole_world(tmp_path, cache, victim, nap):
     # heartbeats (3 s, plus up to its 1 s polling); the rest is slack for a loaded machine.
     assert noticed < 3 + 5.0, noticed
     print(f"\nsurvivor exited {code} {noticed:.2f} s after kill -9 of process {victim}")
+
+
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_two_learners_of_two_processes_one_world_restarts_alone(tmp_path):
+    """2 learners, each a world of 2 processes x 4 CPU devices (world_group.WorldGroup, as the
+    supervisor is to hold them). kill -9 of learner 0's follower ends learner 0's whole world at
+    once, with the follower's code as its cause; its next incarnation starts on a new port and
+    finishes, while learner 1's world steps on throughout and finishes too."""
+    import multiprocessing as mp
+
+    import world_child
+    from diloco.runtime.world_group import WorldGroup
+
+    ctx, steps = mp.get_context("spawn"), 400
+
+    def group(m: int, inc: int) -> WorldGroup:  # learner 0's first incarnation steps until killed
+        args = (str(tmp_path), m, inc, steps if inc or m else 0, 0.01)
+        return WorldGroup(world_child.member, args, 2, name=f"learner-{m}-{inc}", ctx=ctx)
+
+    first, other = group(0, 0), group(1, 0)
+    worlds = [first, other]
+    try:
+        for g in worlds:
+            g.start()
+        deadline = time.monotonic() + 60
+        while min(lines(tmp_path / f"l{m}-i0-p{i}.steps") for m in (0, 1) for i in (0, 1)) < 5:
+            assert first.exitcode is None and other.exitcode is None, "a world ended before the kill"
+            assert time.monotonic() < deadline, "the worlds never started stepping"
+            time.sleep(0.05)
+        os.kill(first.members[1].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while first.exitcode is None:
+            assert time.monotonic() - killed < 8, "learner 0's world outlived its follower"
+            time.sleep(0.02)
+        ended = time.monotonic() - killed
+        assert first.cause == (1, -signal.SIGKILL) and first.exitcode == -signal.SIGKILL
+        first.join(10)
+        assert all(p.exitcode is not None for p in first.members)  # the leader too: aborted or killed
+        at_restart = lines(tmp_path / "l1-i0-p0.steps")
+        again = group(0, 1)
+        worlds.append(again)
+        assert again.coordinator != first.coordinator
+        again.start()
+        again.join(90)
+        assert again.exitcode == 0, f"incarnation 1 of learner 0 exited {again.exitcode}"
+        other.join(90)
+        assert other.exitcode == 0, f"learner 1's world exited {other.exitcode}"
+    finally:
+        for g in worlds:
+            g.kill()
+            g.join(10)
+    assert [lines(tmp_path / f"l0-i1-p{i}.steps") for i in (0, 1)] == [steps, steps]
+    assert [lines(tmp_path / f"l1-i0-p{i}.steps") for i in (0, 1)] == [steps, steps]
+    assert at_restart < steps  # learner 1 was still stepping when learner 0's world came back
+    print(f"\nlearner 0's world ended {ended:.2f} s after kill -9 of its follower; learner 1 went on")

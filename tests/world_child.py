@@ -139,27 +139,46 @@ def train(index: int, processes: int, port: int, out: Path, steps: int) -> None:
     world.leave_world()
 
 
-def spin(index: int, processes: int, port: int, out: Path, nap: float) -> None:
+def spin_steps(coordinator: str, processes: int, index: int, log_path: Path, nap: float, steps: int,
+               heartbeat_s: float = 3) -> None:
+    """`steps` (or endless: 0) jitted all-reduces over the world, `nap` s apart, each appended to
+    `log_path`; then a clean leave."""
     from diloco.runtime import world
 
-    world.join_world(f"127.0.0.1:{port}", processes, index, timeout_s=60, heartbeat_s=3, shutdown_s=5,
+    world.join_world(coordinator, processes, index, timeout_s=60, heartbeat_s=heartbeat_s, shutdown_s=10,
                      cpu_devices=4)
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    assert jax.local_device_count() == 4 and jax.device_count() == 4 * processes
     mesh = world.learner_mesh_global(jax.device_count(), BATCH)
     rows = NamedSharding(mesh, P(("data", "fsdp")))
     step = jax.jit(lambda w, x: w - 0.01 * jnp.mean(x * w), out_shardings=NamedSharding(mesh, P()))
     w = jax.device_put(np.ones((), np.float32), NamedSharding(mesh, P()))
     x = world.host_batch(np.ones((BATCH, 4), np.float32), rows)
-    with open(out / f"p{index}.steps", "a") as log:
-        for i in range(10**9):
+    with open(log_path, "a") as log:
+        i = 0
+        while not steps or i < steps:
             w = step(w, x)
             jax.block_until_ready(w)
             log.write(f"{i} {time.time()}\n")
             log.flush()
+            i += 1
             time.sleep(nap)
+    world.leave_world()
+
+
+def spin(index: int, processes: int, port: int, out: Path, nap: float) -> None:
+    spin_steps(f"127.0.0.1:{port}", processes, index, out / f"p{index}.steps", nap, 0)
+
+
+def member(out: str, learner: int, incarnation: int, steps: int, nap: float, spec) -> None:
+    """A member of learner `learner`'s world (world_group.WorldGroup's target): its steps go to
+    l<learner>-i<incarnation>-p<index>.steps under `out`."""
+    sys.path.insert(0, str(ROOT))
+    path = Path(out) / f"l{learner}-i{incarnation}-p{spec.index}.steps"
+    spin_steps(spec.coordinator, spec.processes, spec.index, path, nap, steps)
 
 
 if __name__ == "__main__":
