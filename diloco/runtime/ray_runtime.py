@@ -1,0 +1,273 @@
+"""The ray runtime: Decoupled DiLoCo on a Ray cluster. Each learner is an actor in a placement group
+of its own (runtime.learner_resources: CPUs, GPUs or a TPU slice); the syncer is a named, detached
+actor on a CPU node; this process, the driver, is the procs supervisor with actors for processes.
+
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 6; docs/cluster.md#ray.
+
+An adapter, not a fourth runtime: the learner and syncer code is the procs children's
+(diloco/runtime/procs/learner.py, syncer.py), run in an actor's process, and the supervision
+(incarnations, exit notices, restarts, reports, evaluation, Ctrl-C) is the procs supervisor's
+(diloco/runtime/procs/supervisor.py), given actors wrapped as processes (RayChild). All traffic goes
+through the same object store: file:// on one machine, gs:// or s3:// across hosts.
+
+Why each piece: a placement group per learner, because a learner must fail alone (a slice of a
+shared group or job fate-shares with the others); Ray restarts a dead actor (max_restarts) in its
+placement group, on another node if its node is gone, and this process then starts the learner's
+next incarnation on it, which rejoins. The syncer actor is detached and named so that it is one
+well-known process of the run; when Ray restarts it, this process starts the next syncer
+incarnation on it, which restores its newest checkpoint and journal, exactly as in procs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import time
+from typing import Any, Callable
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from diloco.config import ConfigError, TrainConfig
+from diloco.runtime import blobstore as bs
+from diloco.runtime.procs import supervisor
+from diloco.runtime.procs.learner import child_main, learner_body
+from diloco.runtime.procs.supervisor import MAX_RESTARTS, Procs
+from diloco.runtime.procs.syncer import syncer_body
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "diloco"
+PLACE_TIMEOUT_S = 300.0  # seconds the cluster has to place a learner's bundle before the run fails
+PROBE_S = 0.5  # seconds between looks at a call being joined
+KILLED = -9  # the exit code a dead actor reads as: killed, as kill -9 in procs (restarted, rejoins)
+
+
+@ray.remote
+class Host:
+    """One learner's or the syncer's process. Its body runs on a worker thread (the actor allows
+    two calls at once), so `stop` reaches it there, as SIGTERM does in procs."""
+
+    def __init__(self):
+        self.rt: Any = None
+        self.stopping = False
+
+    def where(self) -> dict:
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
+
+    def stop(self) -> None:
+        self.stopping = True
+        self._flag()
+
+    def _expose(self, rt) -> None:
+        self.rt = rt
+        self._flag()
+
+    def _flag(self) -> None:
+        if self.rt is not None and self.stopping:
+            # ProcLearner stops at `terminating`, ProcSyncer at `stopping`: each one's SIGTERM handler
+            for name in ("terminating", "stopping"):
+                if hasattr(self.rt, name):
+                    setattr(self.rt, name, True)
+
+    def _run(self, name: str, url: str, cfg: TrainConfig, cache: str | None, body, *args) -> int:
+        """The body's exit status; a Python error is recorded by child_main and raised to the driver."""
+        self.rt = None
+        try:
+            child_main(name, url, cfg, cache, body, *args, self._expose)
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else 1
+        return 0
+
+    def learner(self, url, cfg, cache, run_dir, m, incarnation, resumed) -> int:
+        return self._run(f"learner-{m:04d}-{incarnation:04d}", url, cfg, cache, learner_body, run_dir, m,
+                         incarnation, None, resumed, None)
+
+    def syncer(self, url, cfg, cache, run_dir, want_evals, incarnation, reports_read, resume) -> int:
+        return self._run("syncer", url, cfg, cache, syncer_body, run_dir, want_evals, incarnation > 0, reports_read,
+                         resume)
+
+
+def outcome(ref) -> int:
+    """The exit status of a finished call: its return value; KILLED if its actor died under it
+    (killed, its node lost); 1 for a Python error (its traceback is in the store)."""
+    try:
+        return int(ray.get(ref))
+    except RayActorError:
+        return KILLED
+    except RayTaskError:
+        return 1
+
+
+class RayChild:
+    """An incarnation on an actor, with the surface of a multiprocessing Process that Procs uses.
+
+    It starts with a probe: an actor Ray is restarting (killed, its node lost) fails the calls
+    that reach it before it is back, and such a call is no incarnation, so the body is submitted
+    only once the actor answers; a probe that fails is asked again, for up to PLACE_TIMEOUT_S."""
+
+    pid = None  # the driver never signals an actor's process: it calls stop or ray.kill
+
+    def __init__(self, actor, call: Callable[[], Any]):
+        self.actor, self.call = actor, call
+        self.probe, self.ref = actor.where.remote(), None
+        self.deadline = time.monotonic() + PLACE_TIMEOUT_S
+        self._code: int | None = None
+        self.stopped = False
+
+    @property
+    def pending(self):
+        """What to wait on: the body's call once submitted, else the probe."""
+        return self.probe if self.ref is None else self.ref
+
+    def _advance(self) -> None:
+        if self.ref is not None or not ray.wait([self.probe], timeout=0)[0]:
+            return
+        try:
+            ray.get(self.probe)
+        except RayActorError:
+            if time.monotonic() > self.deadline:
+                self._code = KILLED  # never came back: counted as a death, as in procs
+            else:  # it reached the actor as it died; Ray queues the next one until it is back
+                self.probe = self.actor.where.remote()
+            return
+        if self.stopped:  # stopped before it began: nothing to save
+            self._code = 128 + signal.SIGTERM
+        else:
+            self.ref = self.call()
+
+    @property
+    def exitcode(self) -> int | None:
+        if self._code is None:
+            self._advance()
+        if self._code is None and self.ref is not None and ray.wait([self.ref], timeout=0)[0]:
+            self._code = outcome(self.ref)
+        return self._code
+
+    def join(self, timeout: float | None = None) -> None:
+        limit = None if timeout is None else time.monotonic() + timeout
+        while self.exitcode is None and (limit is None or time.monotonic() < limit):
+            left = None if limit is None else max(0.0, limit - time.monotonic())
+            ray.wait([self.pending], timeout=PROBE_S if left is None else min(left, PROBE_S))
+
+    def terminate(self) -> None:
+        self.stopped = True
+        self.actor.stop.remote()
+
+    def kill(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+
+
+def actor_options(resources: dict[str, float]) -> dict:
+    """Ray's actor options for a bundle of resources {"CPU": 2, "GPU": 1, "TPU": 4, ...}."""
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+    return {"num_cpus": resources.get("CPU", 0.0), "num_gpus": resources.get("GPU", 0.0), "resources": custom}
+
+
+class RayProcs(Procs):
+    """The procs supervisor over Ray actors (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hosts: dict[int, Any] = {}  # learner -> its actor, kept across incarnations
+        self.groups: dict[int, Any] = {}  # learner -> its placement group
+        self.syncer_host = None
+        self.owns_ray = False  # this process started Ray (runtime.ray_address=""), and stops it
+        # actor names of this run's store: the same from any driver process
+        self.prefix = f"diloco-{hashlib.sha256(self.url.encode()).hexdigest()[:8]}"
+
+    def run(self) -> dict:
+        try:
+            self._connect()
+            return super().run()
+        finally:
+            self._release()
+
+    def _connect(self) -> None:
+        r = self.cfg.runtime
+        if ray.is_initialized():
+            return
+        if r.ray_address:
+            ray.init(address=r.ray_address, namespace=NAMESPACE, log_to_driver=True)
+        else:  # a cluster of this machine, with the logical CPUs the actors ask for
+            need = self.M * r.learner_resources.get("CPU", 0.0) + r.syncer_resources.get("CPU", 0.0)
+            ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), namespace=NAMESPACE,
+                     include_dashboard=False, log_to_driver=True)
+            self.owns_ray = True
+
+    def _env(self) -> dict:
+        """What every actor's process needs of this one's environment: the run secret, the simulated
+        CPU device count and JAX's settings (a Ray worker does not inherit the driver's)."""
+        keep = {self.cfg.runtime.auth_secret_env}
+        env = {k: v for k, v in os.environ.items() if k in keep or k.startswith(("JAX_", "XLA_"))}
+        return {"env_vars": env}
+
+    def _spawn_syncer(self, incarnation: int) -> None:
+        if self.syncer_host is None:
+            name = f"{self.prefix}-syncer"
+            try:  # a syncer left by an earlier driver of this store (detached actors outlive it)
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            except ValueError:
+                pass
+            self.syncer_host = Host.options(
+                name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=MAX_RESTARTS, max_task_retries=0,
+                max_concurrency=2, runtime_env=self._env(), **actor_options(self.cfg.runtime.syncer_resources)).remote()
+        host, args = self.syncer_host, (self.url, self.cfg, self.cache, self.run_dir, self.evaluate is not None,
+                                         incarnation, self.reports, self.resume)
+        self.syncer, self.syncer_incarnation = RayChild(host, lambda: host.syncer.remote(*args)), incarnation
+        self._write_procs()
+
+    def _spawn(self, m: int, incarnation: int) -> None:
+        if m not in self.hosts:
+            bundle = dict(self.cfg.runtime.learner_resources)
+            group = placement_group([bundle], strategy="STRICT_PACK", name=f"{self.prefix}-learner-{m}")
+            if not ray.wait([group.ready()], timeout=PLACE_TIMEOUT_S)[0]:
+                raise ConfigError(f"the Ray cluster could not place learner {m}'s bundle {bundle} in "
+                                  f"{PLACE_TIMEOUT_S:.0f} s (runtime.learner_resources); it has "
+                                  f"{ray.cluster_resources()}")
+            self.groups[m] = group
+            # max_restarts=-1: Ray always brings a learner's process back; how often it may die is
+            # the supervisor's rule (MAX_RESTARTS, not counting a chaos tape's planned downs).
+            self.hosts[m] = Host.options(
+                name=f"{self.prefix}-learner-{m}", namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
+                max_concurrency=2, runtime_env=self._env(),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+                **actor_options(bundle)).remote()
+        host, args = self.hosts[m], (self.url, self.cfg, self.cache, self.run_dir, m, incarnation,
+                                     self.resume is not None)
+        self.learners[m], self.incarnation[m] = RayChild(host, lambda: host.learner.remote(*args)), incarnation
+        self._write_procs()
+
+    def _wait(self, children: list, timeout: float) -> None:
+        ray.wait([p.pending for p in children], num_returns=1, timeout=timeout)
+
+    def _write_procs(self) -> None:
+        """Who runs where: the actors' names (ray.get_actor(name, namespace="diloco")), for
+        operators and fault tests."""
+        bs.write_control(self.store, "procs", {
+            "supervisor": os.getpid(), "syncer": None, "syncer_incarnation": self.syncer_incarnation,
+            "syncer_actor": f"{self.prefix}-syncer", "namespace": NAMESPACE,
+            "learners": {str(k): {"incarnation": self.incarnation[k], "pid": None,
+                                  "actor": f"{self.prefix}-learner-{k}"} for k in range(self.M)}})
+
+    def _release(self) -> None:
+        """Every actor and placement group of the run, the detached syncer too; Ray itself if this
+        process started it."""
+        if not ray.is_initialized():
+            return
+        for actor in [self.syncer_host, *self.hosts.values()]:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        for group in self.groups.values():
+            remove_placement_group(group)
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def run(cfg: TrainConfig, setup, run_dir, evaluate):
+    """Run Decoupled DiLoCo on Ray; the same records and summary as procs."""
+    return supervisor.run(cfg, setup, run_dir, evaluate, RayProcs)

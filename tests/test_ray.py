@@ -1,0 +1,181 @@
+"""The ray runtime on a local multi-node Ray cluster (a head and two worker nodes on 127.0.0.1):
+3 learners of the tiny model as actors in placement groups of their own, the syncer a detached
+actor. A learner actor killed mid-run is restarted by Ray and rejoins as its next incarnation; a
+worker node removed takes its learners with it and they restart on the others; a syncer actor
+killed restores its checkpoint and journal; every run ends with a balanced ledger and versions
+1..n of every fragment."""
+
+import json
+import threading
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("ray")
+
+import ray  # noqa: E402
+from conftest import diloco_world  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from test_procs import STEPS, make_cfg, merge_versions  # noqa: E402
+
+from diloco.config import ConfigError, validate  # noqa: E402
+from diloco.runtime import blobstore as bs  # noqa: E402
+from diloco.runtime import ray_runtime  # noqa: E402
+
+M = 3
+
+
+def loopback(mp: pytest.MonkeyPatch) -> None:
+    """Every Ray process of the tests on 127.0.0.1 only. Ray takes the machine's outward address
+    unless it believes it is on a laptop (its macOS/Windows switch, read here and by every node)."""
+    from ray._private import ray_constants
+
+    mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head (1 CPU: room for the syncer) and two workers of 2 CPUs: 5 logical CPUs for 4 actors,
+    so that the learners of a removed worker fit on what is left."""
+    with pytest.MonkeyPatch.context() as mp:
+        loopback(mp)
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        workers = [c.add_node(num_cpus=2) for _ in range(2)]
+        yield c, workers
+        if ray.is_initialized():
+            ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, cluster):
+    root = tmp_path_factory.mktemp("ray")
+    cfg = make_cfg(root)
+    cfg = validate(replace(cfg, run=replace(cfg.run, checkpoint_every=2), runtime=replace(
+        cfg.runtime, kind="ray", learners=M, learner_checkpoint_every=4, restart_s=0.0,
+        ray_address=cluster[0].address)))
+    _, _, setup, evaluate_global, _ = diloco_world(cfg)
+    return cfg, setup, evaluate_global
+
+
+def variant(world, tmp_path, **run):
+    cfg, setup, evaluate_global = world
+    cfg = validate(replace(cfg, run=replace(cfg.run, out_dir=str(tmp_path / "run"), **run)))
+    (tmp_path / "run").mkdir()
+    return cfg, setup, evaluate_global, tmp_path / "run"
+
+
+def run_with(cfg, setup, evaluate, run_dir, fault):
+    """The run, with `fault(store)` polled on a thread until it returns truthy (what it did)."""
+    done, stop = [], threading.Event()
+
+    def watch():
+        store = bs.BlobStore(f"file://{run_dir}/store")
+        while not stop.is_set() and not done:
+            try:
+                found = fault(store)
+            except (ValueError, KeyError, TypeError):  # a record being written, or not yet there
+                found = None
+            if found:
+                done.append(found)
+            stop.wait(0.05)
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    try:
+        rt, summary = ray_runtime.run(cfg, setup, run_dir, evaluate)
+    finally:
+        stop.set()
+        thread.join()
+    return rt, summary, done
+
+
+def trained(run_dir, m: int, step: int) -> bool:
+    path = run_dir / "metrics.jsonl"
+    return path.exists() and any(r.get("kind") == "train" and r.get("learner") == m and r["step"] >= step
+                                 for r in map(json.loads, path.read_text().splitlines()))
+
+
+def balanced(rt, summary, run_dir) -> None:
+    tokens_per_step = rt.cfg.data.batch_size * rt.cfg.data.seq_len
+    assert rt.finished["complete"] and rt.finished["steps"] == {str(m): STEPS for m in range(M)}
+    assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
+    assert rt.finished["tokens"]["processed"] <= 2 * M * STEPS * tokens_per_step  # P = 2 fragments
+    for p, vs in merge_versions(run_dir).items():  # no version applied twice or skipped
+        assert vs == list(range(1, len(vs) + 1)), (p, vs)
+
+
+def test_a_killed_learner_actor_restarts_and_rejoins(world, tmp_path):
+    cfg, setup, evaluate, run_dir = variant(world, tmp_path)
+
+    def kill(store):
+        if trained(run_dir, 1, 10):
+            actor = ray.get_actor(bs.read_control(store, "procs")["learners"]["1"]["actor"], namespace="diloco")
+            ray.kill(actor, no_restart=False)  # its process dies; Ray starts the actor again
+            return "killed"
+
+    rt, summary, done = run_with(cfg, setup, evaluate, run_dir, kill)
+    assert done == ["killed"]
+    assert ("learner-1", 0, ray_runtime.KILLED) in rt.exits and ("learner-1", 1, 0) in rt.exits
+    assert [(r["learner"], r["incarnation"]) for r in rt.rejoins] == [(1, 1)] and rt.rejoins[0]["step"] >= 8
+    assert [1, 0] in rt.finished["dead"]
+    balanced(rt, summary, run_dir)
+    assert summary["eval_loss"] < 2.0
+    # the run's actors and placement groups are gone, the detached syncer too
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(rt.prefix)]
+
+
+@pytest.mark.slow
+def test_a_removed_worker_node_takes_its_learners_which_restart_on_the_others(world, tmp_path, cluster):
+    cfg, setup, evaluate, run_dir = variant(world, tmp_path)
+    c, workers = cluster
+    removed = []
+
+    def remove(store):
+        if not trained(run_dir, 0, 8):
+            return None
+        actor = ray.get_actor(bs.read_control(store, "procs")["learners"]["0"]["actor"], namespace="diloco")
+        node = ray.get(actor.where.remote())["node"]
+        [worker] = [w for w in workers if w.node_id == node]  # learners never land on the 1-CPU head with the syncer
+        c.remove_node(worker)
+        removed.append(worker)
+        return node
+
+    rt, summary, done = run_with(cfg, setup, evaluate, run_dir, remove)
+    assert done, "no node removed"
+    lost = [m for m in range(M) if (f"learner-{m}", 0, ray_runtime.KILLED) in rt.exits]
+    assert 0 in lost and all((f"learner-{m}", 1, 0) in rt.exits for m in lost)
+    assert sorted(r["learner"] for r in rt.rejoins) == sorted(lost)
+    balanced(rt, summary, run_dir)
+    workers.remove(removed[0])
+    workers.append(c.add_node(num_cpus=2))  # for the module's other tests
+
+
+@pytest.mark.slow
+def test_a_killed_syncer_actor_restores_its_checkpoint_and_no_version_is_skipped_or_repeated(world, tmp_path):
+    cfg, setup, evaluate, run_dir = variant(world, tmp_path, checkpoint_every=4)
+    saved = run_dir / "syncer"
+
+    def kill(store):
+        if saved.is_dir() and any(d.name.isdigit() for d in saved.iterdir()) and trained(run_dir, 0, 10):
+            ray.kill(ray.get_actor(bs.read_control(store, "procs")["syncer_actor"], namespace="diloco"),
+                     no_restart=False)
+            return "killed"
+
+    rt, summary, done = run_with(cfg, setup, evaluate, run_dir, kill)
+    assert done == ["killed"] and ("syncer", 0, ray_runtime.KILLED) in rt.exits, rt.exits
+    assert rt.syncer_incarnation == 1
+    balanced(rt, summary, run_dir)
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    assert rt.finished["tokens"]["processed"] == 2 * M * STEPS * tokens_per_step  # no step booked twice
+    store = bs.BlobStore(f"file://{run_dir}/store")
+    assert store.list("rep/") == [] and store.list("ev/") == []
+
+
+def test_a_bundle_no_node_can_hold_is_a_config_error(world, tmp_path, monkeypatch):
+    cfg, setup, evaluate, run_dir = variant(world, tmp_path)
+    cfg = replace(cfg, runtime=replace(cfg.runtime, learner_resources={"CPU": 64.0}))
+    monkeypatch.setattr(ray_runtime, "PLACE_TIMEOUT_S", 2.0)
+    with pytest.raises(ConfigError, match="could not place learner 0's bundle"):
+        ray_runtime.run(cfg, setup, run_dir, evaluate)
