@@ -61,7 +61,7 @@ def test_every_kind_of_user_error_is_one_block_without_a_traceback_and_leaves_no
         (["data=files", "data.paths=[missing.txt]"], "file 'missing.txt' not found"),
         (["algo=diloco", "runtime=threads", "runtime.learners=4", "runtime.devices_per_learner=2"], "only 2 are visible"),
         (["algo=diloco", "runtime.devices_per_learner=4"], "only 2 devices are visible"),
-        (["runtime.lerners=4"], "did you mean runtime.learners?"),
+        (["runtime.stall_limit_stpes=2"], "did you mean runtime.stall_limit_steps?"),
     ]
     for i, (overrides, message) in enumerate(cases):
         out = tmp_path / f"run{i}"
@@ -78,7 +78,7 @@ def test_describe_lists_every_option_and_the_presets(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--describe"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
-    assert "runtime: procs | sim | threads" in proc.stdout
+    assert "runtime: procs | ray | sim | threads" in proc.stdout
     assert "  runtime.auth = 'auto'" in proc.stdout and "syncer.clip = 0.0" in proc.stdout
 
 

@@ -25,9 +25,9 @@ def test_every_option_is_listed_with_its_default_and_comment():
 
 
 def test_a_mistyped_key_gets_the_close_matches():
-    got = unknown_keys(["runtime.lerners=4", "run.steps=20", "model=tiny", "+model.d_modle=64",
+    got = unknown_keys(["runtime.stall_limit_stpes=2", "run.steps=20", "model=tiny", "+model.d_modle=64",
                         "runtime.quorum=2", "colour=red", "hydra.run.dir=x"], GROUPS)
-    assert got == ["unknown option 'runtime.lerners'; did you mean runtime.learners?",
+    assert got == ["unknown option 'runtime.stall_limit_stpes'; did you mean runtime.stall_limit_steps?",
                    "unknown option 'model.d_modle'; did you mean model.d_model?",
                    "unknown option 'runtime.quorum'; did you mean syncer.quorum?",
                    "unknown option 'colour'; `--describe` lists every option"]
