@@ -157,12 +157,15 @@ def run(cfg: TrainConfig) -> dict:
     its status; the syncer host (scripts/syncer.py) started again on its run directory resumes it,
     as a scheduler restarts it with the same command line."""
     if cfg.runtime.launch == "external":
-        from diloco.runtime.procs.standalone import run_learner
+        from diloco.runtime.procs.standalone import finished, run_learner
         if cfg.runtime.learner_index >= 0:
             code = run_learner(cfg)
             if code:
                 raise SystemExit(code)
             return {"learner": cfg.runtime.learner_index, "exitcode": 0}
+        if finished(cfg):
+            print(f"the run in {cfg.run.out_dir} has finished: its summary is {Path(cfg.run.out_dir) / 'summary.json'}")
+            return {}
         if used_by_a_run(Path(cfg.run.out_dir)):
             cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
     check_run_dir(cfg)

@@ -93,6 +93,10 @@ def test_kill_9_a_learner_started_by_hand_and_start_it_again(tmp_path, env):
     late = subprocess.run([sys.executable, str(ROOT / "scripts" / "learner.py"), "runtime.learner_index=0", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert late.returncode == 0 and "has finished" in late.stdout + late.stderr
+    # So has the syncer host, started again as a Kubernetes Deployment restarts even a process that exited 0.
+    host = subprocess.run([sys.executable, str(ROOT / "scripts" / "syncer.py"), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert host.returncode == 0 and "has finished" in host.stdout, host.stderr[-2000:]
 
 
 def test_claims_number_incarnations_and_write_the_notice_a_killed_predecessor_left_none(tmp_path):

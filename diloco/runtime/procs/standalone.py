@@ -92,6 +92,12 @@ def wait_for_run(store: bs.BlobStore, cfg: TrainConfig, url: str) -> None:
         raise ConfigError(f"this learner's config is not the run's in {store_s3.redacted(url)}:\n  " + "\n  ".join(diff))
 
 
+def finished(cfg: TrainConfig) -> bool:
+    """Whether the run of `cfg`'s store has finished: a process started again after that (a
+    Kubernetes Deployment restarts even a process that exited 0) has nothing to do."""
+    return bs.read_control(bs.BlobStore(store_url(cfg), sync=False), "finished") is not None
+
+
 def run_learner(cfg: TrainConfig) -> int:
     """Run learner runtime.learner_index as its next incarnation until it is done, stopped or
     superseded; its exit status (0 done, 75 its chaos tape down, 143 SIGTERM, 76 superseded)."""
@@ -102,7 +108,7 @@ def run_learner(cfg: TrainConfig) -> int:
     run_dir = Path(cfg.run.out_dir).absolute()
     url = store_url(cfg)
     store = bs.BlobStore(url, sync=False)
-    if bs.read_control(store, "finished") is not None:
+    if finished(cfg):
         log.info("the run in %s has finished; learner %d has nothing to do", store_s3.redacted(url), m)
         return 0
     token = secrets.token_hex(8)
@@ -133,9 +139,6 @@ class SyncerOnly(Procs):
 
     def _start(self) -> None:
         procs = bs.read_control(self.store, "procs")
-        if bs.read_control(self.store, "finished") is not None:
-            raise ConfigError(f"the run in {store_s3.redacted(self.url)} has finished (ctl/finished): "
-                              "nothing to restart; a new run needs a new runtime.store_url or run.out_dir")
         if procs is None:
             self._fresh()
             return
