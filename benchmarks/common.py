@@ -32,3 +32,13 @@ def write(name: str, payload: dict, out: str | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
     return path
+
+
+def first_merge_of(decisions: list[dict], learner: int, incarnation: int) -> float:
+    """Clock time of the first merge that took in a contribution of (learner, incarnation), from
+    the syncer's decision records."""
+    arrivals = [r for r in decisions if r["event"] == "arrival" and r.get("key")
+                and r["key"][:2] == [learner, incarnation]]
+    merges = [r for r in decisions if r["event"] == "merge" and learner in r["learners"]]
+    first_arrival = min(r["at"] for r in arrivals)
+    return min(r["at"] for r in merges if r["at"] >= first_arrival)

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import first_merge_of, write  # noqa: E402
 
 from diloco.config import (DataConfig, FragmentsConfig, ModelConfig, RunConfig, RuntimeConfig,  # noqa: E402
                            SyncerConfig, TrainConfig, from_dict, validate)
@@ -70,7 +70,7 @@ def main() -> None:
         LearnerUnit.step = plain_step
     merged = [r["at"] for r in rt.syncer.decisions
               if r["event"] == "merge" and 1 in r["learners"] and r["at"] > killed_at[0]]
-    first = _first_merge_of_incarnation(rt, 1, 1)
+    first = first_merge_of(rt.syncer.decisions, 1, 1)
     learner = {"killed_at_s": killed_at[0], "first_merge_after_rejoin_s": first,
                "kill_to_first_merge_s": first - killed_at[0], "restart_s": args.restart_s,
                "rejoin": rt.rejoins[0]._asdict(), "merges_with_learner_1_after_kill": len(merged),
@@ -87,15 +87,6 @@ def main() -> None:
               "learner_threads": learner, "syncer_restore_s": restore_s}
     print(result)
     print("wrote", write("rejoin", result, args.out))
-
-
-def _first_merge_of_incarnation(rt, learner: int, incarnation: int) -> float:
-    """Clock time of the first merge that took in a contribution of (learner, incarnation)."""
-    arrivals = [r for r in rt.syncer.decisions if r["event"] == "arrival" and r.get("key")
-                and r["key"][:2] == [learner, incarnation]]
-    merges = [r for r in rt.syncer.decisions if r["event"] == "merge" and learner in r["learners"]]
-    first_arrival = min(r["at"] for r in arrivals)
-    return min(r["at"] for r in merges if r["at"] >= first_arrival)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from diloco.runtime.runlog import read_decisions, read_inputs
 
 TINY = ModelConfig(name="tiny", d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64)
 STEPS, M, P = 16, 2, 2
-RUNTIMES = {"sim": sim.run, "threads": threads.run, "procs": procs.run}
+RUNTIMES = {"sim": sim.run, "threads": threads.run, "procs": procs.run, "ray": None}  # ray: imported when run
 
 
 def make_cfg(root, kind: str) -> TrainConfig:
@@ -40,17 +40,30 @@ def world(tmp_path_factory):
     return root, setup, evaluate_global
 
 
-@pytest.mark.parametrize("kind", sorted(RUNTIMES))
+def run_ray(cfg, setup, run_dir, evaluate_global):
+    """On a Ray instance of this machine the runtime starts itself, bound to 127.0.0.1 (see
+    tests/test_ray.py's loopback); stopped again at the end."""
+    pytest.importorskip("ray")
+    from test_ray import loopback
+
+    from diloco.runtime import ray_runtime
+
+    with pytest.MonkeyPatch.context() as mp:
+        loopback(mp)
+        return ray_runtime.run(cfg, setup, run_dir, evaluate_global)
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "ray" else k for k in sorted(RUNTIMES)])
 def test_every_runtime_balances_versions_and_replays(world, kind):
     root, setup, evaluate_global = world
     cfg = make_cfg(root, kind)
     run_dir = root / kind
     run_dir.mkdir(exist_ok=True)
-    rt, summary = RUNTIMES[kind](cfg, setup, run_dir, evaluate_global)
+    rt, summary = (RUNTIMES[kind] or run_ray)(cfg, setup, run_dir, evaluate_global)
 
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     assert summary["token_ledger_imbalance"] == 0
-    if kind != "procs":  # procs' ledgers live in its syncer process; its summary carries them
+    if kind not in ("procs", "ray"):  # their ledgers live in the syncer's process; its summary carries them
         ledger.check_balance(rt.tokens)
         assert rt.tokens.processed == (M * STEPS * tokens_per_step,) * P
     assert summary["merges"] > 0 and np.isfinite(summary["eval_loss"])
@@ -65,6 +78,6 @@ def test_every_runtime_balances_versions_and_replays(world, kind):
     again = replay(setup.policy, sync.init(setup.policy, setup.fragments, setup.theta0,
                                            {m: 0 for m in range(M)}), inputs)
     assert json.loads(json.dumps(list(again.decisions))) == decisions
-    final = rt.theta if kind == "procs" else sync.theta(rt.syncer)
+    final = rt.theta if kind in ("procs", "ray") else sync.theta(rt.syncer)
     for path, x in sync.theta(again).items():
         np.testing.assert_array_equal(x, final[path], err_msg=f"{kind}: {path}")

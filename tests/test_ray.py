@@ -23,6 +23,7 @@ from diloco.runtime import blobstore as bs  # noqa: E402
 from diloco.runtime import ray_runtime  # noqa: E402
 
 M = 3
+WORKER = {"num_cpus": 3, "resources": {"learner_slot": 3}}  # a worker node: 3 learners' bundles
 
 
 def loopback(mp: pytest.MonkeyPatch) -> None:
@@ -36,12 +37,12 @@ def loopback(mp: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A head (1 CPU: room for the syncer) and two workers of 2 CPUs: 5 logical CPUs for 4 actors,
-    so that the learners of a removed worker fit on what is left."""
+    """A head of 1 CPU (room for the syncer) and two workers with room for 3 learners each (a
+    custom resource learners ask for), so that the learners of a removed worker fit on the other."""
     with pytest.MonkeyPatch.context() as mp:
         loopback(mp)
         c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-        workers = [c.add_node(num_cpus=2) for _ in range(2)]
+        workers = [c.add_node(**WORKER) for _ in range(2)]
         yield c, workers
         if ray.is_initialized():
             ray.shutdown()
@@ -54,7 +55,7 @@ def world(tmp_path_factory, cluster):
     cfg = make_cfg(root)
     cfg = validate(replace(cfg, run=replace(cfg.run, checkpoint_every=2), runtime=replace(
         cfg.runtime, kind="ray", learners=M, learner_checkpoint_every=4, restart_s=0.0,
-        ray_address=cluster[0].address)))
+        ray_address=cluster[0].address, learner_resources={"CPU": 1.0, "learner_slot": 1.0})))
     _, _, setup, evaluate_global, _ = diloco_world(cfg)
     return cfg, setup, evaluate_global
 
@@ -137,7 +138,7 @@ def test_a_removed_worker_node_takes_its_learners_which_restart_on_the_others(wo
             return None
         actor = ray.get_actor(bs.read_control(store, "procs")["learners"]["0"]["actor"], namespace="diloco")
         node = ray.get(actor.where.remote())["node"]
-        [worker] = [w for w in workers if w.node_id == node]  # learners never land on the 1-CPU head with the syncer
+        [worker] = [w for w in workers if w.node_id == node]  # learners never land on the head (no learner_slot)
         c.remove_node(worker)
         removed.append(worker)
         return node
@@ -149,7 +150,7 @@ def test_a_removed_worker_node_takes_its_learners_which_restart_on_the_others(wo
     assert sorted(r["learner"] for r in rt.rejoins) == sorted(lost)
     balanced(rt, summary, run_dir)
     workers.remove(removed[0])
-    workers.append(c.add_node(num_cpus=2))  # for the module's other tests
+    workers.append(c.add_node(**WORKER))  # for the module's other tests
 
 
 @pytest.mark.slow
