@@ -31,13 +31,15 @@ class Damaged(ValueError):
     """A checkpoint whose arrays or meta differ from what was saved, or that lacks a field."""
 
 
-def open_manager(directory: str | Path, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
+def open_manager(directory: str | Path, keep: int, async_save: bool = True,
+                 clean: bool = True) -> ocp.CheckpointManager:
     """A CheckpointManager over `directory`; the caller closes it (it owns background threads).
 
     A process killed mid-save leaves `<step>.orbax-checkpoint-tmp-*`: never listed as a step, but
-    kept on disk for the rest of the run, so the next owner of the directory removes it here."""
+    kept on disk for the rest of the run, so the next owner of the directory removes it here
+    (`clean`; of several processes saving into one directory, only the first may)."""
     root = Path(directory)
-    if root.is_dir():
+    if clean and root.is_dir():
         for torn in root.glob("*.orbax-checkpoint-tmp*"):
             log.warning("removing torn checkpoint %s (a save that never finished)", torn)
             shutil.rmtree(torn, ignore_errors=True)

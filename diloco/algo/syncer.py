@@ -151,15 +151,18 @@ class Outcome(NamedTuple):
 
 
 def init(cfg: Policy, fragments: tuple[Fragment, ...], values: tuple[Values, ...],
-         learners: dict[int, int]) -> SyncerState:
-    """Theta_0 = `values` (the learners start from exactly these), version 0 everywhere."""
+         learners: dict[int, int], merges: bool = True) -> SyncerState:
+    """Theta_0 = `values` (the learners start from exactly these), version 0 everywhere.
+    `merges`: compile the merges now (compile_merges); False where the state is only read, as a
+    learner reads its references, and never merged."""
     frags = []
     for spec, v in zip(fragments, values):
         theta = {p: np.asarray(x, np.float32) for p, x in v.items()}
         state = jax.tree.map(np.asarray, cfg.outer.init(theta))
         frags.append(FragmentState(spec, theta, state, 0, ((0, theta),), theta_norm=merging.global_norm(theta)))
     st = SyncerState(tuple(frags), dict(learners), {}, held={m: (0,) * len(fragments) for m in learners})
-    compile_merges(cfg, st)
+    if merges:
+        compile_merges(cfg, st)
     return st
 
 

@@ -218,6 +218,21 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
            f"runtime.learner_checkpoint_every={r.learner_checkpoint_every} must be >= 0")
     check(e, r.learners >= 1, f"runtime.learners={r.learners} must be >= 1")
     check(e, r.devices_per_learner >= 1, f"runtime.devices_per_learner={r.devices_per_learner} must be >= 1")
+    # A learner world (docs/multihost.md): its processes are started and restarted as one by the
+    # procs supervisor, each contributing an equal share of the learner's devices.
+    P = r.processes_per_learner
+    check(e, P >= 1, f"runtime.processes_per_learner={P} must be >= 1")
+    check(e, P == 1 or r.kind == "procs",
+          f"runtime.processes_per_learner={P} needs runtime.kind=procs (got {r.kind!r})")
+    check(e, P == 1 or r.launch == "local",
+          f"runtime.processes_per_learner={P} needs runtime.launch=local (got {r.launch!r}): the procs "
+          "supervisor starts a learner's processes together and restarts them as one")
+    check(e, P < 1 or r.devices_per_learner % P == 0,
+          f"runtime.devices_per_learner={r.devices_per_learner} is not divisible by "
+          f"runtime.processes_per_learner={P}: each process of a learner holds an equal share of its devices")
+    check(e, r.world_heartbeat_s >= 1,
+          f"runtime.world_heartbeat_s={r.world_heartbeat_s} must be >= 1 (the coordination service counts "
+          "whole seconds)")
     check(e, len(r.speeds) in (0, r.learners),
            f"runtime.speeds has {len(r.speeds)} entries for runtime.learners={r.learners}")
     check(e, all(x > 0 for x in r.speeds), f"runtime.speeds={list(r.speeds)} must all be > 0")

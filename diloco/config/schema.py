@@ -237,6 +237,12 @@ class RuntimeConfig:
     # learner and restarts them; external = it hosts the syncer only (scripts/syncer.py) and each
     # learner is started apart by a scheduler (scripts/learner.py), coupled through the store.
     launch: str = "local"
+    # A learner spanning several processes (hosts), one jax.distributed world whose devices are its
+    # global mesh (docs/multihost.md): devices_per_learner stays the learner's device count, each
+    # process contributes devices_per_learner / processes_per_learner; procs and ray only. The
+    # heartbeat bounds how long a world's survivors run on after one of its processes died.
+    processes_per_learner: int = 1
+    world_heartbeat_s: float = 5.0
     learner_index: int = -1  # scripts/learner.py: the learner this process runs, 0..learners-1
     # ray: the cluster to join ("" = start one on this machine; "auto" or host:port = a running one),
     # each learner's placement group bundle (Ray resources: CPU, GPU, TPU, ...) and the syncer

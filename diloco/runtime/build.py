@@ -23,7 +23,7 @@ from diloco.algo.outer import make_outer
 from diloco.config import ConfigError, MeshConfig, TrainConfig
 from diloco.data import Corpus
 from diloco.model import Model, is_embedding
-from diloco.runtime import placement
+from diloco.runtime import placement, world
 from diloco.runtime.unit import LearnerUnit, UnitSpec
 from diloco.train.mesh import make_mesh
 from diloco.train.trainer import Compiled, compile_steps
@@ -134,8 +134,12 @@ def check_devices(cfg: TrainConfig) -> None:
 def learner_meshes(cfg: TrainConfig) -> list:
     """M disjoint sub-meshes of devices_per_learner devices each, data-parallel inside; in sim
     the first one only, which every learner shares (shares_mesh). In a process that sees only one
-    learner's devices (procs, ray) all M are that one sub-mesh: the process runs one of them."""
+    learner's devices (procs, ray) all M are that one sub-mesh: the process runs one of them; so
+    in a process of a learner's world (docs/multihost.md), over the devices of every process."""
     r = cfg.runtime
+    if jax.process_count() > 1:  # a learner world: this process runs one learner over every process's devices
+        mesh = world.learner_mesh_global(r.devices_per_learner, cfg.data.batch_size)
+        return [mesh] * (1 if shares_mesh(cfg) else r.learners)
     mesh_cfg = MeshConfig(data=r.devices_per_learner, fsdp=1, devices=r.devices_per_learner)
     return [make_mesh(mesh_cfg, cfg.data.batch_size, list(devs)) for devs in learner_device_lists(cfg, jax.devices())]
 

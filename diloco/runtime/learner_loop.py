@@ -5,6 +5,12 @@ limit) while a fragment the schedule needs is overdue, step, pace the step, and 
 typed event (diloco/runtime/events.py). A runtime supplies the port: how time is read, how
 broadcasts are taken, how events leave, and when the incarnation must end (docs/design.md).
 sim drives the same LearnerUnit from its event heap instead, on a virtual clock.
+
+A learner may be a world of several processes (docs/multihost.md), each running this loop on the
+same unit over the learner's global mesh. Then every process must make the same passes and launch
+the same device programs in the same order, so each wall-clock decision (give up on a fragment,
+the rows a chaos tape leaves) is the leader's, taken by every process through `port.agree`, and
+only the leader paces its steps (the followers then wait for it in the next pass's collectives).
 """
 
 from __future__ import annotations
@@ -24,6 +30,12 @@ from diloco.runtime.walltape import WallTape
 
 class LearnerPort(Protocol):
     """What the loop needs from a runtime."""
+
+    leader: bool  # the process whose clock decides (in a learner of one process, always)
+
+    def agree(self, decision: dict | None) -> dict:
+        """The leader's `decision` on every process of the learner (followers pass theirs, which
+        is ignored); the decision itself where the learner is one process."""
 
     def clock(self) -> float:
         """Seconds on the run's shared wall clock."""
@@ -103,7 +115,7 @@ def run_incarnation(port: LearnerPort, unit: LearnerUnit, cfg: TrainConfig, spee
             release()  # the syncer may be waiting for these very frames
             now = port.clock()
             give_up = watch.blocked(blocked.seq, now)
-            if now >= give_up:
+            if port.agree({"give_up": now >= give_up})["give_up"]:
                 unit.give_up(blocked.fragment)
             else:
                 port.wait(unit, give_up)
@@ -112,10 +124,15 @@ def run_incarnation(port: LearnerPort, unit: LearnerUnit, cfg: TrainConfig, spee
         if unit.ls.step >= steps:
             break
         start = port.clock()
-        if tape is not None and not tape.alive(m, start):
-            continue  # its last slice went since the check (a loaded machine): the check ends it
+        rows = None
+        if tape is not None:
+            # slices lost: a smaller batch; all lost since the check (a loaded machine): the check ends it
+            alive = tape.alive(m, start)
+            taped = port.agree({"alive": alive, "rows": tape.rows(m, start) if alive else None})
+            if not taped["alive"]:
+                continue
+            rows = taped["rows"]
         log = report.due(unit.ls.step + 1, cfg.run.log_every, steps)
-        rows = None if tape is None else tape.rows(m, start)  # slices lost: a smaller batch
         result = unit.step(fetch_loss=log, rows=rows, defer=True)
         release(overlapped=True)  # the previous step's frames, while this one runs
         jax.block_until_ready(unit.state)  # dispatch is asynchronous: time the step, not its launch
@@ -123,7 +140,7 @@ def run_incarnation(port: LearnerPort, unit: LearnerUnit, cfg: TrainConfig, spee
         saved = checkpoints.maybe_save(unit)
         factor = speed * max(0.1, 1.0 + jitter * rng.standard_normal())
         until = pace.end(start, compute, factor)  # the speed factor and runtime.step_period_s
-        while port.clock() < until:  # the artificial slowdown, taking broadcasts as they come
+        while port.leader and port.clock() < until:  # the artificial slowdown, taking broadcasts as they come
             port.wait(unit, until)
         end = port.clock()
         watch.observe(end - start)

@@ -48,8 +48,10 @@ class LearnerCheckpoints:
     """One Orbax manager per learner under `root/learner-<m>`; not thread-safe (one per runtime
     thread that owns the learner, or one for a sequential runtime)."""
 
-    def __init__(self, root: Path | None, every: int, keep: int = 2, lock=None):
-        self.root, self.every, self.keep = root, every, keep
+    def __init__(self, root: Path | None, every: int, keep: int = 2, lock=None, primary: bool = True):
+        """primary: this process clears torn saves when it opens a learner's directory; False in
+        the followers of a learner's world, whose leader does it (docs/multihost.md)."""
+        self.root, self.every, self.keep, self.primary = root, every, keep, primary
         self._managers: dict[int, object] = {}
         # Orbax managers saving at the same moment from several threads race on their temporary
         # directories (seen on orbax-checkpoint 0.12.8), so threaded learners share a lock and
@@ -63,7 +65,7 @@ class LearnerCheckpoints:
     def _manager(self, m: int):
         if m not in self._managers:
             self._managers[m] = checkpoint.open_manager(self.root / f"learner-{m}", self.keep,
-                                                        async_save=self._lock is None)
+                                                        async_save=self._lock is None, clean=self.primary)
         return self._managers[m]
 
     def maybe_save(self, unit: LearnerUnit, final: bool = False) -> bool:

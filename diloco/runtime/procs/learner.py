@@ -49,7 +49,7 @@ from diloco.config import TrainConfig
 from diloco.inputs import load_inputs
 from diloco.runtime import blobstore as bs
 from diloco.runtime import events as ev
-from diloco.runtime import build as build_setup
+from diloco.runtime import build as build_setup, world as learner_world
 from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
 from diloco.runtime.build import Setup, new_unit
 from diloco.runtime.learner_loop import run_incarnation
@@ -151,11 +151,11 @@ def wait_for(poll: Callable[[], Any], parent: int | None, stopping: Callable[[],
     return found
 
 
-def max_frame(setup: Setup) -> int:
+def max_frame(setup: Setup, merges: bool = True) -> int:
     """The largest frame of this run, up or down: the prefix (magic, header length), the header
     bound and the syncer's payload bound (diloco/algo/syncer.py), which no codec's payload exceeds
     and a full FP32 copy (4 bytes a value) is below; a larger object in the store is damage."""
-    st = sync.init(setup.policy, setup.fragments, setup.theta0, {})
+    st = sync.init(setup.policy, setup.fragments, setup.theta0, {}, merges)
     return len(messages.MAGIC) + 4 + messages.MAX_HEADER_BYTES + sync.max_payload(st)
 
 
@@ -171,7 +171,8 @@ def full_copy(frame: bytes, p: int, version: int, expected: dict) -> dict:
 
 def store_view(store: bs.BlobStore, setup: Setup, timeout_s: float = VIEW_TIMEOUT_S,
                skipped: Counter | None = None, sleep: Callable[[float], Any] | None = None,
-               clock: Callable[[], float] = time.monotonic) -> tuple[sync.SyncerState, list[tuple[int, int]]]:
+               clock: Callable[[], float] = time.monotonic, frames: list[bytes] | None = None,
+               merges: bool = True) -> tuple[sync.SyncerState, list[tuple[int, int]]]:
     """The syncer's current references as far as a learner can see them: the newest readable full
     copy of every published fragment (Theta_0 for the others), as a SyncerState that new_unit and
     rejoin_unit read (refs[-1] and version only); also (fragment, bytes) of every object fetched.
@@ -180,10 +181,12 @@ def store_view(store: bs.BlobStore, setup: Setup, timeout_s: float = VIEW_TIMEOU
     and damage may leave it unreadable. Then the older full copies gc kept are tried, newest
     first, and if none is readable the pointer is read again with back-off (it moves on with the
     next merge), for at most `timeout_s` per fragment; after that the fragment stays at Theta_0,
-    logged as an error. Every skip is counted in `skipped` by reason and logged.
+    logged as an error. Every skip is counted in `skipped` by reason and logged. `frames`, if
+    given, collects the full copies the view holds (what the followers of a learner's world take
+    it from, view_of_frames). `merges`: sync.init's (a learner never merges).
     """
     skipped = Counter() if skipped is None else skipped
-    view = sync.init(setup.policy, setup.fragments, setup.theta0, {})
+    view = sync.init(setup.policy, setup.fragments, setup.theta0, {}, merges)
     frags, fetched, limit = list(view.fragments), [], max_frame(setup)
     for p, fs in enumerate(frags):
         expected = {path: (x.shape, np.float32) for path, x in fs.theta.items()}
@@ -214,9 +217,13 @@ def store_view(store: bs.BlobStore, setup: Setup, timeout_s: float = VIEW_TIMEOU
                         continue  # collected by gc since the pointer or listing was read
                     fetched.append((p, len(frame)))
                     try:
-                        return v, full_copy(frame, p, v, expected)
+                        values = full_copy(frame, p, v, expected)
                     except messages.MessageError as e:
                         why = str(e)
+                    else:
+                        if frames is not None:
+                            frames.append(frame)
+                        return v, values
                 tried.add(v)
                 skipped["full"] += 1
                 log.warning("rejoin: fragment %d version %d's full copy is unreadable (%s); trying an older one",
@@ -236,17 +243,46 @@ def store_view(store: bs.BlobStore, setup: Setup, timeout_s: float = VIEW_TIMEOU
     return view._replace(fragments=tuple(frags)), fetched
 
 
+def view_of_frames(setup: Setup, frames: list[bytes]) -> sync.SyncerState:
+    """The view store_view built from these full copies (the ones it collected in `frames`), for a
+    follower of a learner's world: it rejoins from the very copies its leader read, never from a
+    store whose gc may have moved on since."""
+    view = sync.init(setup.policy, setup.fragments, setup.theta0, {}, merges=False)
+    frags = list(view.fragments)
+    for frame in frames:
+        h = messages.decode(frame).header
+        p, version = h["fragment"], h["version"]
+        values = full_copy(frame, p, version, {path: (x.shape, np.float32) for path, x in frags[p].theta.items()})
+        frags[p] = frags[p]._replace(theta=values, version=version, refs=((version, values),))
+    return view._replace(fragments=tuple(frags))
+
+
 class ProcLearner:
     """Learner (m, incarnation) in its own process; owns its unit, writes its own event stream."""
 
     def __init__(self, store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m: int,
                  incarnation: int, parent: int | None, resumed: bool = False,
-                 superseded: Callable[[], bool] | None = None):
+                 superseded: Callable[[], bool] | None = None, world: learner_world.World | None = None):
         """resumed: the first incarnation of a resumed run, coming back from a stop. parent: the
         supervisor's pid (None: started by a scheduler). superseded: whether a newer incarnation
-        has claimed this learner (started apart: asked every FENCE_S at step boundaries)."""
+        has claimed this learner (started apart: asked every FENCE_S at step boundaries). world:
+        this process's place in the learner's world when the learner spans several processes
+        (docs/multihost.md#learner-process); None for a learner of one process."""
         self.store, self.cfg, self.m, self.inc, self.parent = store, cfg, m, incarnation, parent
         self.resumed, self.superseded, self.fenced_at = resumed, superseded, time.monotonic()
+        # Only the leader talks to the syncer: it reads the store's broadcasts and writes events
+        # and contributions; followers take its frames and decisions at each step boundary.
+        self.world = world
+        self.leader = world is None or world.leader
+        # The leader: frames its unit took since the last step boundary's broadcast; a follower:
+        # those the boundary brought, until its poll gives them to its unit.
+        self.accepted: list[bytes] = []
+        self.view: sync.SyncerState | None = None  # a rejoin's view of the store (start)
+        self.view_frames: list[bytes] = []  # the full copies it holds, for the followers
+        # A learner reads syncer states (its references) and never merges: a world's processes
+        # skip sync.init's merge compiles, seconds of CPU each that the processes of a world would
+        # otherwise pay at once. A learner of one process compiles them as it always has.
+        self.merges = world is None
         self.setup = child_setup(cfg, store)
         r = cfg.runtime
         self.speed, self.jitter = (list(r.speeds) or [1.0] * r.learners)[m], r.jitter
@@ -257,14 +293,18 @@ class ProcLearner:
         if self.tape is not None:
             self.speed, self.jitter = self.tape.tape.speeds[m], self.tape.tape.jitter
         self.terminating = False  # set by SIGTERM: checkpoint and exit at the next step boundary
+        # In a world every process saves and restores (Orbax writes each array once and syncs its
+        # processes); only the leader clears what a killed save left (a follower clearing while
+        # the leader has begun a save would remove that save).
         self.checkpoints = LearnerCheckpoints(None if run_dir is None else run_dir / "learners",
-                                              r.learner_checkpoint_every, cfg.run.keep_checkpoints)
+                                              r.learner_checkpoint_every, cfg.run.keep_checkpoints,
+                                              primary=self.leader)
         self.n = 0  # next event number
         self.fetched: list[list] = []  # [time, fragment, bytes, codec], booked with the next event
         self.t0 = 0.0
         self.nap_until = float("inf")
         self.poller = bs.Poller(POLL_MIN, POLL_MAX, sleep=self._nap)
-        self.max_frame = max_frame(self.setup)
+        self.max_frame = max_frame(self.setup, self.merges)
         self.bad: set[str] = set()  # broadcast keys found unreadable: never fetched again
         self.skipped: Counter = Counter()  # what damage made it skip, by kind (also logged)
         self._bad_pointer: str | None = None  # the last malformed pointer logged, not to log it each poll
@@ -277,9 +317,21 @@ class ProcLearner:
             raise SystemExit(f"supervisor {self.parent} is gone")
         time.sleep(max(0.0, min(dt, self.nap_until - self.clock())))
 
+    def agree(self, decision: dict | None) -> dict:
+        """The leader's decision on every process of the world; as it is in a learner of one."""
+        return decision if self.world is None else learner_world.agree(decision if self.leader else None)
+
+    def _leave(self) -> None:
+        """A world's clean exit: every process waits for the others (an exit code agreed)."""
+        if self.world is not None:
+            learner_world.leave_world()
+
     def emit(self, event: ev.Event) -> None:
         """Write the next event of this incarnation, with what was fetched since the previous one;
-        its contributions go first, each under its own key, so the event can name them."""
+        its contributions go first, each under its own key, so the event can name them. A
+        follower of a world writes nothing: its leader encoded the very same frames."""
+        if not self.leader:
+            return None
         for (_, seq), frame in zip(getattr(event, "sends", ()), getattr(event, "frames", ())):
             bs.send_contribution(self.store, self.m, self.inc, seq, frame)
         data = ev.to_json(event._replace(fetched=tuple(map(tuple, self.fetched))))
@@ -291,23 +343,51 @@ class ProcLearner:
 
     def start(self) -> LearnerUnit | None:
         """Compile, pass the start barrier, and (a restarted incarnation) rejoin; None if the
-        predecessor had already finished, leaving nothing to do."""
+        predecessor had already finished, leaving nothing to do. In a world the leader alone
+        waits and reads the store (_begin); its plan and the full copies it rejoins from reach the
+        followers, so every process calls rejoin_unit (an Orbax restore: collective) alike."""
         s, m = self.setup, self.m
-        unit = new_unit(s, m, self.inc, sync.init(s.policy, s.fragments, s.theta0, {m: 0}))
+        unit = new_unit(s, m, self.inc, sync.init(s.policy, s.fragments, s.theta0, {m: 0}, self.merges))
         # on Theta_0: compiling costs the same whatever the values
         unit.warm_up(*(() if self.tape is None else self.tape.smaller_batches()))
+        plan = self._begin() if self.leader else None
+        if self.world is not None:
+            plan = learner_world.agree(plan if self.leader else None)
+            self.t0, self.terminating = plan["t0"], plan["stop"]
+            if plan["go"] and plan["rejoin"] is not None:
+                frames = learner_world.mirror_frames(self.view_frames if self.leader else None)
+                if not self.leader:
+                    self.view = view_of_frames(s, frames)
+        if not plan["go"]:
+            return None
+        how = plan["rejoin"]
+        if how is None:
+            return unit
+        r = self.cfg.runtime
+        unit, rejoined = rejoin_unit(s, m, self.inc, self.view, self.checkpoints, r.max_rejoin_staleness,
+                                     how["stopped_at"], how["at_least"])
+        # died_at is the syncer's to fill in: it booked the predecessor's death
+        self.emit(ev.Rejoined(m, self.inc, how["now"], how["down_until"], how["now"], rejoined._asdict()))
+        return unit
+
+    def _begin(self) -> dict:
+        """The leader's part of start: ready, the start barrier, and for a restarted incarnation
+        the burial, the down time and the store's view (self.view). The plan: go (False: stopped,
+        or nothing left to do), t0, stop, and rejoin (None for incarnation 0: now, down_until,
+        the step the predecessor stopped at, the least step to resume at)."""
+        m = self.m
         bs.write_control(self.store, f"ready/{m:04d}", {"incarnation": self.inc})
         stopping = lambda: self.terminating  # noqa: E731 - SIGTERM while waiting: nothing to save yet
         started = wait_for(lambda: bs.read_control(self.store, "start"), self.parent, stopping)
         if started is None:
-            return None
+            return {"go": False, "t0": self.t0, "stop": self.terminating, "rejoin": None}
         self.t0 = started["t0"]
         started_at = self.clock()
         if self.inc == 0:
-            return unit
+            return {"go": True, "t0": self.t0, "stop": False, "rejoin": None}
         before = wait_for(lambda: bs.read_control(self.store, buried(m, self.inc - 1)), self.parent, stopping)
         if before is None or before["done"]:
-            return None
+            return {"go": False, "t0": self.t0, "stop": self.terminating, "rejoin": None}
         r = self.cfg.runtime
         # Resumed: nothing was down, the clock was stopped; waiting for the syncer to book the
         # stop is part of restarting. After a crash, the wait for the burial is down time.
@@ -321,18 +401,26 @@ class ProcLearner:
         while self.clock() < down_until + restart_s and not self.terminating:
             self._nap(min(POLL_MAX, down_until + restart_s - self.clock()))
         if self.terminating:
-            return None
-        view, fetched = store_view(self.store, s, skipped=self.skipped, sleep=self._nap)
+            return {"go": False, "t0": self.t0, "stop": True, "rejoin": None}
+        self.view, fetched = store_view(self.store, self.setup, skipped=self.skipped, sleep=self._nap,
+                                        frames=None if self.world is None else self.view_frames,
+                                        merges=self.merges)
         now = self.clock()
         self.fetched += [[now, p, n, "fp32"] for p, n in fetched]
         at_least = Pace.rejoin_step(r.step_period_s, r.rejoin_at, now, self.speed, self.cfg.run.steps)
-        unit, how = rejoin_unit(s, m, self.inc, view, self.checkpoints, r.max_rejoin_staleness,
-                                before["step"], at_least)
-        # died_at is the syncer's to fill in: it booked the predecessor's death
-        self.emit(ev.Rejoined(m, self.inc, now, down_until, now, how._asdict()))
-        return unit
+        return {"go": True, "t0": self.t0, "stop": False,
+                "rejoin": {"now": now, "down_until": down_until, "stopped_at": before["step"], "at_least": at_least}}
 
     def run(self) -> None:
+        try:
+            self._run()
+        except SystemExit as e:
+            if e.code == EXIT_DOWN:  # agreed by every process of a world: leave together
+                self._leave()
+            raise
+        self._leave()
+
+    def _run(self) -> None:
         unit = self.start()
         if unit is None:
             return
@@ -343,6 +431,8 @@ class ProcLearner:
 
     # --- the port of the shared loop (diloco/runtime/learner_loop.py) ---------------------------
     def check(self, unit: LearnerUnit, watch) -> bool:
+        if self.world is not None:
+            return self._check_world(unit)
         if self.tape is not None and not self.tape.alive(self.m, self.clock()):
             self.checkpoints.close()
             sys.exit(EXIT_DOWN)  # all its slices are down: the supervisor starts its successor
@@ -355,8 +445,34 @@ class ProcLearner:
                 sys.exit(EXIT_SUPERSEDED)
         return self.terminating
 
+    def _check_world(self, unit: LearnerUnit) -> bool:
+        """check for a process of a world: the leader decides (its tape, its SIGTERM), every
+        process acts on that decision at this same step boundary. The leader also takes this
+        pass's broadcasts here, so that one broadcast carries the decision and every frame its
+        unit took since the last one (in that order), which the followers' units take in `poll`.
+        Started apart (runtime.launch=external) a learner is one process: no fence to ask here."""
+        payload = None
+        if self.leader:
+            self.receive(unit)
+            down = self.tape is not None and not self.tape.alive(self.m, self.clock())
+            decision = {"exit": EXIT_DOWN if down else None, "stop": self.terminating}
+            payload = learner_world.pack_frames([json.dumps(decision).encode(), *self.accepted])
+        head, *frames = learner_world.unpack_frames(learner_world.broadcast_from_leader(payload))
+        self.accepted = [] if self.leader else frames
+        decision = json.loads(head)
+        if decision["exit"] is not None:
+            self.checkpoints.close()
+            sys.exit(decision["exit"])
+        self.terminating = decision["stop"]
+        return self.terminating
+
     def poll(self, unit: LearnerUnit) -> None:
-        self.receive(unit)
+        if self.world is None:
+            self.receive(unit)
+        elif not self.leader:  # what the leader's unit took, mirrored by _check_world, in its order
+            for frame in self.accepted:
+                unit.receive(frame)
+            self.accepted = []
 
     def log(self, record: dict) -> None:
         pass  # the loss rides on the StepDone event; the syncer reports it
@@ -396,6 +512,8 @@ class ProcLearner:
                     continue
                 self.fetched.append([self.clock(), p, len(frame), codec])
                 if unit.receive(frame) is not None:
+                    if self.world is not None:  # for the followers, at the next step boundary
+                        self.accepted.append(frame)
                     new = unit.latest[p][0]  # a bad key of a version now held is never asked for again
                     self.bad = {k for k in self.bad if not (k.startswith(f"down/{p:04d}/") and _version(k) <= new)}
                     return True
@@ -417,7 +535,10 @@ class ProcLearner:
                     yield bs.broadcast_key(p, v, "full"), "fp32"
 
     def wait(self, unit: LearnerUnit, until: float) -> None:
-        """Blocked: one poll, then a back-off nap (never past `until`) if nothing came."""
+        """Blocked: one poll, then a back-off nap (never past `until`) if nothing came. A follower
+        returns at once: it waits for its leader in the next pass's collectives."""
+        if not self.leader:
+            return
         if self.receive(unit):
             self.poller.interval = self.poller.min_interval
             return
@@ -432,17 +553,30 @@ def _version(key: str) -> int:
 
 def learner_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m: int, incarnation: int,
                  parent: int | None, resumed: bool = False, superseded: Callable[[], bool] | None = None,
-                 exposed: Callable[[ProcLearner], None] | None = None) -> None:
+                 exposed: Callable[[ProcLearner], None] | None = None, spec: Any = None) -> None:
     """exposed: given the learner once built, for a host that stops it without a signal (a Ray
-    actor sets `terminating` from another thread)."""
-    rt = ProcLearner(store, cfg, run_dir, m, incarnation, parent, resumed, superseded)
+    actor sets `terminating` from another thread). spec: this process's WorldSpec
+    (diloco/runtime/world_group.py) when the learner is a world of several processes."""
+    world = None
+    if spec is not None:
+        if spec.index and in_main_thread():
+            # A follower stops when its leader's agreed decision says so, at the same step boundary
+            # as every other process of the world (docs/multihost.md#learner-process).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        r = cfg.runtime
+        # Before child_setup starts the backend. On CPU each process contributes its share of
+        # the learner's devices (jax_num_cpu_devices wins over an inherited XLA_FLAGS count).
+        world = learner_world.join_world(spec.coordinator, spec.processes, spec.index,
+                                         heartbeat_s=r.world_heartbeat_s,
+                                         cpu_devices=r.devices_per_learner // spec.processes)
+    rt = ProcLearner(store, cfg, run_dir, m, incarnation, parent, resumed, superseded, world)
     if exposed is not None:
         exposed(rt)
 
     def stop(signum, frame):  # SIGTERM (the supervisor stopping, or a preemption notice)
         rt.terminating = True
 
-    if in_main_thread():
+    if in_main_thread() and rt.leader:
         signal.signal(signal.SIGTERM, stop)
     rt.run()
     if rt.terminating:  # not done: the supervisor restarts it if the run goes on
@@ -450,8 +584,12 @@ def learner_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m:
 
 
 def learner_main(store_url: str, cfg: TrainConfig, cache: str | None, run_dir: Path | None, m: int,
-                 incarnation: int, parent: int, resumed: bool = False) -> None:
+                 incarnation: int, parent: int, resumed: bool = False, spec: Any = None) -> None:
     """Process target of learner m's `incarnation` (spawned by diloco/runtime/procs/supervisor.py);
-    `resumed`: the first incarnation of a resumed run."""
-    child_main(f"learner-{m:04d}-{incarnation:04d}", store_url, cfg, cache, learner_body, run_dir, m,
-               incarnation, parent, resumed)
+    `resumed`: the first incarnation of a resumed run; `spec`: this process's WorldSpec when the
+    learner spans several processes (its followers' error records carry their index)."""
+    name = f"learner-{m:04d}-{incarnation:04d}"
+    if spec is not None and spec.index:
+        name += f"-p{spec.index}"
+    child_main(name, store_url, cfg, cache, learner_body, run_dir, m, incarnation, parent, resumed, None, None,
+               spec)

@@ -60,6 +60,7 @@ from diloco.runtime import build as build_setup
 from diloco.runtime.build import Setup
 from diloco.runtime.stop import RunStopped, sigint_ignored, signals_as_interrupt
 from diloco.runtime.walltape import run_tape
+from diloco.runtime.world_group import WorldGroup
 
 log = logging.getLogger(__name__)
 
@@ -190,9 +191,16 @@ class Procs:
         self._write_procs()
 
     def _spawn(self, m: int, incarnation: int) -> None:
-        p = self.ctx.Process(target=learner_main, name=f"diloco-learner-{m}-{incarnation}", daemon=True,
-                             args=(self.url, self.cfg, self.cache, self.run_dir, m, incarnation, os.getpid(),
-                                   self.resume is not None))
+        """Learner m's next incarnation: one process, or with runtime.processes_per_learner > 1 a
+        world of that many on a fresh coordinator port (docs/multihost.md#supervisor), which ends
+        as a whole with one exit code and is restarted as a whole."""
+        name = f"diloco-learner-{m}-{incarnation}"
+        args = (self.url, self.cfg, self.cache, self.run_dir, m, incarnation, os.getpid(), self.resume is not None)
+        P = self.cfg.runtime.processes_per_learner
+        if P > 1:
+            p = WorldGroup(learner_main, args, P, name=name, ctx=self.ctx)
+        else:
+            p = self.ctx.Process(target=learner_main, name=name, daemon=True, args=args)
         with sigint_ignored():
             p.start()
         self.learners[m], self.incarnation[m] = p, incarnation
@@ -203,9 +211,15 @@ class Procs:
         that was done before a resume has no process (pid null)."""
         bs.write_control(self.store, "procs", {
             "supervisor": os.getpid(), "syncer": self.syncer.pid, "syncer_incarnation": self.syncer_incarnation,
-            "learners": {str(k): {"incarnation": self.incarnation[k],
-                                  "pid": self.learners[k].pid if k in self.learners else None}
-                         for k in range(self.M)}})
+            "learners": {str(k): self._where(k) for k in range(self.M)}})
+
+    def _where(self, m: int) -> dict:
+        """Learner m's incarnation and pid (a world's leader), and a world's every pid."""
+        p = self.learners.get(m)
+        out = {"incarnation": self.incarnation[m], "pid": None if p is None else p.pid}
+        if isinstance(p, WorldGroup):
+            out["pids"] = p.pids
+        return out
 
     def _supervise(self) -> None:
         while True:
@@ -223,7 +237,8 @@ class Procs:
         """Until one of `children` exits, or `timeout` s. A child is anything with the surface of
         multiprocessing's Process that this class uses (exitcode, pid, terminate, kill, join):
         the Ray runtime's actors (diloco/runtime/ray_runtime.py) wrap themselves so."""
-        wait_for_exit([p.sentinel for p in children], timeout=timeout)
+        # A world's every member: a follower's death wakes this loop at once, not at its leader's abort.
+        wait_for_exit([s for p in children for s in getattr(p, "sentinels", [p.sentinel])], timeout=timeout)
 
     def _restart_syncer(self, code: int) -> None:
         inc = self.syncer_incarnation
@@ -250,7 +265,10 @@ class Procs:
             # The syncer books it done from its Done event; should that event be lost, from this.
             bs.write_control(self.store, died(m, inc), {"at": self.clock(), "exitcode": 0})
             return
-        error = self._error(f"learner-{m:04d}-{inc:04d}")
+        name = f"learner-{m:04d}-{inc:04d}"
+        error = self._error(name)
+        for i in range(1, getattr(p, "processes", 1)):  # a world's followers record theirs under their index
+            error = error or self._error(f"{name}-p{i}")
         if error:  # a Python error is a bug to report, not a failure to ride out
             raise RuntimeError(f"learner {m} incarnation {inc} failed (exit code {p.exitcode}){error}")
         if p.exitcode != EXIT_DOWN:  # a chaos tape's failures are planned, not a crash loop

@@ -433,8 +433,13 @@ class Threads(HostedRuntime):
 class _ThreadPort:
     """Learner m's side of the threads runtime, for the shared loop (diloco/runtime/learner_loop.py)."""
 
+    leader = True  # a threads learner is one thread of this process
+
     def __init__(self, rt: Threads, m: int):
         self.rt, self.m = rt, m
+
+    def agree(self, decision: dict | None) -> dict:
+        return decision
 
     def clock(self) -> float:
         return self.rt.clock()

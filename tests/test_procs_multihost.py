@@ -1,0 +1,129 @@
+"""The procs runtime with learners that span several processes (docs/multihost.md): 2 learners,
+each a jax.distributed world of 2 processes x 4 CPU devices over loopback (gloo collectives),
+against one syncer that only each world's leader talks to. kill -9 of a follower of learner 0
+mid-run ends learner 0's whole world; it comes back as incarnation 1, a new world on a new port,
+and rejoins, while learner 1 trains on; the run completes with its ledger balanced."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+from dataclasses import replace
+
+import pytest
+from test_procs import STEPS, make_cfg, merge_versions, variant, world  # noqa: F401 - world is a fixture
+
+from diloco.config import ConfigError, validate
+from diloco.runtime import blobstore as bs
+from diloco.runtime import procs
+
+M, PROCESSES, DEVICES = 2, 2, 8  # 8 devices a learner: 4 in each of its 2 processes
+
+
+def world_variant(world, tmp_path, **runtime):  # noqa: F811 - the fixture's value
+    return variant(world, tmp_path, devices_per_learner=DEVICES, processes_per_learner=PROCESSES,
+                   world_heartbeat_s=3.0, **runtime)
+
+
+def train_times(run_dir, m: int) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["time"] for r in records if r["kind"] == "train" and r["learner"] == m]
+
+
+@pytest.mark.parametrize("runtime, message", [
+    ({"processes_per_learner": 0}, "runtime.processes_per_learner=0 must be >= 1"),
+    ({"processes_per_learner": 2, "kind": "threads"}, "runtime.processes_per_learner=2 needs runtime.kind=procs"),
+    ({"processes_per_learner": 2, "kind": "ray"}, "runtime.processes_per_learner=2 needs runtime.kind=procs"),
+    ({"processes_per_learner": 2, "launch": "external"}, "needs runtime.launch=local"),
+    ({"processes_per_learner": 3, "devices_per_learner": 4},
+     "runtime.devices_per_learner=4 is not divisible by runtime.processes_per_learner=3"),
+    ({"processes_per_learner": 2, "devices_per_learner": 6}, "data.batch_size=16 is not divisible by "
+     "runtime.devices_per_learner=6"),
+    ({"processes_per_learner": 2, "world_heartbeat_s": 0.5}, "runtime.world_heartbeat_s=0.5 must be >= 1"),
+])
+def test_learner_world_settings_are_checked(tmp_path, runtime, message):
+    cfg = make_cfg(tmp_path)
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        validate(replace(cfg, runtime=replace(cfg.runtime, **runtime)))
+
+
+def test_two_learner_worlds_train_merge_and_balance(world, tmp_path):  # noqa: F811
+    """No failure: each learner's world of 2 processes trains as one learner; only its leader's
+    events and contributions reach the syncer (every step booked once), and both worlds end 0."""
+    _, _, evaluate_global, initial = world
+    cfg, setup, run_dir = world_variant(world, tmp_path)
+    t0 = time.perf_counter()
+    rt, summary = procs.run(cfg, setup, run_dir, evaluate_global)
+    wall = time.perf_counter() - t0
+
+    assert sorted(rt.exits) == [("learner-0", 0, 0), ("learner-1", 0, 0)]  # nobody restarted
+    assert rt.finished["complete"] and rt.finished["steps"] == {"0": STEPS, "1": STEPS}
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    # one learner's steps, not one per process: the followers write nothing
+    assert rt.finished["tokens"]["processed"] == cfg.fragments.count * M * STEPS * tokens_per_step
+    assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
+    assert initial > 2.5 and summary["eval_loss"] < initial - 0.5, (summary["eval_loss"], initial)
+    for p, vs in merge_versions(run_dir).items():
+        assert vs == list(range(1, len(vs) + 1)), (p, vs)
+    store = bs.BlobStore(f"file://{run_dir}/store")
+    learners = bs.read_control(store, "procs")["learners"]
+    for m in range(M):
+        assert learners[str(m)]["pids"][0] == learners[str(m)]["pid"] and len(learners[str(m)]["pids"]) == PROCESSES
+        for pid in learners[str(m)]["pids"]:
+            with pytest.raises(ProcessLookupError):  # every member reaped
+                os.kill(pid, 0)
+    assert store.list("ev/") == [] and not any(k.startswith("error/") for k in store.list("ctl/"))
+    print(f"\nmultihost procs: 2 learners x {PROCESSES} processes x {DEVICES // PROCESSES} devices, "
+          f"{STEPS} steps, {wall:.1f} s")
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_follower_restarts_its_whole_world_and_the_other_learner_goes_on(world, tmp_path):  # noqa: F811
+    """Learner 0's follower is killed once learner 0 has checkpointed step 4 (every process of its
+    world saved it, through Orbax); learner 0's world ends as a whole with the follower's -9, its
+    incarnation 1 starts as a new world of 2 processes and rejoins (from that checkpoint or where
+    it died), and learner 1, one world never touched, steps on and finishes."""
+    # Paced (a step every 0.25 s) so that learner 1 is still training when learner 0 dies.
+    cfg, setup, run_dir = world_variant(world, tmp_path, learner_checkpoint_every=4, restart_s=0.5,
+                                        step_period_s=0.25)
+    killed, stop = [], threading.Event()
+
+    def killer():
+        store, saved = bs.BlobStore(f"file://{run_dir}/store"), run_dir / "learners" / "learner-0"
+        while not stop.is_set() and not killed:
+            steps = [int(d.name) for d in saved.iterdir() if d.name.isdigit()] if saved.is_dir() else []
+            if steps:
+                learner = bs.read_control(store, "procs")["learners"]["0"]
+                os.kill(learner["pids"][1], signal.SIGKILL)
+                killed.append((learner["incarnation"], max(steps), learner["pids"]))
+            stop.wait(0.01)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    t0 = time.perf_counter()
+    try:
+        rt, summary = procs.run(cfg, setup, run_dir, None)
+    finally:
+        stop.set()
+        thread.join()
+    wall = time.perf_counter() - t0
+
+    assert killed and killed[0][0] == 0 and len(killed[0][2]) == PROCESSES, killed
+    # the world's cause is the follower's kill; the leader's abort (or the group's kill) is its effect
+    assert ("learner-0", 0, -signal.SIGKILL) in rt.exits and ("learner-0", 1, 0) in rt.exits, rt.exits
+    assert [e for e in rt.exits if e[0] == "learner-1"] == [("learner-1", 0, 0)], rt.exits  # never restarted
+    assert [(r["learner"], r["incarnation"]) for r in rt.rejoins] == [(0, 1)]
+    assert rt.rejoins[0]["step"] >= 4  # from its checkpoint (fresh enough) or where it died
+    assert rt.finished["complete"] and rt.finished["steps"] == {"0": STEPS, "1": STEPS}
+    assert [0, 0] in rt.finished["dead"] and not any(d[0] == 1 for d in rt.finished["dead"])
+    assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
+    for p, vs in merge_versions(run_dir).items():  # no version applied twice or skipped
+        assert vs == list(range(1, len(vs) + 1)), (p, vs)
+    # learner 1 went on training after learner 0's world died
+    assert max(train_times(run_dir, 1)) > rt.rejoins[0]["died_at"], (train_times(run_dir, 1), rt.rejoins)
+    # incarnation 1 is a new world: two new processes
+    now = bs.read_control(bs.BlobStore(f"file://{run_dir}/store"), "procs")["learners"]["0"]
+    assert now["incarnation"] == 1 and len(now["pids"]) == PROCESSES and not set(now["pids"]) & set(killed[0][2])
+    print(f"\nmultihost procs: 2 learners x {PROCESSES} processes, kill -9 of a follower, {wall:.1f} s")
