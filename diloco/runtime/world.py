@@ -4,7 +4,7 @@
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428): a learner is an ordinary SPMD
 trainer on its own devices (docs/algorithm.md#roles), so a learner too large for one host is a
 multi-controller JAX program, and the unit of failure is then that program's whole world. What was
-measured on CPU over gloo, and how the procs runtime is to use this module, is in
+measured on CPU over gloo, and how the procs runtime uses this module, is in
 docs/multihost.md.
 
 Roles. Process 0 of a world is its leader: the only one that talks to the syncer (reads the
