@@ -127,3 +127,52 @@ def test_kill_9_of_a_follower_restarts_its_whole_world_and_the_other_learner_goe
     now = bs.read_control(bs.BlobStore(f"file://{run_dir}/store"), "procs")["learners"]["0"]
     assert now["incarnation"] == 1 and len(now["pids"]) == PROCESSES and not set(now["pids"]) & set(killed[0][2])
     print(f"\nmultihost procs: 2 learners x {PROCESSES} processes, kill -9 of a follower, {wall:.1f} s")
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_world_at_one_step_boundary(world, tmp_path):  # noqa: F811
+    """SIGTERM to the supervisor mid-run: each world's leader sees it, every member takes the
+    agreed stop at the same step boundary, saves its part of the final checkpoint and leaves the
+    world, so each world exits 143 as one; RunStopped carries the partial summary."""
+    from diloco.runtime.stop import RunStopped
+
+    cfg, setup, run_dir = world_variant(world, tmp_path, speeds=(1.0, 5.0))
+    store, sent, stop = None, [], threading.Event()
+
+    def terminate_once_started():
+        nonlocal store
+        store = bs.BlobStore(f"file://{run_dir}/store")
+        while not stop.is_set():
+            try:
+                started = bs.read_control(store, "start")
+            except ValueError:  # not yet (the supervisor clears the store first)
+                started = None
+            if started is not None:
+                stop.wait(0.5)
+                sent.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            stop.wait(0.01)
+
+    thread = threading.Thread(target=terminate_once_started)
+    thread.start()
+    try:
+        with pytest.raises(RunStopped) as info:
+            procs.run(cfg, setup, run_dir, None)
+    finally:
+        stop.set()
+        thread.join()
+    assert sent and time.monotonic() - sent[0] < 30.0
+    learners = bs.read_control(store, "procs")["learners"]
+    for m in range(M):
+        assert len(learners[str(m)]["pids"]) == PROCESSES
+        for pid in learners[str(m)]["pids"]:
+            with pytest.raises(ProcessLookupError):  # every member reaped
+                os.kill(pid, 0)
+        # the world's code is every member's own 143 (a clean stop), not a death
+        assert bs.read_control(store, f"died/{m:04d}/0000")["exitcode"] == 128 + signal.SIGTERM
+        saved = [int(d.name) for d in (run_dir / "learners" / f"learner-{m}").iterdir() if d.name.isdigit()]
+        assert saved and 0 < max(saved) <= STEPS
+    assert isinstance(info.value, KeyboardInterrupt) and info.value.run_dir == run_dir
+    assert not info.value.forced and info.value.summary["token_ledger_imbalance"] == 0
+    assert not any(k.startswith("error/") for k in store.list("ctl/"))
