@@ -89,6 +89,8 @@ def learner_pids(store: bs.BlobStore, kind: str) -> dict[int, int]:
         return {int(m): v["pid"] for m, v in record.get("learners", {}).items() if v.get("pid")}
     import ray
     out = {}
+    if not ray.is_initialized():  # before the run connects, or after it shut Ray down: asking would start one
+        return out
     for m, v in record.get("learners", {}).items():
         try:
             out[int(m)] = ray.get(ray.get_actor(v["actor"], namespace="diloco").where.remote(), timeout=10)["pid"]
