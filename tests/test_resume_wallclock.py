@@ -178,3 +178,15 @@ def test_sigint_stops_a_procs_run_cleanly_and_resume_finishes_it(tmp_path, monke
     out, summary, recs = stop_and_resume(tmp_path, "procs")
     check_resumed(run_dir, summary, recs)
     replays_to_its_decisions(run_dir, make_cfg(tmp_path, "procs"), monkeypatch)
+
+
+@pytest.mark.slow
+def test_sigint_stops_a_ray_run_cleanly_and_resume_finishes_it(tmp_path, monkeypatch):
+    """The same under runtime=ray on a Ray instance the run starts itself (on 127.0.0.1: the
+    variable tests/test_ray.py's loopback sets, read by the child's Ray when it is imported)."""
+    pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    run_dir = tmp_path / "run"
+    out, summary, recs = stop_and_resume(tmp_path, "ray")
+    check_resumed(run_dir, summary, recs)
+    replays_to_its_decisions(run_dir, make_cfg(tmp_path, "ray"), monkeypatch)
