@@ -2,11 +2,13 @@
 3 learners of the tiny model as actors in placement groups of their own, the syncer a detached
 actor. A learner actor killed mid-run is restarted by Ray and rejoins as its next incarnation; a
 worker node removed takes its learners with it and they restart on the others; a syncer actor
-killed restores its checkpoint and journal; every run ends with a balanced ledger and versions
-1..n of every fragment."""
+killed restores its checkpoint and journal; a learner of 2 processes (one jax.distributed world
+on 2 actors) restarts as a whole when one of its actors is killed; every run ends with a balanced
+ledger and versions 1..n of every fragment."""
 
 import json
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -98,11 +100,11 @@ def trained(run_dir, m: int, step: int) -> bool:
                                  for r in map(json.loads, path.read_text().splitlines()))
 
 
-def balanced(rt, summary, run_dir) -> None:
+def balanced(rt, summary, run_dir, learners: int = M) -> None:
     tokens_per_step = rt.cfg.data.batch_size * rt.cfg.data.seq_len
-    assert rt.finished["complete"] and rt.finished["steps"] == {str(m): STEPS for m in range(M)}
+    assert rt.finished["complete"] and rt.finished["steps"] == {str(m): STEPS for m in range(learners)}
     assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
-    assert rt.finished["tokens"]["processed"] <= 2 * M * STEPS * tokens_per_step  # P = 2 fragments
+    assert rt.finished["tokens"]["processed"] <= 2 * learners * STEPS * tokens_per_step  # P = 2 fragments
     for p, vs in merge_versions(run_dir).items():  # no version applied twice or skipped
         assert vs == list(range(1, len(vs) + 1)), (p, vs)
 
@@ -172,6 +174,43 @@ def test_a_killed_syncer_actor_restores_its_checkpoint_and_no_version_is_skipped
     assert rt.finished["tokens"]["processed"] == 2 * M * STEPS * tokens_per_step  # no step booked twice
     store = bs.BlobStore(f"file://{run_dir}/store")
     assert store.list("rep/") == [] and store.list("ev/") == []
+
+
+@pytest.mark.slow
+def test_a_killed_member_actor_of_a_learner_world_restarts_the_whole_world_and_the_other_learner_goes_on(
+        world, tmp_path):
+    """2 learners, each a world of 2 processes x 4 CPU devices on 2 actors of its placement group
+    (docs/multihost.md#ray). Learner 0's follower actor is killed mid-run: its world ends as a
+    whole (the driver kills the leader, and Ray restarts both actors), incarnation 1 is a new world
+    on the same actors and rejoins, and learner 1's world, never touched, trains on."""
+    cfg, setup, _, run_dir = variant(world, tmp_path)
+    # Paced (a step every 0.25 s) so that learner 1 is still training when learner 0 dies.
+    cfg = validate(replace(cfg, runtime=replace(cfg.runtime, learners=2, devices_per_learner=8,
+                                                processes_per_learner=2, world_heartbeat_s=3.0,
+                                                step_period_s=0.25)))
+    killed = []
+
+    def kill(store):
+        if trained(run_dir, 0, 5):
+            learner = bs.read_control(store, "procs")["learners"]["0"]
+            ray.kill(ray.get_actor(learner["actors"][1], namespace="diloco"), no_restart=False)
+            killed.append(learner)
+            return "killed"
+
+    t0 = time.perf_counter()
+    rt, summary, done = run_with(cfg, setup, None, run_dir, kill)
+    wall = time.perf_counter() - t0
+    assert done == ["killed"] and killed[0]["incarnation"] == 0 and len(killed[0]["actors"]) == 2, killed
+    assert ("learner-0", 0, ray_runtime.KILLED) in rt.exits and ("learner-0", 1, 0) in rt.exits, rt.exits
+    assert [e for e in rt.exits if e[0] == "learner-1"] == [("learner-1", 0, 0)], rt.exits  # never restarted
+    assert [(r["learner"], r["incarnation"]) for r in rt.rejoins] == [(0, 1)]
+    assert [0, 0] in rt.finished["dead"] and not any(d[0] == 1 for d in rt.finished["dead"])
+    balanced(rt, summary, run_dir, learners=2)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained_1 = [r["time"] for r in records if r["kind"] == "train" and r["learner"] == 1]
+    assert max(trained_1) > rt.rejoins[0]["died_at"], (trained_1, rt.rejoins)  # learner 1 went on
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(rt.prefix)]
+    print(f"\nray multihost: 2 learners x 2 processes x 4 devices, a follower actor killed, {wall:.1f} s")
 
 
 def test_a_bundle_no_node_can_hold_is_a_config_error(world, tmp_path, monkeypatch):

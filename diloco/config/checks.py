@@ -219,11 +219,12 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     check(e, r.learners >= 1, f"runtime.learners={r.learners} must be >= 1")
     check(e, r.devices_per_learner >= 1, f"runtime.devices_per_learner={r.devices_per_learner} must be >= 1")
     # A learner world (docs/multihost.md): its processes are started and restarted as one by the
-    # procs supervisor, each contributing an equal share of the learner's devices.
+    # procs supervisor (their actors by the ray driver), each contributing an equal share of the
+    # learner's devices.
     P = r.processes_per_learner
     check(e, P >= 1, f"runtime.processes_per_learner={P} must be >= 1")
-    check(e, P == 1 or r.kind == "procs",
-          f"runtime.processes_per_learner={P} needs runtime.kind=procs (got {r.kind!r})")
+    check(e, P == 1 or r.kind in ("procs", "ray"),
+          f"runtime.processes_per_learner={P} needs runtime.kind=procs or ray (got {r.kind!r})")
     check(e, P == 1 or r.launch == "local",
           f"runtime.processes_per_learner={P} needs runtime.launch=local (got {r.launch!r}): the procs "
           "supervisor starts a learner's processes together and restarts them as one")

@@ -16,6 +16,11 @@ placement group, on another node if its node is gone, and this process then star
 next incarnation on it, which rejoins. The syncer actor is detached and named so that it is one
 well-known process of the run; when Ray restarts it, this process starts the next syncer
 incarnation on it, which restores its newest checkpoint and journal, exactly as in procs.
+
+A learner of several processes (runtime.processes_per_learner P > 1, docs/multihost.md#ray): its
+placement group holds P bundles and one actor per bundle, each running one process of the
+learner's jax.distributed world, and the driver holds the P as one child (RayWorld), with
+world_group's rule: the world ends as a whole at its first death and comes back as a whole.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from diloco.runtime.procs import supervisor
 from diloco.runtime.procs.learner import child_main, learner_body
 from diloco.runtime.procs.supervisor import MAX_RESTARTS, Procs
 from diloco.runtime.procs.syncer import syncer_body
+from diloco.runtime.world import free_port
+from diloco.runtime.world_group import WorldGroup, WorldSpec
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +66,13 @@ class Host:
     def where(self) -> dict:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
+    def coordinator(self) -> str:
+        """host:port for a new learner world's coordination service, which this actor, the
+        world's process 0, will host: its node's address as Ray's other nodes reach it, and a port
+        free there now (a restarted world takes a new one, as in world_group)."""
+        ip = ray.util.get_node_ip_address()
+        return f"{ip}:{free_port(ip)}"
+
     def stop(self) -> None:
         self.stopping = True
         self._flag()
@@ -74,18 +88,22 @@ class Host:
                 if hasattr(self.rt, name):
                     setattr(self.rt, name, True)
 
-    def _run(self, name: str, url: str, cfg: TrainConfig, cache: str | None, body, *args) -> int:
-        """The body's exit status; a Python error is recorded by child_main and raised to the driver."""
+    def _run(self, name: str, url: str, cfg: TrainConfig, cache: str | None, body, *args, tail=()) -> int:
+        """The body's exit status; a Python error is recorded by child_main and raised to the driver.
+        `tail`: the body's arguments after the exposer."""
         self.rt = None
         try:
-            child_main(name, url, cfg, cache, body, *args, self._expose)
+            child_main(name, url, cfg, cache, body, *args, self._expose, *tail)
         except SystemExit as e:
             return e.code if isinstance(e.code, int) else 1
         return 0
 
-    def learner(self, url, cfg, cache, run_dir, m, incarnation, resumed) -> int:
-        return self._run(f"learner-{m:04d}-{incarnation:04d}", url, cfg, cache, learner_body, run_dir, m,
-                         incarnation, None, resumed, None)
+    def learner(self, url, cfg, cache, run_dir, m, incarnation, resumed, spec: WorldSpec | None = None) -> int:
+        """spec: this actor's place in the learner's world when it has several processes; a
+        follower's error record carries its index, as procs' learner_main names it."""
+        name = f"learner-{m:04d}-{incarnation:04d}" + (f"-p{spec.index}" if spec is not None and spec.index else "")
+        return self._run(name, url, cfg, cache, learner_body, run_dir, m, incarnation, None, resumed, None,
+                         tail=() if spec is None else (spec,))
 
     def syncer(self, url, cfg, cache, run_dir, want_evals, incarnation, reports_read, resume) -> int:
         return self._run("syncer", url, cfg, cache, syncer_body, run_dir, want_evals, incarnation > 0, reports_read,
@@ -112,8 +130,11 @@ class RayChild:
 
     pid = None  # the driver never signals an actor's process: it calls stop or ray.kill
 
-    def __init__(self, actor, call: Callable[[], Any]):
-        self.actor, self.call = actor, call
+    def __init__(self, actor, call: Callable[[], Any], restart: bool = False):
+        """restart: `kill` lets Ray restart the actor (a member of a world that ended, whose next
+        incarnation runs on the same actors), and a member killed before its call began never
+        begins."""
+        self.actor, self.call, self.restart = actor, call, restart
         self.probe, self.ref = actor.where.remote(), None
         self.deadline = time.monotonic() + PLACE_TIMEOUT_S
         self._code: int | None = None
@@ -159,7 +180,91 @@ class RayChild:
         self.actor.stop.remote()
 
     def kill(self) -> None:
-        ray.kill(self.actor, no_restart=True)
+        if self.restart:
+            self.stopped = True
+        ray.kill(self.actor, no_restart=not self.restart)
+
+
+class RayWorld(WorldGroup):
+    """An incarnation of a learner of P processes on its P actors (docs/multihost.md#ray): one
+    child to Procs, as a WorldGroup is in procs, whose exit rule (`exitcode`: the first death's
+    code, the rest killed on sight) it inherits. Its members are RayChilds, started once the
+    leader's actor has answered with the world's coordinator address, which every member is given;
+    the survivors of a death are killed with restart, so that Ray brings each actor back for the
+    next incarnation."""
+
+    pid = None  # as RayChild: the driver never signals an actor's process
+
+    def __init__(self, actors: list, submit: Callable[[Any, WorldSpec], Any], name: str = "world"):
+        """submit(actor, spec): the body's call on one member's actor."""
+        self.name, self.processes, self.actors, self.submit = name, len(actors), actors, submit
+        self.members: list[RayChild] = []  # none until the coordinator is known
+        self.exits: list[tuple[int, int]] = []
+        self.cause: tuple[int, int] | None = None
+        self.coordinator: str | None = None
+        self.ask = actors[0].coordinator.remote()  # also the leader's probe, as in RayChild
+        self.deadline = time.monotonic() + PLACE_TIMEOUT_S
+        self._code: int | None = None  # a world that ended before its members began
+        self.stopped = False
+
+    def _begin(self) -> None:
+        if self.members or self._code is not None or not ray.wait([self.ask], timeout=0)[0]:
+            return
+        try:
+            self.coordinator = ray.get(self.ask)
+        except RayActorError:  # the leader's actor is being restarted: as RayChild's probe
+            if time.monotonic() > self.deadline:
+                self._code = KILLED
+            else:
+                self.ask = self.actors[0].coordinator.remote()
+            return
+        if self.stopped:
+            self._code = 128 + signal.SIGTERM
+            return
+        P = self.processes
+        self.members = [RayChild(a, (lambda a=a, i=i: self.submit(a, WorldSpec(self.coordinator, P, i))),
+                                 restart=True) for i, a in enumerate(self.actors)]
+
+    @property
+    def pending(self) -> list:
+        """What to wait on: the coordinator's answer, then every running member's call or probe."""
+        if not self.members:
+            return [self.ask]
+        return [p.pending for p in self.members if p._code is None] or [self.members[0].pending]
+
+    @property
+    def pids(self) -> list:
+        return [None] * self.processes
+
+    @property
+    def exitcode(self) -> int | None:
+        self._begin()
+        if not self.members:
+            return self._code
+        return super().exitcode
+
+    def terminate(self) -> None:
+        """A stop reaches the leader only: the followers stop at its agreed decision, at the same
+        step boundary (docs/multihost.md#learner-process), as they ignore SIGTERM in procs."""
+        self.stopped = True
+        for i, p in enumerate(self.members):
+            if i == 0:
+                p.terminate()
+            else:
+                p.stopped = True
+
+    def kill(self) -> None:
+        self.stopped = True
+        for p in self.members:
+            p.stopped = True
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+
+    def join(self, timeout: float | None = None) -> None:
+        limit = None if timeout is None else time.monotonic() + timeout
+        while self.exitcode is None and (limit is None or time.monotonic() < limit):
+            left = PROBE_S if limit is None else min(PROBE_S, max(0.0, limit - time.monotonic()))
+            ray.wait(self.pending, num_returns=1, timeout=left)
 
 
 def actor_options(resources: dict[str, float]) -> dict:
@@ -173,7 +278,7 @@ class RayProcs(Procs):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.hosts: dict[int, Any] = {}  # learner -> its actor, kept across incarnations
+        self.hosts: dict[int, list] = {}  # learner -> its actors (one a world process), kept across incarnations
         self.groups: dict[int, Any] = {}  # learner -> its placement group
         self.syncer_host = None
         self.owns_ray = False  # this process started Ray (runtime.ray_address=""), and stops it
@@ -194,7 +299,8 @@ class RayProcs(Procs):
         if r.ray_address:
             ray.init(address=r.ray_address, namespace=NAMESPACE, log_to_driver=True)
         else:  # a cluster of this machine, with the logical CPUs the actors ask for
-            need = self.M * r.learner_resources.get("CPU", 0.0) + r.syncer_resources.get("CPU", 0.0)
+            need = (self.M * r.processes_per_learner * r.learner_resources.get("CPU", 0.0)
+                    + r.syncer_resources.get("CPU", 0.0))
             ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), namespace=NAMESPACE,
                      include_dashboard=False, log_to_driver=True)
             self.owns_ray = True
@@ -221,29 +327,45 @@ class RayProcs(Procs):
         self.syncer, self.syncer_incarnation = RayChild(host, lambda: host.syncer.remote(*args)), incarnation
         self._write_procs()
 
+    def _actor(self, m: int, i: int = 0) -> str:
+        """Learner m's actor of world process i (the leader's name is a one-process learner's)."""
+        return f"{self.prefix}-learner-{m}" + (f"-p{i}" if i else "")
+
     def _spawn(self, m: int, incarnation: int) -> None:
+        P = self.cfg.runtime.processes_per_learner
         if m not in self.hosts:
             bundle = dict(self.cfg.runtime.learner_resources)
-            group = placement_group([bundle], strategy="STRICT_PACK", name=f"{self.prefix}-learner-{m}")
+            # A world's processes on as few nodes as hold their bundles (PACK): one node if it can,
+            # else across nodes, a bundle being what one of its hosts offers (docs/multihost.md#ray).
+            group = placement_group([bundle] * P, strategy="STRICT_PACK" if P == 1 else "PACK",
+                                    name=f"{self.prefix}-learner-{m}")
             if not ray.wait([group.ready()], timeout=PLACE_TIMEOUT_S)[0]:
-                raise ConfigError(f"the Ray cluster could not place learner {m}'s bundle {bundle} in "
+                what = f"bundle {bundle}" if P == 1 else f"{P} bundles {bundle}"
+                raise ConfigError(f"the Ray cluster could not place learner {m}'s {what} in "
                                   f"{PLACE_TIMEOUT_S:.0f} s (runtime.learner_resources); it has "
                                   f"{ray.cluster_resources()}")
             self.groups[m] = group
             # max_restarts=-1: Ray always brings a learner's process back; how often it may die is
             # the supervisor's rule (MAX_RESTARTS, not counting a chaos tape's planned downs).
-            self.hosts[m] = Host.options(
-                name=f"{self.prefix}-learner-{m}", namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
+            self.hosts[m] = [Host.options(
+                name=self._actor(m, i), namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
                 max_concurrency=2, runtime_env=self._env(),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-                **actor_options(bundle)).remote()
-        host, args = self.hosts[m], (self.url, self.cfg, self.cache, self.run_dir, m, incarnation,
-                                     self.resume is not None)
-        self.learners[m], self.incarnation[m] = RayChild(host, lambda: host.learner.remote(*args)), incarnation
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+                **actor_options(bundle)).remote() for i in range(P)]
+        args = (self.url, self.cfg, self.cache, self.run_dir, m, incarnation, self.resume is not None)
+        if P == 1:
+            [host] = self.hosts[m]
+            child = RayChild(host, lambda: host.learner.remote(*args))
+        else:
+            child = RayWorld(self.hosts[m], lambda a, spec: a.learner.remote(*args, spec),
+                             name=f"learner-{m}-{incarnation}")
+        self.learners[m], self.incarnation[m] = child, incarnation
         self._write_procs()
 
     def _wait(self, children: list, timeout: float) -> None:
-        ray.wait([p.pending for p in children], num_returns=1, timeout=timeout)
+        # a world's every member: a follower's death wakes this loop at once, as in procs
+        refs = [r for p in children for r in (p.pending if isinstance(p, RayWorld) else [p.pending])]
+        ray.wait(refs, num_returns=1, timeout=timeout)
 
     def _write_procs(self) -> None:
         """Who runs where: the actors' names (ray.get_actor(name, namespace="diloco")), for
@@ -251,15 +373,22 @@ class RayProcs(Procs):
         bs.write_control(self.store, "procs", {
             "supervisor": os.getpid(), "syncer": None, "syncer_incarnation": self.syncer_incarnation,
             "syncer_actor": f"{self.prefix}-syncer", "namespace": NAMESPACE,
-            "learners": {str(k): {"incarnation": self.incarnation[k], "pid": None,
-                                  "actor": f"{self.prefix}-learner-{k}"} for k in range(self.M)}})
+            "learners": {str(k): self._where(k) for k in range(self.M)}})
+
+    def _where(self, m: int) -> dict:
+        """Learner m's incarnation and actor (a world's leader's), and a world's every actor."""
+        out = {"incarnation": self.incarnation[m], "pid": None, "actor": self._actor(m)}
+        P = self.cfg.runtime.processes_per_learner
+        if P > 1:
+            out["actors"] = [self._actor(m, i) for i in range(P)]
+        return out
 
     def _release(self) -> None:
         """Every actor and placement group of the run, the detached syncer too; Ray itself if this
         process started it."""
         if not ray.is_initialized():
             return
-        for actor in [self.syncer_host, *self.hosts.values()]:
+        for actor in [self.syncer_host, *(a for actors in self.hosts.values() for a in actors)]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
         for group in self.groups.values():
