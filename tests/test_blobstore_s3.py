@@ -346,6 +346,7 @@ def _check_run(rt, summary, cfg):
     assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
 
 
+@pytest.mark.slow  # the store's own behaviour over S3 is the fast tests above
 def test_a_procs_run_over_s3_balances_its_ledger(world, tmp_path, s3):
     from diloco.runtime import procs
 
@@ -387,3 +388,24 @@ def test_a_procs_run_rides_out_the_s3_server_down_for_3_s(world, tmp_path, s3):
     assert outage.get("run_going"), outage  # the server came back while the run was still going
     _check_run(rt, summary, cfg)
     assert sorted(rt.exits) == [(f"learner-{m}", 0, 0) for m in range(M)]  # nobody crashed or restarted
+
+
+@pytest.mark.slow
+def test_a_ray_run_over_s3_balances_its_ledger(world, tmp_path, s3):
+    """The same run under runtime=ray, on a Ray instance the runtime starts on 127.0.0.1: its actors
+    inherit this process's AWS variables, as a node's environment provides them on a cluster."""
+    pytest.importorskip("ray")
+    from test_ray import loopback
+
+    from diloco.runtime import ray_runtime
+
+    _, _, evaluate_global, _ = world
+    cfg, setup, run_dir = variant(world, tmp_path, kind="ray", store_url=f"s3://{BUCKET}/run",
+                                  store_endpoint=s3.endpoint, store_retry_s=30.0)
+    with pytest.MonkeyPatch.context() as mp:
+        loopback(mp)
+        rt, summary = ray_runtime.run(cfg, setup, run_dir, evaluate_global)
+    assert rt.finished["complete"] and rt.finished["steps"] == {str(m): STEPS for m in range(M)}
+    assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
+    assert not (run_dir / "store").exists()  # the traffic went to the server
+    assert bs.BlobStore(s3.url()).list("rep/") == []

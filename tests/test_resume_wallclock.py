@@ -165,6 +165,7 @@ def test_resume_with_threads_or_procs_is_a_valid_config_and_procs_needs_its_jour
         validate(replace(cfg, run=replace(cfg.run, resume=True, checkpoint_every=0)))
 
 
+@pytest.mark.slow  # threads' stop is in tests/test_threads.py, a wall-clock resume here under procs
 def test_sigint_stops_a_threads_run_cleanly_and_resume_finishes_it(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     out, summary, recs = stop_and_resume(tmp_path, "threads")

@@ -200,6 +200,7 @@ def lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+@pytest.mark.slow  # the same under the procs supervisor: tests/test_procs_multihost.py (slow too)
 def test_two_learners_of_two_processes_one_world_restarts_alone(tmp_path):
     """2 learners, each a world of 2 processes x 4 CPU devices (world_group.WorldGroup, as the
     supervisor is to hold them). kill -9 of learner 0's follower ends learner 0's whole world at
