@@ -53,7 +53,9 @@ def run_ray(cfg, setup, run_dir, evaluate_global):
         return ray_runtime.run(cfg, setup, run_dir, evaluate_global)
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "ray" else k for k in sorted(RUNTIMES)])
+# procs and ray are slow here: the same checks of a procs run are in tests/test_procs.py's first test
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in ("procs", "ray") else k
+                                  for k in sorted(RUNTIMES)])
 def test_every_runtime_balances_versions_and_replays(world, kind):
     root, setup, evaluate_global = world
     cfg = make_cfg(root, kind)

@@ -403,6 +403,7 @@ def test_an_oversized_contribution_named_by_an_event_is_quarantined_and_its_toke
 
 # --- item 17: every kept syncer checkpoint stays restorable ------------------------------------------
 
+@pytest.mark.slow  # 36 s: a kill -9 and a torn checkpoint mid-run
 def test_a_torn_newest_syncer_checkpoint_falls_back_to_an_older_one_the_store_still_serves(world, tmp_path):
     """The syncer deleted events and acked contributions as far as its newest checkpoint covered, so
     restoring an older one (the newest torn) replayed journal entries whose events were gone, and

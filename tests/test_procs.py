@@ -256,6 +256,7 @@ def test_sigterm_stops_every_process_and_gives_a_partial_summary(world, tmp_path
         assert saved and 0 < max(saved) <= STEPS
 
 
+@pytest.mark.slow  # 20 s; the wall-clock reading of a tape is tested under threads too
 def test_a_chaos_tape_drives_the_learner_processes(world, tmp_path):
     """A hand-written tape file replayed on the wall clock: learner 1 computes half its batch from
     the start, loses its last slice 0.05 s in (its process exits with EXIT_DOWN) and gets one back at

@@ -49,6 +49,7 @@ def test_learner_world_settings_are_checked(tmp_path, runtime, message):
         validate(replace(cfg, runtime=replace(cfg.runtime, **runtime)))
 
 
+@pytest.mark.slow  # 40 s; the world's building blocks are in tests/test_world.py's default tests
 def test_two_learner_worlds_train_merge_and_balance(world, tmp_path):  # noqa: F811
     """No failure: each learner's world of 2 processes trains as one learner; only its leader's
     events and contributions reach the syncer (every step booked once), and both worlds end 0."""
