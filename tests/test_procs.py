@@ -206,17 +206,12 @@ def test_kill_9_syncer_restarts_from_its_checkpoint_and_skips_or_repeats_no_vers
     assert store.list("rep/") == [] and store.list("ev/") == [] and store.list("up/") == []
 
 
-def test_sigterm_stops_every_process_and_gives_a_partial_summary(world, tmp_path):
-    """SIGTERM to the supervisor (as from a process manager) mid-run: the learners checkpoint and
-    exit, the syncer finishes with what it booked, RunStopped carries its summary."""
-    # Learner 1 keeps it going for seconds: paced (20 x 5 ms a step), so however fast the machine,
-    # the run cannot end before the SIGTERM lands.
-    cfg, setup, run_dir = variant(world, tmp_path, speeds=(1.0, 20.0), step_period_s=0.005)
-    store, sent, stop = None, [], threading.Event()
+def sigterm_once_started(run_dir, stop: threading.Event, sent: list):
+    """(the run's store, a thread that sends this process SIGTERM 0.5 s after the run's clock has
+    started, noting when in `sent`, unless `stop` is set first)."""
+    store = bs.BlobStore(f"file://{run_dir}/store")
 
     def terminate_once_started():
-        nonlocal store
-        store = bs.BlobStore(f"file://{run_dir}/store")
         while not stop.is_set():
             try:
                 started = bs.read_control(store, "start")
@@ -229,8 +224,19 @@ def test_sigterm_stops_every_process_and_gives_a_partial_summary(world, tmp_path
                 return
             stop.wait(0.01)
 
+    return store, threading.Thread(target=terminate_once_started)
+
+
+def test_sigterm_stops_every_process_and_gives_a_partial_summary(world, tmp_path):
+    """SIGTERM to the supervisor (as from a process manager) mid-run: the learners checkpoint and
+    exit, the syncer finishes with what it booked, RunStopped carries its summary."""
+    # Learner 1 keeps it going for seconds: paced (20 x 5 ms a step), so however fast the machine,
+    # the run cannot end before the SIGTERM lands.
+    cfg, setup, run_dir = variant(world, tmp_path, speeds=(1.0, 20.0), step_period_s=0.005)
+    sent, stop = [], threading.Event()
+    store, thread = sigterm_once_started(run_dir, stop, sent)
+
     handler = signal.getsignal(signal.SIGTERM)
-    thread = threading.Thread(target=terminate_once_started)
     thread.start()
     try:
         with pytest.raises(RunStopped) as info:  # a KeyboardInterrupt, carrying the partial summary

@@ -13,7 +13,7 @@ import time
 from dataclasses import replace
 
 import pytest
-from test_procs import STEPS, make_cfg, merge_versions, variant, world  # noqa: F401 - world is a fixture
+from test_procs import STEPS, make_cfg, merge_versions, sigterm_once_started, variant, world  # noqa: F401 - world is a fixture
 
 from diloco.config import ConfigError, validate
 from diloco.runtime import blobstore as bs
@@ -140,24 +140,8 @@ def test_sigterm_stops_every_world_at_one_step_boundary(world, tmp_path):  # noq
     from diloco.runtime.stop import RunStopped
 
     cfg, setup, run_dir = world_variant(world, tmp_path, speeds=(1.0, 5.0))
-    store, sent, stop = None, [], threading.Event()
-
-    def terminate_once_started():
-        nonlocal store
-        store = bs.BlobStore(f"file://{run_dir}/store")
-        while not stop.is_set():
-            try:
-                started = bs.read_control(store, "start")
-            except ValueError:  # not yet (the supervisor clears the store first)
-                started = None
-            if started is not None:
-                stop.wait(0.5)
-                sent.append(time.monotonic())
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            stop.wait(0.01)
-
-    thread = threading.Thread(target=terminate_once_started)
+    sent, stop = [], threading.Event()
+    store, thread = sigterm_once_started(run_dir, stop, sent)
     thread.start()
     try:
         with pytest.raises(RunStopped) as info:
