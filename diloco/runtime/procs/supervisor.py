@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 
 POLL = 0.05  # seconds the supervisor waits for a process exit before reading reports again
 JOIN_TIMEOUT = 30.0  # seconds a stopping child gets before it is killed
+# A stopping syncer books what the learners wrote, saves its final checkpoint and reports: on a
+# loaded machine that took more than JOIN_TIMEOUT once, and the stop lost its partial summary.
+SYNCER_STOP_TIMEOUT = 120.0
 MAX_RESTARTS = 10  # per learner, and for the syncer: one killed this often is not coming back
 _PREFIXES = ("up/", "down/", "ack/", "ctl/", "ev/", "rep/")  # every key scheme of a procs run
 SECRET_FILE = "auth_secret"  # <run>/auth_secret: the run secret a resume needs (mode 0600)
@@ -134,6 +137,8 @@ class Procs:
             finally:
                 self._join()
             if stopping:
+                if self.summary is None:  # a syncer that reported only after the wait above
+                    self._read_reports(evaluate=False)
                 raise self._stopped() from None
         return self.summary
 
@@ -377,7 +382,7 @@ class Procs:
             if self.syncer is None or self.syncer.exitcode is not None:
                 return
             self.syncer.terminate()
-            self.syncer.join(JOIN_TIMEOUT)
+            self.syncer.join(SYNCER_STOP_TIMEOUT)
             self._read_reports(evaluate=False)
         except KeyboardInterrupt:
             self.forced = True
