@@ -36,7 +36,9 @@ def train_times(run_dir, m: int) -> list[float]:
     ({"processes_per_learner": 0}, "runtime.processes_per_learner=0 must be >= 1"),
     ({"processes_per_learner": 2, "kind": "threads"},
      "runtime.processes_per_learner=2 needs runtime.kind=procs or ray"),
-    ({"processes_per_learner": 2, "launch": "external"}, "needs runtime.launch=local"),
+    ({"processes_per_learner": 2, "process_index": 2}, "runtime.process_index=2 must be in 0..1"),
+    ({"processes_per_learner": 2, "process_index": 1}, "runtime.process_index=1 needs runtime.launch=external"),
+    ({"world_address": "host name"}, "runtime.world_address='host name' is not host, host:port or empty"),
     ({"processes_per_learner": 3, "devices_per_learner": 4},
      "runtime.devices_per_learner=4 is not divisible by runtime.processes_per_learner=3"),
     ({"processes_per_learner": 2, "devices_per_learner": 6}, "data.batch_size=16 is not divisible by "

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 from diloco.config import ConfigError, RuntimeConfig, TrainConfig, to_dict
 from diloco.runtime import blobstore as bs
 from diloco.runtime.procs.learner import died
-from diloco.runtime.procs.standalone import claim, config_diff
+from diloco.runtime.procs.standalone import await_world, claim, config_diff, joined
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 24
@@ -97,6 +98,74 @@ def test_kill_9_a_learner_started_by_hand_and_start_it_again(tmp_path, env):
     host = subprocess.run([sys.executable, str(ROOT / "scripts" / "syncer.py"), *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert host.returncode == 0 and "has finished" in host.stdout, host.stderr[-2000:]
+
+
+@pytest.mark.slow  # 45 s of six JAX processes on 2 cores; the follower rules are tested below by default
+def test_kill_9_a_follower_of_a_learner_world_started_by_hand_and_start_the_world_again(tmp_path, env):
+    """2 learners x 2 processes, each process started by hand as one host of its learner. kill -9
+    of learner 1's follower: its leader aborts within the world's heartbeat (no Python runs, no
+    notice); the follower started again first waits for a new claim instead of joining the dead
+    world, the leader started again claims incarnation 1 (writing incarnation 0's notice), the new
+    world rejoins, and the run ends balanced with one death and one rejoin."""
+    args = overrides(tmp_path, "runtime.processes_per_learner=2", "runtime.devices_per_learner=2",
+                     "runtime.world_heartbeat_s=2", "runtime.world_address=127.0.0.1")
+    run_dir = tmp_path / "run"  # 2 CPU devices a process: a world's member takes its 1 (jax_num_cpu_devices)
+
+    def host(m: int, i: int, tag: str = "") -> subprocess.Popen:
+        return start("learner.py", [f"runtime.learner_index={m}", f"runtime.process_index={i}", *args],
+                     tmp_path / f"l{m}p{i}{tag}.log", env)
+
+    syncer = start("syncer.py", args, tmp_path / "syncer.log", env)
+    hosts = {(m, i): host(m, i) for m in (0, 1) for i in (1, 0)}  # followers first: they wait for a claim
+    again = {}
+    try:
+        wait(lambda: any(r["kind"] == "train" and r["learner"] == 1 and r["step"] >= 8 for r in metrics(run_dir)),
+             300, "learner 1's step 8")
+        hosts[1, 1].kill()
+        assert hosts[1, 1].wait(30) == -signal.SIGKILL
+        assert hosts[1, 0].wait(60) in (-signal.SIGABRT, 128 + signal.SIGABRT)  # the leader lost its peer
+        again[1] = host(1, 1, "b")
+        time.sleep(3)  # it must not have joined incarnation 0's dead world in the meantime
+        assert again[1].poll() is None
+        again[0] = host(1, 0, "b")
+        assert syncer.wait(300) == 0, (tmp_path / "syncer.log").read_text()[-3000:]
+        for p, log in [(hosts[0, 0], "l0p0"), (hosts[0, 1], "l0p1"), (again[0], "l1p0b"), (again[1], "l1p1b")]:
+            assert p.wait(60) == 0, (tmp_path / f"{log}.log").read_text()[-3000:]
+    finally:
+        for p in [syncer, *hosts.values(), *again.values()]:
+            if p.poll() is None:
+                p.kill()
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["token_ledger_imbalance"] == 0 and summary["learner_deaths"] == 1 and summary["rejoins"] == 1
+    rejoin = [r for r in metrics(run_dir) if r["kind"] == "rejoin"]
+    assert [(r["learner"], r["incarnation"]) for r in rejoin] == [(1, 1)] and rejoin[0]["step"] >= 8
+    store = bs.BlobStore(f"file://{run_dir}/store")
+    assert bs.read_control(store, died(1, 0))["exitcode"] == -signal.SIGKILL  # by the new leader's claim
+    assert bs.read_control(store, died(1, 1))["exitcode"] == 0 and bs.read_control(store, died(0, 0))["exitcode"] == 0
+    assert bs.read_control(store, joined(1, 1, 1)) and bs.read_control(store, joined(0, 1, 1)) is None
+
+
+def test_a_follower_joins_the_newest_claim_it_has_not_joined_and_nothing_after_the_end(tmp_path):
+    store = bs.BlobStore(f"file://{tmp_path}/store")
+    world = {"coordinator": "10.0.0.2:8476", "processes": 2}
+    claim(store, 1, "a", world)
+    held = await_world(store, 1, 1, 2)
+    assert (held["incarnation"], held["token"], held["world"]) == (0, "a", world)
+    assert bs.read_control(store, joined(1, 0, 1))["pid"] == os.getpid()
+    # Started again (its world died): incarnation 0 is joined already, so it waits for the next claim.
+    later = threading.Timer(0.5, lambda: claim(store, 1, "b", {**world, "coordinator": "10.0.0.3:9000"}))
+    later.start()
+    t0 = time.monotonic()
+    held = await_world(store, 1, 1, 2)
+    assert time.monotonic() - t0 >= 0.4 and (held["incarnation"], held["world"]["coordinator"]) == (1, "10.0.0.3:9000")
+    with pytest.raises(ConfigError, match="world of 2 process.*processes_per_learner=4"):
+        await_world(store, 1, 2, 4)  # its index is unjoined, but the leader's world is not its size
+    claim(store, 0, "c")  # a leader of one process: no world to join
+    with pytest.raises(ConfigError, match="world of 1 process"):
+        await_world(store, 0, 1, 2)
+    bs.write_control(store, "finished", {"at": 1.0})
+    assert await_world(store, 1, 1, 2) is None
 
 
 def test_claims_number_incarnations_and_write_the_notice_a_killed_predecessor_left_none(tmp_path):

@@ -22,6 +22,8 @@ from diloco.runtime import store_s3
 # below blocks/<i>/ of diloco/model/transformer.py).
 LORA_TARGETS = {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),
                 "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down")}
+# runtime.world_address: "", host, :port, host:port or [v6]:port (groups: host, port).
+WORLD_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]*)(?::([0-9]{1,5}))?")
 
 
 def check(errors: list[str], ok: bool, message: str) -> None:
@@ -225,9 +227,13 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     check(e, P >= 1, f"runtime.processes_per_learner={P} must be >= 1")
     check(e, P == 1 or r.kind in ("procs", "ray"),
           f"runtime.processes_per_learner={P} needs runtime.kind=procs or ray (got {r.kind!r})")
-    check(e, P == 1 or r.launch == "local",
-          f"runtime.processes_per_learner={P} needs runtime.launch=local (got {r.launch!r}): the procs "
-          "supervisor starts a learner's processes together and restarts them as one")
+    check(e, 0 <= r.process_index < max(P, 1),
+          f"runtime.process_index={r.process_index} must be in 0..{P - 1} (runtime.processes_per_learner={P})")
+    check(e, r.process_index == 0 or r.launch == "external",
+          f"runtime.process_index={r.process_index} needs runtime.launch=external (scripts/learner.py): "
+          "the procs supervisor starts every process of a learner itself")
+    check(e, WORLD_ADDRESS.fullmatch(r.world_address) is not None,
+          f"runtime.world_address={r.world_address!r} is not host, host:port or empty")
     check(e, P < 1 or r.devices_per_learner % P == 0,
           f"runtime.devices_per_learner={r.devices_per_learner} is not divisible by "
           f"runtime.processes_per_learner={P}: each process of a learner holds an equal share of its devices")

@@ -244,6 +244,12 @@ class RuntimeConfig:
     processes_per_learner: int = 1
     world_heartbeat_s: float = 5.0
     learner_index: int = -1  # scripts/learner.py: the learner this process runs, 0..learners-1
+    # scripts/learner.py with processes_per_learner > 1 (docs/cluster.md#a-learner-of-several-hosts):
+    # which process of the learner's world this is (0 leads: it claims the incarnation and serves
+    # the world's coordination service), and the address the leader advertises for that service:
+    # "" = its host name's address and a free port, "host" = that host and a free port, "host:port".
+    process_index: int = 0
+    world_address: str = ""
     # ray: the cluster to join ("" = start one on this machine; "auto" or host:port = a running one),
     # each learner's placement group bundle (Ray resources: CPU, GPU, TPU, ...) and the syncer
     # actor's resources (a CPU node).

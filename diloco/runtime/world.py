@@ -84,7 +84,7 @@ class World(NamedTuple):
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` now, for a new world's coordinator: a restarted world takes a new
     one, since its dead predecessor's port may linger in TIME_WAIT."""
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -415,7 +415,7 @@ class ProcLearner:
         try:
             self._run()
         except SystemExit as e:
-            if e.code == EXIT_DOWN:  # agreed by every process of a world: leave together
+            if e.code in (EXIT_DOWN, EXIT_SUPERSEDED):  # agreed by every process of a world: leave together
                 self._leave()
             raise
         self._leave()
@@ -436,26 +436,34 @@ class ProcLearner:
         if self.tape is not None and not self.tape.alive(self.m, self.clock()):
             self.checkpoints.close()
             sys.exit(EXIT_DOWN)  # all its slices are down: the supervisor starts its successor
-        if self.superseded is not None and time.monotonic() - self.fenced_at >= FENCE_S:
-            self.fenced_at = time.monotonic()
-            if self.superseded():  # what it writes from now on would be booked by nobody
-                log.error("learner %d incarnation %d: a newer incarnation has claimed this learner; exiting",
-                          self.m, self.inc)
-                self.checkpoints.close()
-                sys.exit(EXIT_SUPERSEDED)
+        if self._fenced():
+            self.checkpoints.close()
+            sys.exit(EXIT_SUPERSEDED)
         return self.terminating
+
+    def _fenced(self) -> bool:
+        """Started apart: whether a newer incarnation has claimed this learner (asked every
+        FENCE_S); what this one writes from then on would be booked by nobody."""
+        if self.superseded is None or time.monotonic() - self.fenced_at < FENCE_S:
+            return False
+        self.fenced_at = time.monotonic()
+        if not self.superseded():
+            return False
+        log.error("learner %d incarnation %d: a newer incarnation has claimed this learner; exiting", self.m, self.inc)
+        return True
 
     def _check_world(self, unit: LearnerUnit) -> bool:
         """check for a process of a world: the leader decides (its tape, its SIGTERM), every
         process acts on that decision at this same step boundary. The leader also takes this
         pass's broadcasts here, so that one broadcast carries the decision and every frame its
         unit took since the last one (in that order), which the followers' units take in `poll`.
-        Started apart (runtime.launch=external) a learner is one process: no fence to ask here."""
+        Started apart, the leader alone asks the fence, and a superseded world exits as one."""
         payload = None
         if self.leader:
             self.receive(unit)
             down = self.tape is not None and not self.tape.alive(self.m, self.clock())
-            decision = {"exit": EXIT_DOWN if down else None, "stop": self.terminating}
+            code = EXIT_DOWN if down else EXIT_SUPERSEDED if self._fenced() else None
+            decision = {"exit": code, "stop": self.terminating}
             payload = learner_world.pack_frames([json.dumps(decision).encode(), *self.accepted])
         head, *frames = learner_world.unpack_frames(learner_world.broadcast_from_leader(payload))
         self.accepted = [] if self.leader else frames
@@ -578,7 +586,15 @@ def learner_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m:
 
     if in_main_thread() and rt.leader:
         signal.signal(signal.SIGTERM, stop)
-    rt.run()
+    try:
+        rt.run()
+    except Exception:
+        if world is not None and world.processes > 1:
+            # A collective broken by a dead peer raises here moments before the coordination service
+            # aborts this process (docs/multihost.md#what-a-dead-peer-does-to-the-others): wait for
+            # that verdict, so that a lost peer is not reported as this process's own error.
+            time.sleep(2 * cfg.runtime.world_heartbeat_s + 2.0)
+        raise
     if rt.terminating:  # not done: the supervisor restarts it if the run goes on
         sys.exit(128 + signal.SIGTERM)
 

@@ -37,18 +37,22 @@ import time
 from pathlib import Path
 
 from diloco.config import ConfigError, TrainConfig, to_dict
+from diloco.config.checks import WORLD_ADDRESS
 from diloco.runtime import blobstore as bs, store_s3
 from diloco.runtime.procs.learner import (EXIT_SUPERSEDED, POLL_MIN, child_main, died, fingerprint,
                                           learner_body)
 from diloco.runtime.procs.recovery import restartable
 from diloco.runtime.procs.supervisor import _PREFIXES, Procs
+from diloco.runtime.world import free_port
+from diloco.runtime.world_group import WorldSpec
 
 log = logging.getLogger(__name__)
 
 # Keys that may differ between the processes of one run: where each keeps its own files and how it
 # is watched, and which learner it is. Everything else must be the syncer's (same model, data, rules).
 PER_PROCESS = {("run", "out_dir"), ("run", "resume"), ("run", "progress"), ("run", "tensorboard"),
-               ("run", "plot"), ("runtime", "learner_index")}
+               ("run", "plot"), ("runtime", "learner_index"), ("runtime", "process_index"),
+               ("runtime", "world_address")}
 
 
 def store_url(cfg: TrainConfig) -> str:
@@ -64,13 +68,14 @@ def run_clock(store: bs.BlobStore) -> float:
     return 0.0 if not isinstance(start, dict) else time.time() - float(start["t0"])
 
 
-def claim(store: bs.BlobStore, m: int, token: str) -> int:
+def claim(store: bs.BlobStore, m: int, token: str, world: dict | None = None) -> int:
     """Claim learner m's next incarnation under `token`, writing the predecessor's exit notice if
-    it left none (it was killed); the incarnation claimed."""
+    it left none (it was killed); the incarnation claimed. world: {coordinator, processes} of the
+    world its leader is about to serve, for the followers (await_world)."""
     held = bs.read_control(store, f"claim/{m:04d}")
     inc = 0 if held is None else int(held["incarnation"]) + 1
     bs.write_control(store, f"claim/{m:04d}", {"incarnation": inc, "token": token, "host": socket.gethostname(),
-                                               "pid": os.getpid(), "at": time.time()})
+                                               "pid": os.getpid(), "at": time.time(), "world": world})
     if inc > 0 and bs.read_control(store, died(m, inc - 1)) is None:
         bs.write_control(store, died(m, inc - 1), {"at": run_clock(store), "exitcode": -signal.SIGKILL})
     return inc
@@ -100,10 +105,14 @@ def finished(cfg: TrainConfig) -> bool:
 
 def run_learner(cfg: TrainConfig) -> int:
     """Run learner runtime.learner_index as its next incarnation until it is done, stopped or
-    superseded; its exit status (0 done, 75 its chaos tape down, 143 SIGTERM, 76 superseded)."""
-    m = cfg.runtime.learner_index
+    superseded; its exit status (0 done, 75 its chaos tape down, 143 SIGTERM, 76 superseded). With
+    runtime.processes_per_learner > 1 this process is runtime.process_index of the learner's world:
+    the leader (0) claims the incarnation and alone writes exit notices, a follower joins the world
+    of the newest claim it has not joined before."""
+    r = cfg.runtime
+    m, i, P = r.learner_index, r.process_index, r.processes_per_learner
     if m < 0:
-        raise ConfigError(f"scripts/learner.py needs runtime.learner_index in 0..{cfg.runtime.learners - 1}, "
+        raise ConfigError(f"scripts/learner.py needs runtime.learner_index in 0..{r.learners - 1}, "
                           f"got {m} (e.g. runtime.learner_index=$SLURM_PROCID)")
     run_dir = Path(cfg.run.out_dir).absolute()
     url = store_url(cfg)
@@ -111,26 +120,78 @@ def run_learner(cfg: TrainConfig) -> int:
     if finished(cfg):
         log.info("the run in %s has finished; learner %d has nothing to do", store_s3.redacted(url), m)
         return 0
-    token = secrets.token_hex(8)
-    inc = claim(store, m, token)
-    log.info("learner %d: incarnation %d, waiting for the syncer's run record", m, inc)
+    if i == 0:
+        token = secrets.token_hex(8)
+        world = None if P == 1 else {"coordinator": world_coordinator(r.world_address), "processes": P}
+        inc = claim(store, m, token, world)
+        log.info("learner %d: incarnation %d, waiting for the syncer's run record", m, inc)
+    else:
+        held = await_world(store, m, i, P)
+        if held is None:
+            log.info("the run in %s has finished; learner %d process %d has nothing to do", store_s3.redacted(url), m, i)
+            return 0
+        token, inc, world = held["token"], int(held["incarnation"]), held["world"]
+        log.info("learner %d process %d: joining incarnation %d's world at %s", m, i, inc, world["coordinator"])
     wait_for_run(store, cfg, url)
     superseded = lambda: (bs.read_control(store, f"claim/{m:04d}") or {}).get("token") != token  # noqa: E731
-    name = f"learner-{m:04d}-{inc:04d}"
+    spec = None if world is None else WorldSpec(world["coordinator"], P, i)
+    name = f"learner-{m:04d}-{inc:04d}" + (f"-p{i}" if i else "")
     try:
         child_main(name, url, cfg, str(run_dir / "xla_cache"), learner_body, run_dir, m, inc, None, False,
-                   superseded)
+                   superseded if i == 0 else None, None, spec)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
         if not isinstance(e.code, int):
             log.error("learner %d incarnation %d: %s", m, inc, e.code)
     except BaseException:
-        bs.write_control(store, died(m, inc), {"at": run_clock(store), "exitcode": 1})
+        if i == 0:
+            bs.write_control(store, died(m, inc), {"at": run_clock(store), "exitcode": 1})
         raise
-    if code != EXIT_SUPERSEDED:  # its successor, if any, wrote this notice already
+    # A follower writes nothing: its leader's notice is the world's. A superseded leader's successor
+    # wrote its notice already.
+    if i == 0 and code != EXIT_SUPERSEDED:
         bs.write_control(store, died(m, inc), {"at": run_clock(store), "exitcode": code})
     return code
+
+
+def world_coordinator(address: str) -> str:
+    """host:port of the coordination service a world's leader is about to serve, as its followers
+    reach it: runtime.world_address, with the host name's address for a missing host and a port
+    free now for a missing port (a restarted leader's predecessor may hold its old one in TIME_WAIT)."""
+    host, port = WORLD_ADDRESS.fullmatch(address).groups()  # checked at start-up
+    host = host or socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port or free_port(host.strip('[]'))}"
+
+
+def joined(m: int, incarnation: int, index: int) -> str:
+    """The control name a follower writes before it joins a world: started again (its world lost a
+    process, or it did), it waits for the next claim rather than joining a dead coordinator."""
+    return f"world/{m:04d}/{incarnation:04d}/{index:03d}"
+
+
+def await_world(store: bs.BlobStore, m: int, index: int, processes: int) -> dict | None:
+    """The newest claim of learner m that follower `index` has not joined, once its leader has
+    made it, recorded as joined; None once the run has finished. ConfigError if the claim's world
+    has another number of processes (its leader runs another config)."""
+    def poll():
+        if bs.read_control(store, "finished") is not None:
+            return {"finished": True}
+        held = bs.read_control(store, f"claim/{m:04d}")
+        if held is None or bs.read_control(store, joined(m, int(held["incarnation"]), index)) is not None:
+            return None
+        return held
+
+    held = bs.Poller(POLL_MIN, 1.0).until(poll)
+    if "finished" in held:
+        return None
+    world = held.get("world") or {}
+    if world.get("processes") != processes:
+        raise ConfigError(f"learner {m}'s leader claimed incarnation {held['incarnation']} for a world of "
+                          f"{world.get('processes', 1)} process(es); this process has runtime.processes_per_learner={processes}")
+    bs.write_control(store, joined(m, int(held["incarnation"]), index),
+                     {"host": socket.gethostname(), "pid": os.getpid(), "at": time.time()})
+    return held
 
 
 class SyncerOnly(Procs):
