@@ -194,6 +194,13 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
         res = getattr(r, name)
         check(e, all(isinstance(v, float) and v >= 0 for v in res.values()) and any(v > 0 for v in res.values()),
               f"runtime.{name}={res} must map Ray resource names to amounts >= 0, at least one > 0")
+    check(e, bool(r.tpu_topology) == bool(r.tpu_version),
+          f"runtime.tpu_topology={r.tpu_topology!r} and runtime.tpu_version={r.tpu_version!r}: set both "
+          "(a slice per learner, e.g. 4x4 and v6e) or neither")
+    check(e, not r.tpu_topology or re.fullmatch(r"[0-9]+x[0-9]+(x[0-9]+)?", r.tpu_topology) is not None,
+          f"runtime.tpu_topology={r.tpu_topology!r} is not a TPU topology such as 2x2, 4x4 or 2x2x2")
+    check(e, not r.tpu_topology or r.kind == "ray",
+          f"runtime.tpu_topology={r.tpu_topology!r} needs runtime.kind=ray (got {r.kind!r})")
     check(e, not (cfg.chaos.enabled and cfg.chaos.scavenge and r.kind != "sim"),
            f"chaos.scavenge={list(cfg.chaos.scavenge)} needs runtime.kind=sim (got {r.kind!r})")
     check(e, cfg.chaos.wall_scale > 0, f"chaos.wall_scale={cfg.chaos.wall_scale} must be > 0")

@@ -256,6 +256,12 @@ class RuntimeConfig:
     ray_address: str = ""
     learner_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     syncer_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    # ray on TPUs: each learner one whole slice of this topology and generation (e.g. "4x4" of
+    # "v6e"), reserved through ray.util.tpu (docs/cluster.md#tpu-slices-on-ray): its placement
+    # group holds one bundle per host of that slice, learner_resources are added to each, and
+    # processes_per_learner must be the slice's host count. "" = the bundles of learner_resources.
+    tpu_topology: str = ""
+    tpu_version: str = ""
 
 
 @dataclass(frozen=True)

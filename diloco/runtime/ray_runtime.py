@@ -34,15 +34,15 @@ from typing import Any, Callable
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from diloco.config import ConfigError, TrainConfig
+from diloco.config import TrainConfig
 from diloco.runtime import blobstore as bs
 from diloco.runtime.procs import supervisor
 from diloco.runtime.procs.learner import child_main, learner_body
 from diloco.runtime.procs.supervisor import MAX_RESTARTS, Procs
 from diloco.runtime.procs.syncer import syncer_body
+from diloco.runtime.ray_placement import Placement, actor_options, learner_placement, slice_shape
 from diloco.runtime.world import free_port
 from diloco.runtime.world_group import WorldGroup, WorldSpec
 
@@ -267,25 +267,21 @@ class RayWorld(WorldGroup):
             ray.wait(self.pending, num_returns=1, timeout=left)
 
 
-def actor_options(resources: dict[str, float]) -> dict:
-    """Ray's actor options for a bundle of resources {"CPU": 2, "GPU": 1, "TPU": 4, ...}."""
-    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
-    return {"num_cpus": resources.get("CPU", 0.0), "num_gpus": resources.get("GPU", 0.0), "resources": custom}
-
-
 class RayProcs(Procs):
     """The procs supervisor over Ray actors (see the module docstring)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.hosts: dict[int, list] = {}  # learner -> its actors (one a world process), kept across incarnations
-        self.groups: dict[int, Any] = {}  # learner -> its placement group
+        self.groups: dict[int, Placement] = {}  # learner -> its placement group
         self.syncer_host = None
         self.owns_ray = False  # this process started Ray (runtime.ray_address=""), and stops it
         # actor names of this run's store: the same from any driver process
         self.prefix = f"diloco-{hashlib.sha256(self.url.encode()).hexdigest()[:8]}"
 
     def run(self) -> dict:
+        if self.cfg.runtime.tpu_topology:  # a slice the learner's world does not fit: before Ray starts
+            slice_shape(self.cfg.runtime)
         try:
             self._connect()
             return super().run()
@@ -334,24 +330,15 @@ class RayProcs(Procs):
     def _spawn(self, m: int, incarnation: int) -> None:
         P = self.cfg.runtime.processes_per_learner
         if m not in self.hosts:
-            bundle = dict(self.cfg.runtime.learner_resources)
-            # A world's processes on as few nodes as hold their bundles (PACK): one node if it can,
-            # else across nodes, a bundle being what one of its hosts offers (docs/multihost.md#ray).
-            group = placement_group([bundle] * P, strategy="STRICT_PACK" if P == 1 else "PACK",
-                                    name=f"{self.prefix}-learner-{m}")
-            if not ray.wait([group.ready()], timeout=PLACE_TIMEOUT_S)[0]:
-                what = f"bundle {bundle}" if P == 1 else f"{P} bundles {bundle}"
-                raise ConfigError(f"the Ray cluster could not place learner {m}'s {what} in "
-                                  f"{PLACE_TIMEOUT_S:.0f} s (runtime.learner_resources); it has "
-                                  f"{ray.cluster_resources()}")
-            self.groups[m] = group
+            place = self.groups[m] = learner_placement(self.cfg.runtime, m, f"{self.prefix}-learner-{m}",
+                                                                PLACE_TIMEOUT_S)
             # max_restarts=-1: Ray always brings a learner's process back; how often it may die is
             # the supervisor's rule (MAX_RESTARTS, not counting a chaos tape's planned downs).
             self.hosts[m] = [Host.options(
                 name=self._actor(m, i), namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
                 max_concurrency=2, runtime_env=self._env(),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-                **actor_options(bundle)).remote() for i in range(P)]
+                scheduling_strategy=PlacementGroupSchedulingStrategy(place.group, placement_group_bundle_index=i),
+                **actor_options(place.bundle)).remote() for i in range(P)]
         args = (self.url, self.cfg, self.cache, self.run_dir, m, incarnation, self.resume is not None)
         if P == 1:
             [host] = self.hosts[m]
@@ -391,8 +378,8 @@ class RayProcs(Procs):
         for actor in [self.syncer_host, *(a for actors in self.hosts.values() for a in actors)]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
-        for group in self.groups.values():
-            remove_placement_group(group)
+        for place in self.groups.values():
+            place.release()
         if self.owns_ray:
             ray.shutdown()
 
