@@ -100,11 +100,13 @@ def trained(run_dir, m: int, step: int) -> bool:
                                  for r in map(json.loads, path.read_text().splitlines()))
 
 
-def balanced(rt, summary, run_dir, learners: int = M) -> None:
+def balanced(rt, summary, run_dir, learners: int = M, redone: int = 0) -> None:
+    """redone: steps a death may have cost on top (with one learner there is no other's slack)."""
     tokens_per_step = rt.cfg.data.batch_size * rt.cfg.data.seq_len
     assert rt.finished["complete"] and rt.finished["steps"] == {str(m): STEPS for m in range(learners)}
     assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
-    assert rt.finished["tokens"]["processed"] <= 2 * learners * STEPS * tokens_per_step  # P = 2 fragments
+    # P = 2 fragments
+    assert rt.finished["tokens"]["processed"] <= 2 * (learners * STEPS + redone) * tokens_per_step
     for p, vs in merge_versions(run_dir).items():  # no version applied twice or skipped
         assert vs == list(range(1, len(vs) + 1)), (p, vs)
 
@@ -211,6 +213,49 @@ def test_a_killed_member_actor_of_a_learner_world_restarts_the_whole_world_and_t
     assert max(trained_1) > rt.rejoins[0]["died_at"], (trained_1, rt.rejoins)  # learner 1 went on
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(rt.prefix)]
     print(f"\nray multihost: 2 learners x 2 processes x 4 devices, a follower actor killed, {wall:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_learner_world_across_two_nodes_loses_one_and_comes_back_on_a_new_node(world, tmp_path, cluster):
+    """One learner, a world of 2 processes x 4 CPU devices whose bundles ({learner_slot: 2}) no
+    worker holds twice, so its leader and follower run on different nodes, the coordinator at the
+    leader's node's address. The follower's node is removed mid-run (a third worker is spare): the world
+    ends as a whole, Ray moves the lost bundle to the spare node, and incarnation 1 rejoins there."""
+    cfg, setup, _, run_dir = variant(world, tmp_path)
+    # Paced (a step every 0.25 s) so that the run is still on when the new world has been placed.
+    cfg = validate(replace(cfg, runtime=replace(cfg.runtime, learners=1, devices_per_learner=8, processes_per_learner=2,
+                                                world_heartbeat_s=3.0, step_period_s=0.25,
+                                                learner_resources={"CPU": 1.0, "learner_slot": 2.0})))
+    c, workers = cluster
+    workers.append(c.add_node(**WORKER))  # a third worker, where the lost bundle can go
+    nodes: list[list[str]] = []
+
+    def where(store) -> list[str]:
+        names = bs.read_control(store, "procs")["learners"]["0"]["actors"]
+        return [ray.get(ray.get_actor(a, namespace="diloco").where.remote(), timeout=10)["node"] for a in names]
+
+    def remove(store):
+        if not nodes and trained(run_dir, 0, 8):
+            nodes.append(where(store))
+            [lost] = [w for w in workers if w.node_id == nodes[0][1]]
+            c.remove_node(lost)
+            workers.remove(lost)
+        elif len(nodes) == 1 and bs.read_control(store, "procs")["learners"]["0"]["incarnation"] == 1:
+            try:
+                nodes.append(where(store))
+            except ray.exceptions.RayError:  # still being placed
+                return None
+            return "removed"
+
+    rt, summary, done = run_with(cfg, setup, None, run_dir, remove)
+    assert done == ["removed"], (nodes, rt.exits)
+    before, after = nodes
+    assert before[0] != before[1], before  # the world spans two nodes
+    assert after[0] == before[0] and after[1] not in before, (before, after)  # the follower on the new node
+    assert ("learner-0", 0, ray_runtime.KILLED) in rt.exits and ("learner-0", 1, 0) in rt.exits, rt.exits
+    assert [(r["learner"], r["incarnation"]) for r in rt.rejoins] == [(0, 1)]
+    # the steps since its last checkpoint (every 4) are done again
+    balanced(rt, summary, run_dir, learners=1, redone=cfg.runtime.learner_checkpoint_every)
 
 
 def test_a_bundle_no_node_can_hold_is_a_config_error(world, tmp_path, monkeypatch):

@@ -39,9 +39,10 @@ except RunStopped as stopped:
 """
 
 
-def make_cfg(tmp_path, kind: str, resume: bool = False) -> TrainConfig:
+def make_cfg(tmp_path, kind: str, resume: bool = False, processes: int = 1) -> TrainConfig:
     """tests/test_threads.py's tiny model; paced at 0.1 s a step so the run lasts seconds whatever
-    the machine, long enough for the SIGINT to land mid-run."""
+    the machine, long enough for the SIGINT to land mid-run. processes > 1: each learner a world of
+    that many processes, one device each."""
     data = DataConfig(source="synthetic", seq_len=32, batch_size=16, data_dir=str(tmp_path / "data"),
                       synthetic_vocab=16, synthetic_tokens=40_000, synthetic_branching=2)
     run = RunConfig(steps=STEPS, log_every=5, eval_every=20, eval_batches=2, out_dir=str(tmp_path / "run"),
@@ -49,7 +50,8 @@ def make_cfg(tmp_path, kind: str, resume: bool = False) -> TrainConfig:
     return validate(TrainConfig(
         model=TINY, data=data, inner=InnerConfig(lr=1e-2, warmup_steps=5), run=run, algo="diloco",
         fragments=FragmentsConfig(count=P, H=4, tau=1), syncer=SyncerConfig(quorum=1),
-        runtime=RuntimeConfig(kind=kind, learners=M, devices_per_learner=1, step_period_s=0.1, restart_s=0.2)))
+        runtime=RuntimeConfig(kind=kind, learners=M, devices_per_learner=processes, processes_per_learner=processes,
+                              step_period_s=0.1, restart_s=0.2)))
 
 
 def launch(tmp_path, cfg: TrainConfig, name: str) -> subprocess.Popen:
@@ -66,10 +68,10 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def stop_and_resume(tmp_path, kind: str) -> tuple[str, dict, list[dict]]:
+def stop_and_resume(tmp_path, kind: str, processes: int = 1) -> tuple[str, dict, list[dict]]:
     """SIGINT once both learners have logged a step, then resume; (stop's stdout, summary, records)."""
     run_dir = tmp_path / "run"
-    proc = launch(tmp_path, make_cfg(tmp_path, kind), "stop")
+    proc = launch(tmp_path, make_cfg(tmp_path, kind, processes=processes), "stop")
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
@@ -90,7 +92,7 @@ def stop_and_resume(tmp_path, kind: str) -> tuple[str, dict, list[dict]]:
     assert not (run_dir / "summary.json").exists()
     stopped = max(r["time"] for r in records(run_dir))
 
-    proc = launch(tmp_path, make_cfg(tmp_path, kind, resume=True), "resume")
+    proc = launch(tmp_path, make_cfg(tmp_path, kind, resume=True, processes=processes), "resume")
     try:
         code = proc.wait(300)
     finally:
@@ -191,3 +193,16 @@ def test_sigint_stops_a_ray_run_cleanly_and_resume_finishes_it(tmp_path, monkeyp
     out, summary, recs = stop_and_resume(tmp_path, "ray")
     check_resumed(run_dir, summary, recs)
     replays_to_its_decisions(run_dir, make_cfg(tmp_path, "ray"), monkeypatch)
+
+
+@pytest.mark.slow
+def test_sigint_stops_a_ray_run_of_learner_worlds_cleanly_and_resume_finishes_it(tmp_path, monkeypatch):
+    """The same with each learner a world of 2 processes on 2 actors (docs/multihost.md#ray): the
+    stop reaches each world's leader, which stops its follower at the same step boundary; the
+    resumed run brings every world back as incarnation 1."""
+    pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    run_dir = tmp_path / "run"
+    out, summary, recs = stop_and_resume(tmp_path, "ray", processes=2)
+    check_resumed(run_dir, summary, recs)
+    replays_to_its_decisions(run_dir, make_cfg(tmp_path, "ray", processes=2), monkeypatch)
