@@ -16,6 +16,8 @@ import pytest
 
 localbucket = pytest.importorskip("localbucket")
 
+import store_checks  # noqa: E402
+
 from diloco.runtime import blobstore as bs  # noqa: E402
 from diloco.runtime import store_s3  # noqa: E402
 
@@ -100,60 +102,15 @@ def s3(tmp_path, monkeypatch):
     server.stop()
 
 
-def _fill(store: bs.BlobStore, n: int, tag: str) -> dict[str, bytes]:
-    out = {}
-    for i in range(n):
-        key, data = f"seq/{tag}/{i:04d}", f"{tag}-{i}".encode() * (1 + i)
-        store.put(key, data)
-        out[key] = data
-    return out
-
-
 def test_round_trip_put_get_list_delete(s3):
     store = bs.BlobStore(s3.url())
-    assert store.get("a/b") is None and store.list() == []
-    store.put("a/b", b"hello")
-    store.put("a/c", bytes(range(256)) * 4096)  # 1 MiB
-    store.put("b", b"")
-    assert store.get("a/b") == b"hello" and store.get("a/c") == bytes(range(256)) * 4096 and store.get("b") == b""
-    assert store.list() == ["a/b", "a/c", "b"] and store.list("a/") == ["a/b", "a/c"] and store.list("a/c") == ["a/c"]
-    assert store.get("a/c", max_bytes=1 << 20) is not None
-    with pytest.raises(bs.TooLarge):
-        store.get("a/c", max_bytes=(1 << 20) - 1)
-    store.put("a/b", b"again")  # a pointer's one writer rewrites it
-    assert store.get("a/b") == b"again"
-    store.delete("a/b")
-    store.delete("a/b")  # a missing one is not an error
-    assert store.get("a/b") is None and store.list() == ["a/c", "b"]
-    store.delete_prefix("a/")
-    assert store.list() == ["b"]
-    # The prefix is the store's: objects live under <bucket>/run/ on the server, nothing outside it.
+    store_checks.round_trip(store, bs.BlobStore(s3.url("other")))
+    # Objects live under <bucket>/run/ on the server, nothing outside it.
     assert sorted(p.name for p in (s3.root / BUCKET / "run").iterdir()) == ["b"]
-    assert bs.BlobStore(s3.url("other")).list() == []
-    # A spawned process reopens the same store from its URL, endpoint included.
-    import pickle
-    assert pickle.loads(pickle.dumps(store)).list() == ["b"]
 
 
 def test_key_schemes_pointer_acks_gc_and_control_over_s3(s3):
-    store = bs.BlobStore(s3.url())
-    keys = [bs.send_contribution(store, m, 0, seq, f"frame {m} {seq}".encode()) for m in (1, 0) for seq in (0, 1)]
-    assert keys[0] == "up/0001/0000/000000000000"
-    seen: set[str] = set()
-    got = bs.poll_contributions(store, seen)
-    assert [bs.parse_contribution_key(k) for k, _ in got] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
-    assert bs.poll_contributions(store, seen) == []
-    bs.publish(store, 0, 1, None, b"full 1", [(0, 0, 0)], fragments=2)
-    bs.publish(store, 0, 2, b"delta 2", b"full 2", [(0, 0, 1)], fragments=2)
-    assert bs.latest(store, 2) == {0: bs.Published(2, True, ((0, 0, 1),))}
-    assert bs.fetch_fragment(store, 0, 2, want_full=False) == b"delta 2"
-    assert bs.full_versions(store, 0) == [1, 2]
-    assert bs.write_ack(store, 0, 0, 1) == 1 and bs.write_ack(store, 0, 0, 0) == 1 and bs.read_ack(store, 0, 0) == 1
-    deleted = bs.gc(store, keep_versions=1, delivered={(0, 0): 1})
-    assert deleted == ["down/0000/000000000001.full", "up/0000/0000/000000000000", "up/0000/0000/000000000001"]
-    bs.write_control(store, "heartbeat/learner-0000", {"step": 3})
-    assert bs.read_control(store, "heartbeat/learner-0000") == {"step": 3}
-    assert bs.list_control(store) == ["heartbeat/learner-0000"]
+    store_checks.key_schemes(bs.BlobStore(s3.url()))
 
 
 def test_a_reader_sees_the_old_or_the_new_object_never_a_mix(s3):
@@ -293,24 +250,7 @@ def test_call_repeats_transient_failures_up_to_its_deadline_and_raises_others_at
 
 
 def test_writes_and_reads_ride_out_a_stopped_server_and_lose_nothing(s3):
-    store = bs.BlobStore(s3.url(retry_s=30))
-    written = _fill(store, 5, "before")
-    restarted = threading.Event()
-
-    def outage():
-        s3.stop()
-        time.sleep(3)
-        s3.start()
-        restarted.set()
-
-    t = threading.Thread(target=outage)
-    t0 = time.monotonic()
-    t.start()
-    written |= _fill(store, 10, "during")  # the first of these waits for the server
-    seen = {k: store.get(k) for k in written}
-    t.join()
-    assert restarted.is_set() and time.monotonic() - t0 >= 3
-    assert seen == written and store.list("seq/") == sorted(written)
+    store_checks.rides_out_an_outage(bs.BlobStore(s3.url(retry_s=30)), s3.stop, s3.start)
 
 
 def test_throttling_503_slow_down_is_retried_and_loses_nothing(s3):
@@ -319,18 +259,13 @@ def test_throttling_503_slow_down_is_retried_and_loses_nothing(s3):
     before = s3.requests
     threading.Timer(2.0, lambda: setattr(s3, "slow_down", False)).start()
     t0 = time.monotonic()
-    written = _fill(store, 5, "throttled")
+    written = store_checks.fill(store, 5, "throttled")
     assert time.monotonic() - t0 >= 2 and s3.requests - before > 6  # retried, not failed
     assert {k: store.get(k) for k in written} == written and store.list("seq/") == sorted(written)
 
 
 def test_a_store_down_past_its_deadline_raises_a_clear_error(s3):
-    store = bs.BlobStore(s3.url(retry_s=1.5))
-    s3.stop()
-    t0 = time.monotonic()
-    with pytest.raises(bs.StoreUnavailable, match=r"put up/x: the store kept failing for 1.5 s"):
-        store.put("up/x", b"frame")
-    assert time.monotonic() - t0 < 4
+    store_checks.fails_past_its_deadline(bs.BlobStore(s3.url(retry_s=1.5)), s3.stop, 4)
 
 
 # One short procs run of tests/test_procs.py's tiny model with its traffic over S3, and one where
@@ -339,11 +274,7 @@ from test_procs import STEPS, M, P, variant, world  # noqa: E402,F401  (world: a
 
 
 def _check_run(rt, summary, cfg):
-    assert rt.syncer.exitcode == 0 and rt.finished["complete"]
-    assert rt.finished["steps"] == {str(m): STEPS for m in range(M)}
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    assert rt.finished["tokens"]["processed"] == P * M * STEPS * tokens_per_step  # every step booked once
-    assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
+    store_checks.procs_run_balanced(rt, summary, cfg, STEPS, M, P)
 
 
 @pytest.mark.slow  # the store's own behaviour over S3 is the fast tests above

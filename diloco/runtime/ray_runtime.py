@@ -303,9 +303,10 @@ class RayProcs(Procs):
 
     def _env(self) -> dict:
         """What every actor's process needs of this one's environment: the run secret, the simulated
-        CPU device count and JAX's settings (a Ray worker does not inherit the driver's)."""
+        CPU device count, JAX's settings and tensorstore's (TENSORSTORE_GCS_HTTP_URL names the gs://
+        server), which a Ray worker does not inherit from the driver."""
         keep = {self.cfg.runtime.auth_secret_env}
-        env = {k: v for k, v in os.environ.items() if k in keep or k.startswith(("JAX_", "XLA_"))}
+        env = {k: v for k, v in os.environ.items() if k in keep or k.startswith(("JAX_", "XLA_", "TENSORSTORE_"))}
         return {"env_vars": env}
 
     def _spawn_syncer(self, incarnation: int) -> None:
