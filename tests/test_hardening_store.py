@@ -25,6 +25,7 @@ from diloco.algo import syncer as sync
 from diloco.config import validate
 from diloco.runtime import blobstore as bs
 from diloco.runtime import events as ev
+from diloco.runtime.procs import child
 from diloco.runtime.procs import learner as pl
 from diloco.runtime.procs import syncer as ps
 from syncer_frames import THETA0, frame, policy, start
@@ -49,7 +50,7 @@ def small(tmp_path_factory):
 def _store_for(setup) -> bs.BlobStore:
     """A fresh store with the run's Theta_0 fingerprint, as the supervisor writes it for its children."""
     store = bs.BlobStore("memory://")
-    bs.write_control(store, "run", {"theta0": pl.fingerprint(setup.theta0), "learners": 2})
+    bs.write_control(store, "run", {"theta0": child.fingerprint(setup.theta0), "learners": 2})
     return store
 
 
@@ -200,7 +201,7 @@ def test_an_oversized_contribution_is_passed_on_unread_and_quarantined_as_too_la
 def test_every_reader_bounds_what_it_reads(small):
     """The bound of a run's frames covers its full copies; events, reports and control are bounded too."""
     _, setup = small
-    limit = pl.max_frame(setup)
+    limit = child.max_frame(setup)
     full, _ = _at_version(setup, 0, 1)
     assert len(full) < limit < 8 * len(full) + (2 << 20)
     store = bs.BlobStore("memory://")
@@ -246,7 +247,7 @@ def test_rejoin_view_gives_up_on_a_fragment_after_its_timeout_and_says_so(small,
     with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.learner"):
         view, _ = pl.store_view(store, setup, timeout_s=3.0, skipped=skipped, sleep=sleep, clock=lambda: now[0])
     assert view.fragments[1].version == 0 and now[0] == pytest.approx(3.0)
-    assert sleeps[0] == pl.POLL_MIN and max(sleeps) <= pl.POLL_MAX  # backs off, never spins
+    assert sleeps[0] == child.POLL_MIN and max(sleeps) <= child.POLL_MAX  # backs off, never spins
     assert skipped["full"] == 1 and skipped["fragment"] == 1 and "no readable full copy of fragment 1" in caplog.text
 
 
@@ -311,7 +312,7 @@ def syncer(small):
 def _put_event(rt, store, m, inc, n, raw: bytes):
     """An event blob as learner m writes it: sealed under its key when the run authenticates."""
     secret = rt.setup.policy.auth
-    key = pl.event_key(m, inc, n)
+    key = child.event_key(m, inc, n)
     store.put(key, raw if secret is None else auth.seal(secret.learner_key(m), key, raw))
 
 
@@ -332,7 +333,7 @@ def test_a_gap_in_an_event_stream_is_skipped_after_its_timeout_and_done_is_booke
     with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.syncer"):
         assert rt._poll(0) and rt._poll(1)
         assert rt.host.done == {0} and rt.steps == {0: 4, 1: 1} and rt.cursor == {0: 5, 1: 1}
-        bs.write_control(store, pl.died(1, 0), {"at": 3.0, "exitcode": 0})  # the supervisor saw it exit 0
+        bs.write_control(store, child.died(1, 0), {"at": 3.0, "exitcode": 0})  # the supervisor saw it exit 0
         assert rt._poll(1)
     assert rt.host.done == {0, 1} and rt.host.finished_at[1] == 3.0
     assert "events 2 to 2 are missing" in caplog.text and "without a readable Done" in caplog.text
@@ -345,9 +346,9 @@ def test_a_gap_waits_for_its_timeout_while_the_learner_runs(syncer, monkeypatch)
     rt.gap_timeout = 3600.0
     _emit(rt, store, 0, 0, 1, ev.StepDone(0, 0, 2, 1.0, 1.5, tokens, ()))
     assert not rt._poll(0) and rt.cursor[0] == 0  # maybe a store slow to show event 0: wait
-    bs.write_control(store, pl.died(0, 0), {"at": 2.0, "exitcode": -9})
+    bs.write_control(store, child.died(0, 0), {"at": 2.0, "exitcode": -9})
     assert rt._poll(0) and rt.cursor == {0: 0, 1: 0} and rt.current[0] == 1  # exited: skipped at once, buried
-    assert rt.steps[0] == 2 and bs.read_control(store, pl.buried(0, 0)) == {"step": 2, "done": False}
+    assert rt.steps[0] == 2 and bs.read_control(store, child.buried(0, 0)) == {"step": 2, "done": False}
 
 
 @pytest.mark.parametrize("raw", [
@@ -376,13 +377,13 @@ def test_a_forged_event_is_logged_and_skipped(syncer, forgery, caplog):
     store, rt, tokens = syncer
     assert rt.setup.policy.auth is not None  # procs authenticates by default
     raw = json.dumps(ev.to_json(ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ()))).encode()
-    key = pl.event_key(0, 0, 0)
+    key = child.event_key(0, 0, 0)
     if forgery == "unsealed":
         store.put(key, raw)
     elif forgery == "other_key":
         store.put(key, auth.seal(rt.setup.policy.auth.learner_key(1), key, raw))
     else:
-        store.put(key, auth.seal(rt.setup.policy.auth.learner_key(0), pl.event_key(0, 0, 7), raw))
+        store.put(key, auth.seal(rt.setup.policy.auth.learner_key(0), child.event_key(0, 0, 7), raw))
     _emit(rt, store, 0, 0, 1, ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ()))
     with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.syncer"):
         assert rt._poll(0)

@@ -20,7 +20,7 @@ from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig
                            SyncerConfig, TrainConfig, validate)
 from diloco.runtime import blobstore as bs
 from diloco.runtime import procs
-from diloco.runtime.procs import learner as procs_learner
+from diloco.runtime.procs import child as procs_child
 from diloco.runtime.procs.learner import store_view
 from diloco.runtime.runlog import read_decisions, read_inputs
 from diloco.runtime.stop import RunStopped
@@ -279,7 +279,7 @@ def test_a_chaos_tape_drives_the_learner_processes(world, tmp_path):
     cfg = validate(replace(cfg, chaos=replace(cfg.chaos, enabled=True, tape_file=str(path))))
     rt, summary = procs.run(cfg, setup, run_dir, None)
 
-    assert ("learner-1", 0, procs_learner.EXIT_DOWN) in rt.exits
+    assert ("learner-1", 0, procs_child.EXIT_DOWN) in rt.exits
     assert [(r["learner"], r["incarnation"]) for r in rt.rejoins] == [(1, 1)]
     assert rt.rejoins[0]["time"] >= 2.0 + 0.5  # not before the tape gave a slice back, then restart_s
     assert rt.rejoins[0]["time"] - rt.rejoins[0]["down_until"] >= 0.5 and rt.rejoins[0]["down_until"] >= 2.0

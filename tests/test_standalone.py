@@ -15,7 +15,7 @@ import pytest
 
 from diloco.config import ConfigError, RuntimeConfig, TrainConfig, to_dict
 from diloco.runtime import blobstore as bs
-from diloco.runtime.procs.learner import died
+from diloco.runtime.procs.child import died
 from diloco.runtime.procs.standalone import await_world, claim, config_diff, joined
 
 ROOT = Path(__file__).resolve().parents[1]

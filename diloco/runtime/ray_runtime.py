@@ -39,7 +39,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from diloco.config import TrainConfig
 from diloco.runtime import blobstore as bs
 from diloco.runtime.procs import supervisor
-from diloco.runtime.procs.learner import child_main, learner_body
+from diloco.runtime.procs.child import child_main
+from diloco.runtime.procs.learner import learner_body
 from diloco.runtime.procs.supervisor import MAX_RESTARTS, Procs
 from diloco.runtime.procs.syncer import syncer_body
 from diloco.runtime.ray_placement import Placement, actor_options, learner_placement, slice_shape

@@ -39,8 +39,8 @@ from pathlib import Path
 from diloco.config import ConfigError, TrainConfig, to_dict
 from diloco.config.checks import WORLD_ADDRESS
 from diloco.runtime import blobstore as bs, store_s3
-from diloco.runtime.procs.learner import (EXIT_SUPERSEDED, POLL_MIN, child_main, died, fingerprint,
-                                          learner_body)
+from diloco.runtime.procs.child import EXIT_SUPERSEDED, POLL_MIN, child_main, died, fingerprint
+from diloco.runtime.procs.learner import learner_body
 from diloco.runtime.procs.recovery import restartable
 from diloco.runtime.procs.supervisor import _PREFIXES, Procs
 from diloco.runtime.world import free_port

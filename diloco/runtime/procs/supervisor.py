@@ -53,7 +53,8 @@ from diloco import report
 from diloco import watch as run_watch
 from diloco.config import ConfigError, TrainConfig
 from diloco.runtime import blobstore as bs, store_s3
-from diloco.runtime.procs.learner import EXIT_DOWN, died, fingerprint, learner_main
+from diloco.runtime.procs.child import EXIT_DOWN, died, fingerprint
+from diloco.runtime.procs.learner import learner_main
 from diloco.runtime.procs.recovery import restartable
 from diloco.runtime.procs.syncer import rep_key, syncer_main, unpack_theta
 from diloco.runtime import build as build_setup

@@ -55,8 +55,8 @@ from diloco.config import TrainConfig
 from diloco.runtime import blobstore as bs
 from diloco.runtime import events as ev
 from diloco.runtime.host import HostedRuntime, SyncerHost
-from diloco.runtime.procs.learner import (POLL_MAX, POLL_MIN, buried, child_main, child_setup, died, event_key,
-                                          in_main_thread, max_frame)
+from diloco.runtime.procs.child import (POLL_MAX, POLL_MIN, buried, child_main, child_setup, died, event_key,
+                                        in_main_thread, max_frame)
 from diloco.runtime.procs.recovery import Recovery
 from diloco.runtime.runlog import write_decisions
 
@@ -100,7 +100,7 @@ _EVENT_KEY = re.compile(r"^ev/\d{4}/\d{4}/(\d{12})$")
 
 
 def _event_n(key: str) -> int | None:
-    """n of an event key (diloco/runtime/procs/learner.py event_key); None for a stray key."""
+    """n of an event key (diloco/runtime/procs/child.py event_key); None for a stray key."""
     found = _EVENT_KEY.match(key)
     return None if found is None else int(found[1])
 

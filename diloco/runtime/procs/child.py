@@ -1,0 +1,123 @@
+"""What every process of a procs run shares, the learner's, the syncer's and the supervisor's: how
+a spawned child starts (environment, signals, its Setup rebuilt from the config and checked against
+the supervisor's Theta_0), the event keys and control names they couple by, the exit statuses, and
+the largest frame the run can hold.
+
+Reference: docs/design.md#procs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import threading
+import traceback
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from diloco.algo import messages
+from diloco.algo import syncer as sync
+from diloco.config import TrainConfig
+from diloco.inputs import load_inputs
+from diloco.runtime import blobstore as bs
+from diloco.runtime import build as build_setup
+from diloco.runtime.build import Setup
+
+POLL_MIN, POLL_MAX = 0.002, 0.05  # seconds: back-off bounds of every procs poll loop
+EXIT_DOWN = 75  # a learner whose chaos tape took all its slices (EX_TEMPFAIL): restarted, not an error
+# A learner started apart (diloco/runtime/procs/standalone.py) that finds a newer incarnation of
+# itself has claimed its index: the scheduler started a replacement, so this one steps aside.
+EXIT_SUPERSEDED = 76
+
+
+def orphaned(parent: int | None) -> bool:
+    """Whether the supervisor that spawned this process is gone; never for a process a scheduler
+    started (parent None: scripts/learner.py, a Ray actor), whose lifetime is the scheduler's."""
+    return parent is not None and os.getppid() != parent
+
+
+def in_main_thread() -> bool:
+    """Signal handlers can be set only here; a Ray actor runs its methods in worker threads."""
+    return threading.current_thread() is threading.main_thread()
+
+
+def event_key(learner: int, incarnation: int, n: int) -> str:
+    return f"ev/{learner:04d}/{incarnation:04d}/{n:012d}"
+
+
+def died(learner: int, incarnation: int) -> str:
+    """Control name the supervisor writes once the process of (learner, incarnation) has exited,
+    with its exit code: 0 (finished, its Done the last event) as well as a crash."""
+    return f"died/{learner:04d}/{incarnation:04d}"
+
+
+def buried(learner: int, incarnation: int) -> str:
+    """Control name the syncer writes once it has booked that death (the successor may rejoin)."""
+    return f"buried/{learner:04d}/{incarnation:04d}"
+
+
+def fingerprint(theta0: tuple[dict, ...]) -> str:
+    """A hash of Theta_0: every process rebuilds it from the config and must get the same one."""
+    h = hashlib.sha256()
+    for frag in theta0:
+        for path in sorted(frag):
+            h.update(json.dumps(path).encode() + np.ascontiguousarray(frag[path], np.float32).tobytes())
+    return h.hexdigest()[:16]
+
+
+def child_setup(cfg: TrainConfig, store: bs.BlobStore) -> Setup:
+    """In a spawned child: the Setup rebuilt from the config (jitted functions do not pickle).
+    Steps compile lazily, so building every learner's (as setup.build does) costs little."""
+    _, corpus, model, _ = load_inputs(cfg)  # the same checkpoint (model.init_from) and data as the supervisor's
+    setup = build_setup.build(cfg, corpus, model)
+    want = (bs.read_control(store, "run") or {}).get("theta0")
+    if want != fingerprint(setup.theta0):
+        raise RuntimeError(f"this process rebuilt Theta_0 {fingerprint(setup.theta0)} from the config, the "
+                           f"supervisor has {want}: model init must be a pure function of the config")
+    return setup
+
+
+def child_main(name: str, store_url: str, cfg: TrainConfig, cache: str | None, body: Callable, *args: Any) -> None:
+    """Entry of every spawned child: environment, signals, then `body(store, cfg, *args)`. A Python
+    error is written to `ctl/error/<name>` for the supervisor before the process exits with it."""
+    r = cfg.runtime
+    flags = os.environ.get("XLA_FLAGS", "")
+    # jax reads XLA_FLAGS when its backend starts (the first jax.devices()), not on import.
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={r.learners * r.devices_per_learner}"
+    if cache is not None and jax.config.jax_compilation_cache_dir is None:
+        # Every process compiles the same model: a restarted learner loads its executables from
+        # this cache in about a second instead of compiling them again (about 15 s on CPU).
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # Ctrl-C reaches the whole process group; the supervisor decides what stops, and how.
+    if in_main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    store = bs.BlobStore(store_url, sync=False)
+    try:
+        body(store, cfg, *args)
+    except Exception:
+        bs.write_control(store, f"error/{name}", {"traceback": traceback.format_exc()})
+        raise
+
+
+def wait_for(poll: Callable[[], Any], parent: int | None, stopping: Callable[[], bool] = lambda: False) -> Any:
+    """Poll with back-off until `poll()` is truthy; None once `stopping()` (SIGTERM); exit if the
+    supervisor is gone (orphaned)."""
+    poller = bs.Poller(POLL_MIN, POLL_MAX, stop=lambda: orphaned(parent) or stopping())
+    found = poller.until(poll)
+    if found is None and not stopping():
+        raise SystemExit(f"supervisor {parent} is gone")
+    return found
+
+
+def max_frame(setup: Setup, merges: bool = True) -> int:
+    """The largest frame of this run, up or down: the prefix (magic, header length), the header
+    bound and the syncer's payload bound (diloco/algo/syncer.py), which no codec's payload exceeds
+    and a full FP32 copy (4 bytes a value) is below; a larger object in the store is damage."""
+    st = sync.init(setup.policy, setup.fragments, setup.theta0, {}, merges)
+    return len(messages.MAGIC) + 4 + messages.MAX_HEADER_BYTES + sync.max_payload(st)
