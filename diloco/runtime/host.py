@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from diloco.algo import ledger, timeline, traffic
+from diloco.algo import ledger, roundsum, timeline, traffic
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input, apply as deliver
 from diloco.runtime import events as ev
@@ -43,6 +43,7 @@ class SyncerHost:
         self.on_step = on_step or (lambda event: None)
         self.inputs = inputs  # every syncer input, in delivery order: the replayable tape
         self.state = sync.init(setup.policy, setup.fragments, setup.theta0, dict(learners))
+        roundsum.warm()  # before any clock starts: a merge's first fold compiles nothing
         self.tokens = ledger.token_ledger(len(setup.fragments))
         self.bytes = traffic.byte_ledger()
         self.time = timeline.time_ledger()
