@@ -100,6 +100,13 @@ def trained(run_dir, m: int, step: int) -> bool:
                                  for r in map(json.loads, path.read_text().splitlines()))
 
 
+def actor_nodes(store, m: int, timeout: float = 10.0) -> list[str]:
+    """The node of each of learner m's actors (a world's every one), asked of the actor itself:
+    RayError while one is being restarted or placed again."""
+    names = bs.read_control(store, "procs")["learners"][str(m)]["actors"]
+    return [ray.get(ray.get_actor(a, namespace="diloco").where.remote(), timeout=timeout)["node"] for a in names]
+
+
 def balanced(rt, summary, run_dir, learners: int = M, redone: int = 0) -> None:
     """redone: steps a death may have cost on top (with one learner there is no other's slack)."""
     tokens_per_step = rt.cfg.data.batch_size * rt.cfg.data.seq_len
@@ -230,19 +237,15 @@ def test_a_learner_world_across_two_nodes_loses_one_and_comes_back_on_a_new_node
     workers.append(c.add_node(**WORKER))  # a third worker, where the lost bundle can go
     nodes: list[list[str]] = []
 
-    def where(store) -> list[str]:
-        names = bs.read_control(store, "procs")["learners"]["0"]["actors"]
-        return [ray.get(ray.get_actor(a, namespace="diloco").where.remote(), timeout=10)["node"] for a in names]
-
     def remove(store):
         if not nodes and trained(run_dir, 0, 8):
-            nodes.append(where(store))
+            nodes.append(actor_nodes(store, 0))
             [lost] = [w for w in workers if w.node_id == nodes[0][1]]
             c.remove_node(lost)
             workers.remove(lost)
         elif len(nodes) == 1 and bs.read_control(store, "procs")["learners"]["0"]["incarnation"] == 1:
             try:
-                nodes.append(where(store))
+                nodes.append(actor_nodes(store, 0))
             except ray.exceptions.RayError:  # still being placed
                 return None
             return "removed"

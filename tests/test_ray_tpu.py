@@ -21,7 +21,7 @@ import ray  # noqa: E402
 from conftest import diloco_world  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from test_procs import make_cfg  # noqa: E402
-from test_ray import balanced, loopback, run_with, trained, variant  # noqa: E402
+from test_ray import actor_nodes, balanced, loopback, run_with, trained, variant  # noqa: E402
 
 from diloco.config import ConfigError, RuntimeConfig, TrainConfig, validate  # noqa: E402
 from diloco.runtime import blobstore as bs, ray_runtime  # noqa: E402
@@ -95,9 +95,7 @@ def test_each_learner_runs_on_one_whole_slice_and_comes_back_on_it(slices, tmp_p
     placed: list[dict] = []  # learner -> its actors' nodes: before the kill, and once it is back
 
     def where(store) -> dict:
-        procs = bs.read_control(store, "procs")["learners"]
-        return {m: [ray.get(ray.get_actor(a, namespace="diloco").where.remote(), timeout=60)["node"]
-                    for a in procs[str(m)]["actors"]] for m in (0, 1)}
+        return {m: actor_nodes(store, m, timeout=60) for m in (0, 1)}
 
     def kill(store):
         if not placed and trained(run_dir, 0, 5):

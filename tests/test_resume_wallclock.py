@@ -184,25 +184,16 @@ def test_sigint_stops_a_procs_run_cleanly_and_resume_finishes_it(tmp_path, monke
 
 
 @pytest.mark.slow
-def test_sigint_stops_a_ray_run_cleanly_and_resume_finishes_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigint_stops_a_ray_run_cleanly_and_resume_finishes_it(tmp_path, monkeypatch, processes):
     """The same under runtime=ray on a Ray instance the run starts itself (on 127.0.0.1: the
-    variable tests/test_ray.py's loopback sets, read by the child's Ray when it is imported)."""
-    pytest.importorskip("ray")
-    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    run_dir = tmp_path / "run"
-    out, summary, recs = stop_and_resume(tmp_path, "ray")
-    check_resumed(run_dir, summary, recs)
-    replays_to_its_decisions(run_dir, make_cfg(tmp_path, "ray"), monkeypatch)
-
-
-@pytest.mark.slow
-def test_sigint_stops_a_ray_run_of_learner_worlds_cleanly_and_resume_finishes_it(tmp_path, monkeypatch):
-    """The same with each learner a world of 2 processes on 2 actors (docs/multihost.md#ray): the
-    stop reaches each world's leader, which stops its follower at the same step boundary; the
+    variable tests/test_ray.py's loopback sets, read by the child's Ray when it is imported). With
+    processes=2 each learner is a world of 2 processes on 2 actors (docs/multihost.md#ray): the
+    stop reaches each world's leader, which stops its follower at the same step boundary, and the
     resumed run brings every world back as incarnation 1."""
     pytest.importorskip("ray")
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     run_dir = tmp_path / "run"
-    out, summary, recs = stop_and_resume(tmp_path, "ray", processes=2)
+    out, summary, recs = stop_and_resume(tmp_path, "ray", processes=processes)
     check_resumed(run_dir, summary, recs)
-    replays_to_its_decisions(run_dir, make_cfg(tmp_path, "ray", processes=2), monkeypatch)
+    replays_to_its_decisions(run_dir, make_cfg(tmp_path, "ray", processes=processes), monkeypatch)

@@ -60,12 +60,12 @@ def slice_shape(r: RuntimeConfig) -> tuple[int, dict[str, float]]:
 
 def learner_placement(r: RuntimeConfig, m: int, name: str, timeout_s: float) -> Placement:
     """Learner m's placement group (named `name`), ready; ConfigError naming the cluster's
-    resources if the cluster cannot place it within `timeout_s`."""
+    resources if the cluster cannot place it within `timeout_s`. A slice's shape is checked
+    (slice_shape) before Ray starts, not here."""
     P = r.processes_per_learner
     if r.tpu_topology:
         from ray.util.tpu import SlicePlacementGroup
 
-        _, bundle = slice_shape(r)
         what = f"a {r.tpu_version} slice of {r.tpu_topology} (runtime.tpu_topology)"
         try:
             # SPREAD, Ray's choice for a slice: one bundle per host of the slice.
@@ -76,7 +76,7 @@ def learner_placement(r: RuntimeConfig, m: int, name: str, timeout_s: float) -> 
         except (TimeoutError, RuntimeError) as e:  # no free slice head, or a slice without its name
             raise ConfigError(f"the Ray cluster could not reserve {what} for learner {m} in {timeout_s:.0f} s: {e}; "
                               f"it has {ray.cluster_resources()}") from None
-        group, release = handle.placement_group, handle.shutdown
+        group, bundle, release = handle.placement_group, handle.bundle_resources, handle.shutdown
     else:
         bundle = dict(r.learner_resources)
         what = f"bundle {bundle}" if P == 1 else f"{P} bundles {bundle}"
