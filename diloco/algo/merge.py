@@ -1,4 +1,5 @@
-"""Pseudo-gradients and their token-weighted merge: averaging or RDA (docs/algorithm.md#merge).
+"""Pseudo-gradients and the rules that merge them, token-weighted: averaging or RDA, one
+`MergeRule` each in the registry MERGES (docs/algorithm.md#merge).
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 4 and appendix D.2.
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from functools import partial, reduce
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -141,28 +142,103 @@ def rda_fragment(deltas: Sequence[Tree], weights: Sequence[float]) -> Tree:
     return rda(deltas, weights, per="fragment")
 
 
-MERGES: dict[str, Callable[[Sequence[Tree], Sequence[float]], Tree]] = {
-    "average": weighted_average,
-    "rda": rda,
-    "rda_fragment": rda_fragment,
-}
+def fragment_norm(norms: Sequence[float]) -> float:
+    """The norm over a fragment from its norms per tensor (float64; inf if any is not finite)."""
+    return math.sqrt(math.fsum(n * n for n in norms)) if all(map(math.isfinite, norms)) else math.inf
+
+
+class MergeRule(NamedTuple):
+    """One merge rule, as the syncer streams it (docs/algorithm.md#merge).
+
+    The syncer never holds a round's deltas as a list: each admitted delta_m is folded into one
+    running sum per tensor, sum_m k_mt delta_mt (diloco/algo/roundsum.py), and the close turns
+    the sums into the merged delta, g_t x sum_t or g_t x unit(sum_t) (`merge_sums`).
+
+    coefficients(weight, norms): k_mt of one contribution, per tensor, from its token weight and
+        its ||delta_m|| per tensor (all float64); 0 leaves that tensor out.
+    gains(weights, clips, norms, scales): g_t, per tensor, from every contribution's token weight,
+        clip factor and norms per tensor, and each sum's float64 scale z_t (sum_t = z_t S_t, and
+        z_t is 0 while nothing was folded into it).
+    per: how the close takes the sums: None, g x sum; "tensor", g x unit(sum) per tensor;
+        "fragment", g x unit(sum) over the whole fragment.
+    clip_rebuilds: a clip factor (docs/algorithm.md#robust-merges) multiplies the coefficients,
+        so a clipped round folds its deltas again; False where `gains` applies it (RDA: a clip
+        scales a norm, never a direction).
+    reference(deltas, weights): the same merge over a list of deltas, what tests hold the
+        streamed one to.
+    """
+
+    name: str
+    coefficients: Callable[[float, tuple[float, ...]], tuple[float, ...]]
+    gains: Callable[[Sequence[float], Sequence[float], Sequence[tuple[float, ...]], Sequence[float]],
+                    tuple[float, ...]]
+    per: str | None
+    clip_rebuilds: bool
+    reference: Callable[[Sequence[Tree], Sequence[float]], Tree]
+
+
+def _weight_coefficients(weight, norms):
+    return (weight,) * len(norms)
+
+
+def _mean_gains(weights, clips, norms, scales):  # sum = z S, merged = sum / total weight
+    total = math.fsum(weights)
+    return tuple(z / total for z in scales)
+
+
+def _unit_coefficients(weight, norms):  # w_m unit(delta_m), per tensor
+    return tuple(weight / n if 0.0 < n < math.inf else 0.0 for n in norms)
+
+
+def _radii(weights, clips, norms, scales):
+    """The radius per tensor: the normalised-weight mean of the (clipped) norms, in float64."""
+    total = math.fsum(weights)
+    return tuple(math.fsum(w * s * n[t] for w, s, n in zip(weights, clips, norms)) / total
+                 for t in range(len(scales)))
+
+
+def _fragment_unit_coefficients(weight, norms):  # w_m unit(delta_m), over the fragment
+    total = fragment_norm(norms)
+    k = weight / total if 0.0 < total < math.inf else 0.0
+    return (k,) * len(norms)
+
+
+def _fragment_radius(weights, clips, norms, scales):
+    total = math.fsum(weights)
+    r = math.fsum(w * s * fragment_norm(n) for w, s, n in zip(weights, clips, norms)) / total
+    return (r,) * len(scales)
+
+
+# Every reader (config checks, the round sums, the syncer) looks rules up here, so an entry added
+# here is a rule the whole run can use.
+MERGES: dict[str, MergeRule] = {r.name: r for r in (
+    MergeRule("average", _weight_coefficients, _mean_gains, None, True, weighted_average),
+    MergeRule("rda", _unit_coefficients, _radii, "tensor", False, rda),
+    MergeRule("rda_fragment", _fragment_unit_coefficients, _fragment_radius, "fragment", False, rda_fragment),
+)}
+
+
+def rule(name: str) -> MergeRule:
+    """The rule registered as `name` in MERGES."""
+    if name not in MERGES:
+        raise ValueError(f"unknown merge method {name!r}; choose from {sorted(MERGES)}")
+    return MERGES[name]
 
 
 def merge(deltas: Sequence[Tree], weights: Sequence[float], method: str) -> Tree:
-    """Merge the deltas of one fragment round with the named method from MERGES.
+    """Merge the deltas of one fragment round with the named rule's reference merge.
 
     Raises ValueError when there is nothing to merge or the weights sum to 0: skipping the round
     is the caller's decision, never a silent zero update.
     """
-    if method not in MERGES:
-        raise ValueError(f"unknown merge method {method!r}; choose from {sorted(MERGES)}")
-    return MERGES[method](deltas, weights)
+    return rule(method).reference(deltas, weights)
 
 
 def merge_sums(sums: Tree, gains: Tree, per: str | None) -> Tree:
-    """The merged delta of a round from its running sums (diloco/algo/roundsum.py): gain x sum
-    under averaging (gain = the sum's scale / total weight); under RDA gain x unit(sum) (gain = the
-    radius), unit per tensor (per="tensor") or over the fragment (per="fragment"), unit(0) = 0.
+    """The merged delta of a round from its running sums (diloco/algo/roundsum.py) and the gains
+    of its rule (MergeRule): gain x sum (per=None; averaging: gain = the sum's scale / total
+    weight), or gain x unit(sum) (RDA: gain = the radius), unit per tensor (per="tensor") or over
+    the fragment (per="fragment"), unit(0) = 0.
     Traced inside the syncer's jitted close, one compile per fragment shape whatever the count."""
     sums = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), sums)
     if per is None:

@@ -3,23 +3,26 @@ closing the round is one pass whatever the number of learners (docs/algorithm.md
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 4 and appendix D.2.
 
-What a merge needs of its contributions is, per tensor, one weighted sum and a few scalars:
+What a merge needs of its contributions is, per tensor, one weighted sum and a few scalars: its
+rule (a `merge.MergeRule` in merge.MERGES) gives each delta's coefficient per tensor, e.g.
 
-* `average`: sum_m w_m delta_m;
-* `rda`: sum_m w_m unit(delta_m) and every ||delta_m|| (the radius is a weighted mean of norms);
+* `average`: w_m, so the sum is sum_m w_m delta_m;
+* `rda`: w_m / ||delta_m||, so the sum is sum_m w_m unit(delta_m) (the radius, a weighted mean of
+  norms, needs every ||delta_m||);
 * `rda_fragment`: the same with one norm over the whole fragment.
 
 A `RoundSum` holds exactly that: per tensor an array S and a float64 scale z with sum = z S, and
 per contribution its token weight and its norm per tensor (`Part`). Folding delta with coefficient
-k (w_m, or w_m / ||delta_m||) is one pass written over the delta's own buffer,
-S' = delta + (z / k) S with z' = k, so the old S is never written: a state holding it keeps it.
+k is one pass written over the delta's own buffer, S' = delta + (z / k) S with z' = k, so the old
+S is never written: a state holding it keeps it.
 Weights are never normalised while folding (their total is unknown until the round closes); the
 scale z carries them, so no coefficient is ever larger than 2^40 and none overflows.
 
 Clipping (docs/algorithm.md#robust-merges) scales a contribution by s_m <= 1: under RDA that only
-scales its norm (its unit is unchanged), so it costs nothing; under `average` the sum is rebuilt
-with the scales folded into the coefficients, as it is when a REPEAT replaces a contribution or an
-`overflow` drops one: `rebuild` decodes the kept payloads again. Those are rare; the fold is not.
+scales its norm (its unit is unchanged), so it costs nothing; under `average` (any rule with
+`clip_rebuilds`) the sum is rebuilt with the scales folded into the coefficients, as it is when a
+REPEAT replaces a contribution or an `overflow` drops one: the syncer folds the kept payloads
+again. Those are rare; the fold is not.
 
 Deltas are float32 whatever the wire precision was. Norms are float64 sums of the values' exact
 float64 squares, finite whenever the true norm is (no float32 square overflows or underflows
@@ -35,6 +38,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from diloco.algo import messages
+from diloco.algo.merge import MergeRule, fragment_norm
 from diloco.algo.codec_base import Codec
 
 Path = tuple
@@ -52,7 +56,7 @@ class Part(NamedTuple):
 
     @property
     def norm(self) -> float:
-        return math.sqrt(math.fsum(n * n for n in self.norms)) if all(map(math.isfinite, self.norms)) else math.inf
+        return fragment_norm(self.norms)
 
 
 class RoundSum(NamedTuple):
@@ -171,25 +175,12 @@ def delta_of_local(anchor: np.ndarray, local_values: np.ndarray) -> tuple[np.nda
     return d, norm(d)
 
 
-def coefficients(method: str, weight: float, norms: tuple[float, ...]) -> tuple[float, ...]:
-    """The coefficient of each tensor of one delta in its round's sums (0: not folded)."""
-    if method == "average":
-        return (weight,) * len(norms)
-    if method == "rda":
-        return tuple(weight / n if 0.0 < n < math.inf else 0.0 for n in norms)
-    if method == "rda_fragment":
-        total = Part((), weight, norms).norm
-        k = weight / total if 0.0 < total < math.inf else 0.0
-        return (k,) * len(norms)
-    raise ValueError(f"unknown merge method {method!r}")
-
-
 def fold(rs: RoundSum, key, weight: float, deltas: list[np.ndarray], norms: tuple[float, ...],
-         method: str, scale: float = 1.0) -> RoundSum:
+         rule: MergeRule, scale: float = 1.0) -> RoundSum:
     """rs with one more contribution: `deltas` (per tensor, in path order; written over, never
-    kept elsewhere) times its coefficients, `scale` (a clip factor) folded into them."""
+    kept elsewhere) times the rule's coefficients, `scale` (a clip factor) folded into them."""
     sums, scales = list(rs.sums), list(rs.scales)
-    for t, (d, k) in enumerate(zip(deltas, coefficients(method, weight, norms))):
+    for t, (d, k) in enumerate(zip(deltas, rule.coefficients(weight, norms))):
         k *= scale
         if not k > 0.0:  # weight 0 or a zero direction: it adds exactly nothing
             continue
@@ -208,14 +199,3 @@ def _axpy(d: np.ndarray, old: np.ndarray, a: np.float32, old_scaled: bool) -> No
     """d = d + a old (old_scaled) or d = a d + old, over d, in float32 (a multiply, then an add,
     each rounded, as numpy's two passes did) and in one pass. An overflow shows at the close."""
     _kernels().axpy(d.reshape(-1), _flat(old), np.float32(a), bool(old_scaled))
-
-
-def radii(rs: RoundSum, weights: list[float], scales: list[float], method: str) -> tuple[float, ...]:
-    """RDA's radius per tensor (one for the fragment under rda_fragment, repeated): the
-    normalised-weight mean of the (clipped) norms, in float64."""
-    total = math.fsum(weights)
-    if method == "rda_fragment":
-        r = math.fsum(w * s * p.norm for w, s, p in zip(weights, scales, rs.parts)) / total
-        return (r,) * len(rs.sums)
-    return tuple(math.fsum(w * s * p.norms[t] for w, s, p in zip(weights, scales, rs.parts)) / total
-                 for t in range(len(rs.sums)))

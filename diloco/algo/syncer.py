@@ -43,7 +43,7 @@ class Policy(NamedTuple):
 
     grace: quorum.GraceConfig
     outer: optax.GradientTransformation
-    merge: str = "rda"  # non-embedding fragments
+    merge: str = "rda"  # non-embedding fragments; a name in merge.MERGES
     embedding_merge: str = "average"  # embedding fragments (section 4)
     max_staleness: int | None = None
     history: int = 16  # versions of refs kept; contributions based on older ones are stale
@@ -173,14 +173,14 @@ def compile_merges(cfg: Policy, st: SyncerState) -> None:
     Runs each shape once on zeros (the result is dropped; jit caches the executable)."""
     seen = set()
     for fs in st.fragments:
-        method = cfg.embedding_merge if fs.spec.embedding else cfg.merge
-        sig = (method, tuple(x.shape for _, x in _in_order(fs.theta)))
+        per = _rule(cfg, fs).per
+        sig = (per, tuple(x.shape for _, x in _in_order(fs.theta)))
         if sig in seen:
             continue
         seen.add(sig)
         zeros = {p: np.zeros(x.shape, np.float32) for p, x in fs.theta.items()}
         gains = {p: np.float32(0.0) for p in fs.theta}
-        jax.block_until_ready(_close(cfg.outer, _PER[method], zeros, gains, fs.theta, fs.outer_state,
+        jax.block_until_ready(_close(cfg.outer, per, zeros, gains, fs.theta, fs.outer_state,
                                      fs.refs[-1][1]))
 
 
@@ -287,7 +287,7 @@ def _admit(cfg: Policy, st: SyncerState, p: int, c: Contribution, now: float,
     else:
         rs = _sums(cfg, fs, fs.contributions)
         deltas, norms = prepared if prepared is not None else _prepare(cfg, fs, c)
-        rs = roundsum.fold(rs, c.key, merging.token_weight(c.c_tokens, c.c_steps), deltas, norms, _method(cfg, fs))
+        rs = roundsum.fold(rs, c.key, merging.token_weight(c.c_tokens, c.c_steps), deltas, norms, _rule(cfg, fs))
         fs = fs._replace(round=rnd, contributions=fs.contributions + (c,), sums=rs)
     st = _with_fragment(st, p, fs)
     st = st._replace(decisions=st.decisions.add(_record("arrival", decision, c)))
@@ -347,8 +347,9 @@ def observe_step_time(st: SyncerState, learner: int, seconds: float) -> SyncerSt
     return st._replace(step_times=quorum.observe_step_time(st.step_times, learner, seconds))
 
 
-def _method(cfg: Policy, fs: FragmentState) -> str:
-    return cfg.embedding_merge if fs.spec.embedding else cfg.merge
+def _rule(cfg: Policy, fs: FragmentState) -> merging.MergeRule:
+    """fs's merge rule, read from the registry (merge.MERGES) each time it is needed."""
+    return merging.rule(cfg.embedding_merge if fs.spec.embedding else cfg.merge)
 
 
 def _prepare(cfg: Policy, fs: FragmentState, c: Contribution) -> tuple[list, tuple[float, ...]]:
@@ -371,11 +372,11 @@ def _sums(cfg: Policy, fs: FragmentState, inside, scales=None) -> roundsum.Round
     keys = tuple(c.key for c in inside)
     if scales is None and fs.sums is not None and fs.sums.keys == keys:
         return fs.sums
-    method = _method(cfg, fs)
+    rule = _rule(cfg, fs)
     rs = roundsum.empty(fs.theta)
     for i, c in enumerate(inside):
         deltas, norms = _prepare(cfg, fs, c)
-        rs = roundsum.fold(rs, c.key, merging.token_weight(c.c_tokens, c.c_steps), deltas, norms, method,
+        rs = roundsum.fold(rs, c.key, merging.token_weight(c.c_tokens, c.c_steps), deltas, norms, rule,
                            1.0 if scales is None else scales[i])
     return rs
 
@@ -387,16 +388,16 @@ def _merge(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
     rs = _sums(cfg, fs, inside)
     fs = fs._replace(round=None, contributions=(), sums=None)
     st = _with_fragment(st, p, fs)
-    method = _method(cfg, fs)
+    rule = _rule(cfg, fs)
     scales, clipped = _clipped(cfg, fs, inside, rs)
-    if method == "average" and clipped:  # a clipped delta is in the sum whole: sum again, scaled
+    if rule.clip_rebuilds and clipped:  # a clipped delta is in the sum whole: sum again, scaled
         rs = _sums(cfg, fs, inside, scales)
     dropped: tuple = ()
     while True:
         weights = [merging.token_weight(c.c_tokens, c.c_steps) for c in inside]
         if not inside or sum(weights) <= 0:  # nothing with weight: no step, nothing published
             return st, dropped + tuple(Outcome(c.key, "excluded") for c in inside)
-        stepped = _step(cfg, st, fs, p, rs, weights, scales, method, tuple(c.key for c in inside))
+        stepped = _step(cfg, st, fs, p, rs, weights, scales, rule, tuple(c.key for c in inside))
         if stepped is not None:
             break
         # Non-finite: drop the largest pseudo-gradient (every one was finite, so only size can
@@ -404,13 +405,13 @@ def _merge(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
         worst = max(range(len(inside)), key=lambda i: scales[i] * rs.parts[i].norm)
         c = inside.pop(worst)
         del scales[worst]
-        rs = _sums(cfg, fs, inside, scales if method == "average" else None)
+        rs = _sums(cfg, fs, inside, scales if rule.clip_rebuilds else None)
         st, quarantined = _quarantine(st, "overflow", c.key, now, f"merging it into fragment {p} "
                                       f"version {fs.version + 1} would make Theta non-finite")
         dropped += quarantined
     st, publish, delta_norm = stepped
     record = {
-        **_record("merge", decision, None), "version": fs.version + 1, "method": method,
+        **_record("merge", decision, None), "version": fs.version + 1, "method": rule.name,
         "learners": [c.key[0] for c in inside], "weights": weights,
         "staleness": [fs.version - c.base_version for c in inside],
         "delta_norm": delta_norm, "clipped": [c.key[0] for c in inside if c.key in clipped],
@@ -437,28 +438,21 @@ def _clipped(cfg: Policy, fs: FragmentState, inside: list[Contribution],
     return scales, clipped
 
 
-_PER = {"average": None, "rda": "tensor", "rda_fragment": "fragment"}
-
-
 def _step(cfg: Policy, st: SyncerState, fs: FragmentState, p: int, rs: roundsum.RoundSum,
-          weights: list[float], scales: list[float], method: str,
+          weights: list[float], scales: list[float], rule: merging.MergeRule,
           keys: tuple[tuple[int, int, int], ...]) -> tuple[SyncerState, Publish, float] | None:
     """Merge, take the outer step and publish; None if anything published or kept would be
     non-finite (an encoder would refuse it, and a non-finite Theta never recovers)."""
     if not all(math.isfinite(part.norm) for part in rs.parts):  # a delta overflowed float32 itself
         return None
     live = len(keys) / len(st.live) if cfg.scale == "live" and len(keys) < len(st.live) else 1.0
-    if method == "average":  # sum = z S, merged = sum / total weight
-        total = math.fsum(weights)
-        gains = [z / total * live for z in rs.scales]
-    else:
-        gains = [r * live for r in roundsum.radii(rs, weights, scales, method)]
+    gains = [g * live for g in rule.gains(weights, scales, [part.norms for part in rs.parts], rs.scales)]
     sums = {path: (s if s is not None else np.zeros(x.shape, np.float32))
             for (path, x), s in zip(fs.theta.items(), rs.sums)}
     with np.errstate(over="ignore"):  # a gain past float32 is inf: non-finite, refused below
         gains = {path: np.float32(g) for path, g in zip(fs.theta, gains)}
     theta, outer_state, diff, finite, (dss, df), (tss, tf) = _close(
-        cfg.outer, _PER[method], sums, gains, fs.theta, fs.outer_state, fs.refs[-1][1])
+        cfg.outer, rule.per, sums, gains, fs.theta, fs.outer_state, fs.refs[-1][1])
     if not bool(finite):
         return None
     theta = {path: np.asarray(theta[path]) for path in fs.theta}

@@ -169,7 +169,7 @@ class SyncerConfig:
     quorum: int = 1  # K
     gamma: float = 0.8  # Eq. 3 safety factor [unsure]
     grace_cap_steps: float = 1.0
-    merge: str = "rda"  # rda | average | rda_fragment, for non-embedding fragments
+    merge: str = "rda"  # a rule in diloco.algo.merge.MERGES (rda, rda_fragment, average), non-embedding fragments
     embedding_merge: str = "average"
     max_staleness: int = -1  # versions; -1 = no cut-off
     history: int = 16  # versions of broadcast references kept for decoding contributions
