@@ -9,35 +9,42 @@ from conftest import diloco_world
 
 from diloco.algo import syncer as sync
 from diloco.algo.fragments import make_schedule
-from diloco.config import (CodecConfig, DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig,
-                           RuntimeConfig, SyncerConfig, TrainConfig, validate)
+from diloco.config import (CodecConfig, DataConfig, FragmentsConfig, InnerConfig, MeshConfig, ModelConfig,
+                           RunConfig, RuntimeConfig, SyncerConfig, TrainConfig, validate)
 from diloco.runtime import build as build_setup
 
 TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("defer")
+def one_learner_config(tmp, devices: int = 1, mesh: MeshConfig = MeshConfig()) -> TrainConfig:
+    """A tiny sim run of one learner (int4 + error feedback + zstd up, P = H = 2, tau 1) whose
+    units the twin tests drive by hand; shared with tests/test_device_codecs.py."""
     data = DataConfig(source="synthetic", seq_len=16, batch_size=4, data_dir=str(tmp / "data"),
                       synthetic_vocab=16, synthetic_tokens=20_000, synthetic_branching=2)
-    cfg = validate(TrainConfig(
+    return validate(TrainConfig(
         model=TINY, data=data, inner=InnerConfig(lr=1e-2, warmup_steps=0), algo="diloco",
         run=RunConfig(steps=40, log_every=0, eval_every=0, out_dir=str(tmp / "run"), progress=False, plot=False),
         fragments=FragmentsConfig(count=2, H=2, tau=1), syncer=SyncerConfig(quorum=1),
-        codec=CodecConfig(up="int4", error_feedback=True, zstd_level=1, down="int8"),
-        runtime=RuntimeConfig(kind="sim", learners=1, devices_per_learner=1)))
+        codec=CodecConfig(up="int4", error_feedback=True, zstd_level=1, down="int8"), mesh=mesh,
+        runtime=RuntimeConfig(kind="sim", learners=1, devices_per_learner=devices)))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    cfg = one_learner_config(tmp_path_factory.mktemp("defer"))
     return cfg, diloco_world(cfg)[2]
 
 
+@pytest.mark.parametrize("device", [True, False], ids=["device", "host"])
 @pytest.mark.parametrize("tau,loss_every", [(0, 0), (0, 3), (1, 3)])
-def test_deferred_frames_are_the_immediate_frames_byte_for_byte(world, tau, loss_every):
+def test_deferred_frames_are_the_immediate_frames_byte_for_byte(world, tau, loss_every, device):
     """Two twins of learner 0 fed the same broadcasts (a K = 1 syncer merging the immediate twin's
     frames at once): every deferred frame, loss, residual and parameter equals the immediate one.
     With tau = 0 each merge is applied before the next step, so every apply meets the deferred
-    send of its own fragment (encoded first, against the anchor it was sent from)."""
+    send of its own fragment: a host encode encodes it first, against the anchor it was sent
+    from; a device encode took that anchor when the step was dispatched."""
     cfg, setup = world
-    setup = setup._replace(spec=setup.spec._replace(schedule=make_schedule(2, 2, tau)))
+    setup = setup._replace(spec=setup.spec._replace(schedule=make_schedule(2, 2, tau), device_encode=device))
     state = sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0})
     now, deferred = build_setup.new_unit(setup, 0, 0, state), build_setup.new_unit(setup, 0, 0, state)
     sent, late, settled = [], [], 0
@@ -60,12 +67,13 @@ def test_deferred_frames_are_the_immediate_frames_byte_for_byte(world, tau, loss
                     for unit in (now, deferred):
                         unit.receive(action.frames[0])
     late.append(deferred.finish())
-    assert deferred.deferred == 0 and (settled > 0) == (tau == 0)  # the apply-before-finish path
+    assert deferred.deferred == 0 and (settled > 0) == (tau == 0 and not device)  # the apply-before-finish path
     assert sum(len(f) for f, _ in sent) >= 10
     for (frames_a, loss_a), (frames_b, loss_b) in zip(sent, late, strict=True):
         assert frames_a == frames_b
         assert loss_a == loss_b
     assert now.codec_states and set(now.codec_states) == set(deferred.codec_states)
+    assert (now.device_codec is not None) == device
     for path, residual in now.codec_states.items():
         for x, y in zip(jax.tree.leaves(residual), jax.tree.leaves(deferred.codec_states[path]), strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

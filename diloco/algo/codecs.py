@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 import zstandard
 
+from diloco.algo import hostpool
 from diloco.algo.codec_base import (  # noqa: F401  (CodecError and NonFiniteError: the public errors)
     FP4, INT, TWO_BIT, Codec, CodecError, CodecState, NonFiniteError, buffer, flat_f32, numel, require_finite,
     stateless,
@@ -135,13 +136,20 @@ def _scratch(size: int) -> np.ndarray:
     return buf[:size]
 
 
-def _block_codec(name: str, fmt: _Format, block: int) -> Codec:
+def check_block(name: str, fmt: _Format, block) -> None:
+    """A block size the format can use: a positive multiple of its codes per byte, at most MAX_BLOCK."""
     per = 8 // fmt.bits
     if not isinstance(block, (int, np.integer)) or not 1 <= block <= MAX_BLOCK or block % per:
         raise ValueError(f"{name}: block must be a positive multiple of {per} up to {MAX_BLOCK}, got {block!r}")
+
+
+def _block_codec(name: str, fmt: _Format, block: int) -> Codec:
+    per = 8 // fmt.bits
+    check_block(name, fmt, block)
     block = int(block)
     levels = np.float32(fmt.levels)
     lut_max = np.float32(np.abs(fmt.lut).max())
+    rows = max(1, hostpool.CHUNK // block)  # blocks per piece of a parallel encode or decode
 
     def sizes(shape):
         n = numel(shape)
@@ -157,8 +165,9 @@ def _block_codec(name: str, fmt: _Format, block: int) -> Codec:
         scales = buf[: 4 * nb].view(_F4)
         packed = buf[4 * nb :]
         xs = flat[: full * block].reshape(full, block)
-        ok = k.encode_blocks(xs, xs.view(np.uint32), fmt.kind, fmt.bits, levels, fmt.classes,
-                             scales, packed[: full * block // per].reshape(full, block // per))
+        us, body = xs.view(np.uint32), packed[: full * block // per].reshape(full, block // per)
+        ok = all(hostpool.each(full, lambda lo, hi: k.encode_blocks(
+            xs[lo:hi], us[lo:hi], fmt.kind, fmt.bits, levels, fmt.classes, scales[lo:hi], body[lo:hi]), rows))
         if ok and full < nb:  # the last block, zero-padded; its codes past n are not sent
             tail = np.zeros((1, block), np.float32)
             tail[0, : n - full * block] = flat[full * block :]
@@ -178,9 +187,11 @@ def _block_codec(name: str, fmt: _Format, block: int) -> Codec:
             raise CodecError(f"{name}: block scales must be finite and >= 0")
         full = n // block
         packed = buf[4 * nb :]
-        out = np.empty(n, dtype=np.float32)
-        ok = k.decode_blocks(packed[: full * block // per].reshape(full, block // per), scales,
-                             fmt.kind, fmt.bits, fmt.lut, lut_max, out[: full * block].reshape(full, block))
+        out = hostpool.aligned_empty(n)
+        body = packed[: full * block // per].reshape(full, block // per)
+        values = out[: full * block].reshape(full, block)
+        ok = all(hostpool.each(full, lambda lo, hi: k.decode_blocks(
+            body[lo:hi], scales[lo:hi], fmt.kind, fmt.bits, fmt.lut, lut_max, values[lo:hi]), rows))
         if ok and full < nb:  # the last block, padded with zero bytes; its padding is checked too
             codes = np.zeros((1, block // per), np.uint8)
             codes[0, : packed.size - full * block // per] = packed[full * block // per :]
@@ -314,6 +325,12 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return _ZSTD.decompressor
 
 
+def zstd_compress(payload: bytes, level: int) -> bytes:
+    """One zstd frame with content size and checksum: the zstd codec's bytes for a payload (the
+    device encoder's host stage calls it too)."""
+    return _compressor(level).compress(payload)
+
+
 def zstd(codec: Codec, level: int = 1) -> Codec:
     """Compresses the inner payload into one zstd frame with content size and checksum.
 
@@ -326,7 +343,7 @@ def zstd(codec: Codec, level: int = 1) -> Codec:
 
     def encode(x, state):
         payload, state = codec.encode(x, state)
-        return _compressor(level).compress(payload), state
+        return zstd_compress(payload, level), state
 
     def decode(frame, shape):
         expected = codec.payload_bytes(shape)
@@ -347,6 +364,12 @@ def zstd(codec: Codec, level: int = 1) -> Codec:
 
 CODECS: dict[str, Callable[..., Codec]] = {
     "fp32": fp32, "bf16": bf16, "int8": int8, "int4": int4, "fp4": fp4_e3m0, "2bit": two_bit, "topk": topk,
+}
+
+# The block formats by codec name: their code rules, read by the host encoder above and by the
+# device encoder (diloco/algo/device_codecs.py), which must write the same bytes.
+BLOCK_FORMATS: dict[str, Callable[[], _Format]] = {
+    "int8": lambda: _int_format(8), "int4": lambda: _int_format(4), "fp4": _fp4_format, "2bit": _two_bit_format,
 }
 
 _with_error_feedback = error_feedback  # make_codec's keyword of the same name shadows it

@@ -11,10 +11,11 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from diloco.algo import device_codecs
 from diloco.algo import learner as lsm
 from diloco.algo import quorum
 from diloco.algo import messages
-from diloco.algo.codecs import Codec
+from diloco.algo.codecs import Codec, ErrorFeedbackState
 from diloco.algo.fragments import Fragment, Path, Schedule, assemble, get_path, set_path
 from diloco.algo.merge import pseudo_gradient
 from diloco.data import train_batch, trained_tokens
@@ -28,13 +29,25 @@ class StepResult(NamedTuple):
     frames: tuple[bytes, ...]
 
 
-class _Deferred(NamedTuple):
-    """A step's sends whose frames are encoded later, from device copies taken at the step."""
+class _Ticket(NamedTuple):
+    """One send on its way to a frame: the packed payload a device encode is copying to the host,
+    or (host encode) device copies of the fragment's params, encoded on the host later."""
 
-    sends: tuple[lsm.Send, ...]
-    snapshot: dict[int, dict[Path, jax.Array]]  # fragment -> its params after the step
+    send: lsm.Send
+    payload: jax.Array | None = None
+    snapshot: dict[Path, jax.Array] | None = None
+
+
+class _Deferred(NamedTuple):
+    """A step's sends whose frames are finished later (docs/design.md#deferred-encode)."""
+
+    tickets: tuple[_Ticket, ...]
     metrics: dict | None  # the step's metrics, when its loss is to be fetched
     frames: tuple[bytes, ...] | None = None  # once encoded
+
+    @property
+    def sends(self) -> tuple[lsm.Send, ...]:
+        return tuple(t.send for t in self.tickets)
 
 
 class UnitSpec(NamedTuple):
@@ -50,6 +63,9 @@ class UnitSpec(NamedTuple):
     up_codec: Codec
     up_spec: str
     shard_block: int = 0  # data.shard_block: 0 = contiguous shards
+    # Encode block-format contributions on the learner's devices (docs/design.md#encoding-on-the-device);
+    # False: on the host, from a copy of the fragment's params (benchmarks compare the two).
+    device_encode: bool = True
 
 
 class LearnerUnit:
@@ -74,6 +90,12 @@ class LearnerUnit:
         self.sent_local: dict[int, dict[Path, np.ndarray]] = {}  # fragment -> local values at its send
         self.dropped_frames = 0
         self._deferred: list[_Deferred] = []  # step(defer=True) results awaiting finish()
+        # The device encoder of the up codec, if it has one. keep_overlap needs each send's local
+        # values on the host (sent_local) anyway, so it encodes there.
+        self.device_codec = (device_codecs.for_spec(spec.up_spec)
+                             if spec.device_encode and not spec.schedule.keep else None)
+        self._device_anchors: dict[int, tuple[jax.Array, ...]] = {}  # fragment -> anchor on the devices
+        self.host_bytes = 0  # bytes contributions copied from the devices to the host
 
     @property
     def tokens_per_step(self) -> int:
@@ -92,7 +114,8 @@ class LearnerUnit:
         self.ls, ready = lsm.to_apply(self.ls, self.spec.schedule)
         if not ready:
             return ()
-        if any(send.fragment == q.fragment for d in self._deferred for send in d.sends for q in ready):
+        if any(t.snapshot is not None and t.send.fragment == q.fragment
+               for d in self._deferred for t in d.tickets for q in ready):
             self._settle()  # encode against the anchor the send was made from, before it moves
         alpha = self.spec.schedule.alpha
         params = self.state.params
@@ -100,6 +123,7 @@ class LearnerUnit:
             version, values = self.latest[q.fragment]
             _, before = self.anchors[q.fragment]
             self.anchors[q.fragment] = (version, values)
+            self._device_anchors.pop(q.fragment, None)  # put again from the host when next needed
             if q.kept and not q.answers:  # rebase: Theta' + (local - Theta), the send snapshot too
                 params = self._rebase(params, q.fragment, before, values)
                 continue
@@ -113,6 +137,13 @@ class LearnerUnit:
             news = {path: np.asarray(lsm.applied(glob, locals_.get(path), None if sent is None else sent[path],
                                                  alpha), np.float32) for path, glob in values.items()}
             params = self._put(params, olds, news)
+            if sent is None and alpha == 0.0 and self.device_codec is not None:
+                # An overwrite: the params are the anchor now, so the device encoder's anchor is a
+                # copy made on the devices rather than a second transfer (the next step donates
+                # the params).
+                live = tuple(get_path(params, path) for path in sorted(values))
+                self._device_anchors[q.fragment] = jax.device_put(
+                    live, tuple(x.sharding for x in live), may_alias=False)
         self.state = self.state.replace(params=params)
         return tuple(q for q in ready if not q.kept)
 
@@ -147,13 +178,18 @@ class LearnerUnit:
             batch = train_batch(s.train, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
                                 step=0, batch_size=rows, seq_len=s.seq_len, shard_block=s.shard_block)
             jax.block_until_ready(c.train_step(state, jax.device_put(batch, c.batch_sharding)))
+        if self.device_codec is not None:  # each fragment shape's encoder; its results dropped
+            states = dict(self.codec_states)
+            for p in range(len(s.fragments)):
+                jax.block_until_ready(self._start(lsm.Send(p, 0, 0, 0, 0, 0), copy=False).payload)
+            self.codec_states = states
 
     def step(self, fetch_loss: bool = False, rows: int | None = None, defer: bool = False) -> StepResult:
         """One inner step on this learner's shard, then the sends the schedule asks for. `rows`
         shrinks the batch (a learner that lost slices); its tokens, hence its weight, drop with it.
         The tokens are those trained on (of fine-tuning rows, the assistant's): what the ledger
         books and the merge weighs. `defer`: return at once, without frames or loss; `finish`
-        hands them out later, encoded after the next step is dispatched."""
+        hands them out later, framed after the next step is dispatched."""
         s = self.spec
         rows = s.batch_size if rows is None else rows
         batch = train_batch(s.train, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
@@ -162,15 +198,16 @@ class LearnerUnit:
             self.state, jax.device_put(batch, self.compiled.batch_sharding))
         tokens = trained_tokens(batch)
         self.ls, sends = lsm.after_step(self.ls, s.schedule, tokens)
+        tickets = tuple(self._start(send, copy=defer) for send in sends)
         if defer:
-            self._deferred.append(_Deferred(sends, self._snapshot(sends), metrics if fetch_loss else None))
+            self._deferred.append(_Deferred(tickets, metrics if fetch_loss else None))
             return StepResult(tokens, None, sends, ())
-        frames = tuple(self._encode(send, self._live(send.fragment)) for send in sends)
+        frames = tuple(self._frame(t) for t in tickets)
         loss = float(metrics["loss"]) if fetch_loss else None
         return StepResult(tokens, loss, sends, frames)
 
     def finish(self) -> tuple[tuple[bytes, ...], float | None]:
-        """The frames and loss of the oldest deferred step (`step(defer=True)`), encoded now,
+        """The frames and loss of the oldest deferred step (`step(defer=True)`), framed now,
         while the step dispatched since runs on the devices (docs/design.md#deferred-encode)."""
         self._settle(1)
         d = self._deferred.pop(0)
@@ -185,46 +222,96 @@ class LearnerUnit:
         """Fragment p's params as the state holds them now (read before the next step runs)."""
         return {path: get_path(self.state.params, path) for path in self.spec.fragments[p].paths}
 
-    def _snapshot(self, sends: tuple[lsm.Send, ...]) -> dict[int, dict[Path, jax.Array]]:
-        """Device copies of each sent fragment's params as this step left them: the next step
+    def _start(self, send: lsm.Send, copy: bool) -> _Ticket:
+        """Begin send's frame from the fragment's params as this step left them, before the next
+        step donates (overwrites) them. With a device encoder the pseudo-gradient and the packed
+        payload are computed on the devices now, in step order (so error-feedback residuals
+        advance as without deferral), and only the payload is copied to the host, asynchronously.
+        Otherwise `copy` queues device copies of the params, to be encoded on the host later."""
+        if self.device_codec is None:
+            return _Ticket(send, snapshot=self._snapshot(send) if copy else self._live(send.fragment))
+        p = send.fragment
+        paths = sorted(self.spec.fragments[p].paths)
+        live = tuple(get_path(self.state.params, path) for path in paths)
+        if p not in self._device_anchors:
+            _, anchor = self.anchors[p]
+            self._device_anchors[p] = jax.device_put(tuple(anchor[path] for path in paths),
+                                                     tuple(x.sharding for x in live))
+        residuals = tuple(self._residual(path, x) for path, x in zip(paths, live))
+        payload, new = self.device_codec.encode(self._device_anchors[p], live, residuals)
+        for path, r in zip(paths, new):  # error feedback: the residuals stay on the devices
+            self.codec_states[path] = ErrorFeedbackState(r, ())
+        local = payload if payload.is_fully_addressable else payload.addressable_data(0)
+        local.copy_to_host_async()
+        return _Ticket(send, payload=local)
+
+    def _residual(self, path: Path, like: jax.Array):
+        if not self.device_codec.error_feedback:
+            return ()
+        state = self.codec_states.get(path)
+        return np.zeros(like.shape, np.float32) if state is None else state.residual
+
+    def _snapshot(self, send: lsm.Send) -> dict[Path, jax.Array]:
+        """Device copies of the sent fragment's params as this step left them: the next step
         donates (overwrites) the state, and the copy is queued before it, so it reads these."""
-        live = {send.fragment: self._live(send.fragment) for send in sends}
+        live = self._live(send.fragment)
         # A copy, not an alias (no compile, unlike jnp.copy, which compiles per shape).
         return jax.device_put(live, jax.tree.map(lambda x: x.sharding, live), may_alias=False)
 
     def _settle(self, count: int | None = None) -> None:
-        """Encode the oldest `count` (all: None) deferred steps not yet encoded, in step order, so
-        error-feedback residuals advance as they would without deferral."""
+        """Frame the oldest `count` (all: None) deferred steps not yet framed, in step order, so
+        host-encoded error-feedback residuals advance as they would without deferral."""
         for i, d in enumerate(self._deferred[:count]):
             if d.frames is None:
-                self._deferred[i] = d._replace(
-                    frames=tuple(self._encode(send, d.snapshot[send.fragment]) for send in d.sends), snapshot={})
+                self._deferred[i] = d._replace(frames=tuple(self._frame(t) for t in d.tickets),
+                                               tickets=tuple(t._replace(payload=None, snapshot=None)
+                                                             for t in d.tickets))
 
     def flush(self) -> StepResult:
         """Final contributions of every fragment with unsent progress (see learner.flush)."""
         self._settle()
         self.ls, sends = lsm.flush(self.ls)
-        return StepResult(0, None, sends, tuple(self._encode(send, self._live(send.fragment)) for send in sends))
+        return StepResult(0, None, sends, tuple(self._frame(self._start(send, copy=False)) for send in sends))
 
-    def _encode(self, send: lsm.Send, snapshot: dict[Path, jax.Array]) -> bytes:
-        """Quantize anchor - local (a pseudo-gradient against a version the syncer holds); the
-        local values are `snapshot`, the fragment's params right after the sending step (`_live`
-        before the next step runs, or `_snapshot`'s copy)."""
+    def _frame(self, ticket: _Ticket) -> bytes:
+        """The frame of a started send: its device payload collected and framed, or its params
+        encoded on the host."""
+        send = ticket.send
+        if ticket.payload is None:
+            tensors, payload = self._encode_host(send, ticket.snapshot)
+        else:
+            paths = sorted(self.spec.fragments[send.fragment].paths)
+            shapes = [tuple(self._shape(path)) for path in paths]
+            raw = np.asarray(jax.device_get(ticket.payload))  # waits for the copy started at the step
+            self.host_bytes += raw.nbytes
+            chunks = device_codecs.to_wire(self.device_codec, raw, shapes)
+            tensors = [{"path": list(path), "shape": list(shape), "dtype": "float32", "nbytes": len(c)}
+                       for path, shape, c in zip(paths, shapes, chunks)]
+            payload = b"".join(chunks)
+        header = {"kind": "contribution", "learner": self.learner, "incarnation": self.ls.incarnation,
+                  "seq": send.seq, "fragment": send.fragment, "base_version": send.base_version,
+                  "version": send.base_version, "c_steps": send.c_steps, "c_tokens": send.c_tokens,
+                  "codec": self.spec.up_spec, "delta_against": None, "tensors": tensors}
+        return messages.encode(header, payload, self._key)
+
+    def _shape(self, path: Path) -> tuple[int, ...]:
+        return get_path(self.state.params, path).shape
+
+    def _encode_host(self, send: lsm.Send, snapshot: dict[Path, jax.Array]) -> tuple[list, bytes]:
+        """Quantize anchor - local (a pseudo-gradient against a version the syncer holds) on the
+        host; the local values are `snapshot`, the fragment's params right after the sending step."""
         frag = self.spec.fragments[send.fragment]
         _, anchor = self.anchors[send.fragment]
         local = jax.device_get(snapshot)  # one transfer for the fragment
         local = {path: np.asarray(local[path], np.float32) for path in frag.paths}
+        self.host_bytes += sum(x.nbytes for x in local.values())
         if self.spec.schedule.keep:
             self.sent_local[send.fragment] = local
         diff = pseudo_gradient({path: anchor[path] for path in frag.paths}, local)
         states = {p: self.codec_states[p] for p in frag.paths if p in self.codec_states}
         tensors, payload, new_states = messages.pack_fragment(diff, self.spec.up_codec, states)
         self.codec_states.update(new_states)
-        header = {"kind": "contribution", "learner": self.learner, "incarnation": self.ls.incarnation,
-                  "seq": send.seq, "fragment": send.fragment, "base_version": send.base_version,
-                  "version": send.base_version, "c_steps": send.c_steps, "c_tokens": send.c_tokens,
-                  "codec": self.spec.up_spec, "delta_against": None, "tensors": tensors}
-        return messages.encode(header, payload, self._key)
+        return tensors, payload
 
     def receive(self, frame: bytes) -> tuple[int, int] | None:
         """A broadcast arrived: decode it against the newest version held; (fragment, version) or None."""

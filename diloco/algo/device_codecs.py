@@ -1,0 +1,166 @@
+"""The block codecs' encode on a learner's own devices: a fragment's pseudo-gradient, its
+error-feedback residual and its packed payload in one jitted function, so that only the payload
+crosses to the host (docs/design.md#encoding-on-the-device).
+
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 5; the wire format is
+codecs.py's docstring and these are its rules, operation for operation, in float32:
+
+* a block's absmax is the largest |x| as an integer over the float's bits (so a nan or inf is
+  found by the same max), its scale absmax / levels floored at 2^-126 (0 for an all-zero block),
+  and each code is computed from x * (1 / scale), rounded half to even;
+* int8 and int4 keep the low 8 or 4 bits of the two's complement code, fp4 looks the code up by
+  the float's top 10 bits, 2-bit codes are rint((y + 3) / 2) clipped to 0..3; codes are packed
+  low bits first, the last block zero-padded and cut after the tensor's last value.
+
+So the payload is byte for byte the host encoder's (tests/test_device_codecs.py), with one
+exception: the CPU backend of XLA flushes subnormal floats to zero, so a block whose absmax is
+below about 3e-36 (or, for fp4, above 2^126) may round differently there; such a block decodes
+within 1e-35 of the host's either way. A block holding inf or nan gets a nan scale: the host finds
+it in the scales alone and refuses the contribution, as the host encoder
+does. zstd, the checksum and the frame stay on the host: they are byte streams, not arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diloco.algo import codecs, messages
+from diloco.algo.codec_base import FP4, INT
+
+_TINY = np.float32(2.0**-126)
+_ABS = np.uint32(0x7FFFFFFF)
+_EXP = np.uint32(0x7F800000)
+_NORMAL = np.uint32(0x00800000)  # the bits of 2^-126: below it a float is subnormal
+
+
+class DeviceCodec(NamedTuple):
+    """A contribution codec whose value transform runs on the learner's devices.
+
+    `encode(anchor, local, residuals)` takes a fragment's tensors (tuples in sorted path order, as
+    the wire carries them) and returns (the payload of every tensor concatenated, uint8; the new
+    residuals, () without error feedback). `sizes(shapes)` gives each tensor's payload bytes;
+    `zstd_level` is the host's stage after it (0: none)."""
+
+    spec: str
+    block: int
+    error_feedback: bool
+    zstd_level: int
+    encode: Any
+    sizes: Any
+
+
+def for_spec(spec: str) -> DeviceCodec | None:
+    """The device encoder of a contribution codec spec ("int4+ef+zstd1"), or None for a codec
+    that has none (fp32, bf16, topk: they encode on the host)."""
+    kw = messages.parse_spec(spec)
+    fmt = codecs.BLOCK_FORMATS.get(kw["name"])
+    if fmt is None:
+        return None
+    return _build(spec, kw["name"], kw.get("block", 64), bool(kw.get("error_feedback")), kw.get("zstd_level", 0))
+
+
+@functools.lru_cache(maxsize=32)
+def _build(spec: str, name: str, block: int, error_feedback: bool, zstd_level: int) -> DeviceCodec:
+    fmt = codecs.BLOCK_FORMATS[name]()
+    codecs.check_block(name, fmt, block)
+    per = 8 // fmt.bits
+
+    def sizes(shapes):
+        out = []
+        for shape in shapes:
+            n = math.prod(shape)
+            out.append(4 * -(-n // block) + -(-n // per))
+        return tuple(out)
+
+    def encode(anchor, local, residuals, zero):
+        payloads, new_residuals = [], []
+        for t, (a, x) in enumerate(zip(anchor, local)):
+            # the pseudo-gradient, as merge.pseudo_gradient computes it on the host
+            diff = jnp.asarray(a, jnp.float32) - jnp.asarray(x, jnp.float32)
+            target = diff + residuals[t] if error_feedback else diff
+            payload, decoded, finite = _encode_tensor(target.reshape(-1), fmt, block, zero)
+            payloads.append(payload)
+            if error_feedback:  # a refused contribution leaves the residual as it was
+                new = jnp.where(finite, target - decoded.reshape(target.shape), residuals[t])
+                new_residuals.append(new)
+        return jnp.concatenate(payloads), tuple(new_residuals)
+
+    jitted = jax.jit(encode)
+
+    def run(anchor, local, residuals):
+        return jitted(anchor, local, residuals, np.uint32(0))
+
+    return DeviceCodec(spec, block, error_feedback, zstd_level, run, sizes)
+
+
+def _rounded(x, zero):
+    """x, rounded to float32 where it stands. XLA (and LLVM under it) may contract a multiply and
+    the add after it into one fused multiply-add, rounding once where numpy rounds twice; passing
+    the product's bits through an xor with a zero only known at run time keeps them apart."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32) ^ zero
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _encode_tensor(x, fmt, block: int, zero):
+    """(payload uint8, decoded float32 values, all finite) of one flat float32 tensor."""
+    n = x.shape[0]
+    nb = -(-n // block)
+    per = 8 // fmt.bits
+    xb = jnp.pad(x, (0, nb * block - n)).reshape(nb, block)
+    m = jnp.max(jax.lax.bitcast_convert_type(xb, jnp.uint32) & _ABS, axis=1)
+    finite = m < _EXP
+    # XLA turns a division by a broadcast scalar into a multiplication by its reciprocal, which
+    # rounds differently; a divisor array behind a barrier keeps it a true division, as numpy's.
+    levels = jax.lax.optimization_barrier(jnp.full((nb,), np.float32(fmt.levels)))
+    s = jax.lax.bitcast_convert_type(m, jnp.float32) / levels
+    # The host keeps s > 0 as it computed it, subnormal or not; XLA on the CPU flushes a subnormal
+    # s to 0, so whether it is positive is read off the integer absmax instead (levels is odd, so
+    # m / levels never ties at half the smallest subnormal).
+    positive = (m >= _NORMAL) | (2 * m > np.uint32(fmt.levels))
+    floor = jnp.maximum(s, _TINY)
+    scales = jnp.where(positive, floor, np.float32(0.0))
+    scales = jnp.where(finite, scales, np.float32(np.nan))
+    y = _rounded(xb * (np.float32(1.0) / floor)[:, None], zero)
+    if fmt.kind == INT:
+        code = jax.lax.round(y, jax.lax.RoundingMethod.TO_NEAREST_EVEN).astype(jnp.int32) & ((1 << fmt.bits) - 1)
+        sign = 1 << (fmt.bits - 1)
+        value = (code - ((code & sign) << 1)).astype(jnp.float32)
+    elif fmt.kind == FP4:
+        top = jax.lax.bitcast_convert_type(y, jnp.uint32) >> np.uint32(22)
+        code = jnp.asarray(fmt.classes)[top].astype(jnp.int32)
+        value = jnp.asarray(fmt.lut)[code]
+    else:  # 2-bit: levels -3, -1, 1, 3 at u = (y + 3) / 2 = 0..3
+        u = jax.lax.round((y + np.float32(3.0)) * np.float32(0.5), jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+        code = jnp.clip(u, 0, 3).astype(jnp.int32)
+        value = jnp.asarray(fmt.lut)[code]
+    decoded = _rounded(value * scales[:, None], zero).reshape(-1)[:n]
+    lanes = code.astype(jnp.uint8).reshape(nb, block // per, per)
+    packed = lanes[..., 0]
+    for k in range(1, per):  # low bits first
+        packed = packed | (lanes[..., k] << np.uint8(k * fmt.bits))
+    packed = packed.reshape(-1)[: -(-n // per)]
+    scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(-1)  # little-endian float32
+    return jnp.concatenate([scale_bytes, packed]), decoded, jnp.all(finite)
+
+
+def to_wire(dc: DeviceCodec, raw: np.ndarray, shapes) -> list[bytes]:
+    """Each tensor's wire bytes from a fragment's device payload, now on the host: the scales
+    checked (a nan scale is a block that held inf or nan: NonFiniteError, as the host encoder
+    raises), then zstd when the spec has it."""
+    out, start = [], 0
+    for size, shape in zip(dc.sizes(shapes), shapes):
+        chunk = raw[start:start + size]
+        scales = chunk[: 4 * -(-math.prod(shape) // dc.block)].view("<f4")
+        if not np.isfinite(scales).all():  # one float per block: a small pass
+            raise codecs.NonFiniteError(f"{dc.spec}: non-finite values (nan or inf) cannot be encoded")
+        payload = chunk.tobytes()
+        out.append(codecs.zstd_compress(payload, dc.zstd_level) if dc.zstd_level else payload)
+        start += size
+    return out
+

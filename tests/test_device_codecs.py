@@ -1,0 +1,146 @@
+"""The device encoder (diloco/algo/device_codecs.py, docs/design.md#encoding-on-the-device): its
+payloads are the host codecs' bytes, its error-feedback residuals their residuals, a learner unit
+that encodes on its devices sends the frames a host-encoding one sends, and only the packed
+payload crosses from the devices to the host."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import diloco_world
+from test_deferred_encode import one_learner_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diloco.algo import codecs, device_codecs, messages
+from diloco.algo import syncer as sync
+from diloco.config import MeshConfig
+from diloco.runtime import build as build_setup
+
+SPECS = ["int4", "int8", "fp4", "2bit", "int4+ef", "2bit+ef", "fp4+ef+zstd1", "int4+zstd1", "int8+ef+zstd3+b32",
+         "2bit+ef+b128", "int4+b8"]
+
+
+def host_payloads(spec, diffs, states):
+    codec = messages.codec_from_spec(spec)
+    out = []
+    for i, d in enumerate(diffs):
+        payload, states[i] = codec.encode(d, states.get(i, codec.init(d.shape)))
+        out.append(payload)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(spec=st.sampled_from(SPECS), seed=st.integers(0, 2**31 - 1),
+       sizes=st.lists(st.integers(0, 700), min_size=1, max_size=4),
+       scale=st.sampled_from([1e-20, 1e-6, 1e-2, 1.0, 1e4, 1e30]))
+def test_device_payloads_and_residuals_are_the_host_codecs(spec, seed, sizes, scale):
+    """Three rounds of a fragment's contributions (so error feedback carries residuals): every
+    tensor's bytes and residual are the host codec's, zero tensors and partial blocks included.
+    (XLA on the CPU flushes subnormals to zero, so a residual below 2^-126 may be 0 there.)"""
+    rng = np.random.default_rng(seed)
+    dc = device_codecs.for_spec(spec)
+    shapes = [(n,) if i % 2 else (1, n) for i, n in enumerate(sizes)]
+    anchor = [(rng.standard_normal(s) * scale).astype(np.float32) for s in shapes]
+    local = [(a - rng.standard_normal(s) * scale * rng.choice([0.0, 1e-3, 1.0])).astype(np.float32)
+             for a, s in zip(anchor, shapes)]
+    residuals = tuple(np.zeros(s, np.float32) for s in shapes) if dc.error_feedback else ()
+    states = {}
+    for _ in range(3):
+        raw, residuals = dc.encode(tuple(anchor), tuple(local), residuals)
+        got = device_codecs.to_wire(dc, np.asarray(raw), shapes)
+        want = host_payloads(spec, [a - x for a, x in zip(anchor, local)], states)
+        assert got == want
+        for i in range(len(shapes) if dc.error_feedback else 0):
+            np.testing.assert_array_equal(flushed(np.asarray(residuals[i])), flushed(states[i].residual))
+        local = [(x + rng.standard_normal(x.shape) * scale * 1e-2).astype(np.float32) for x in local]
+
+
+def flushed(x):
+    return np.where(np.abs(x) < np.float32(2.0**-126), np.float32(0.0), x)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_value_is_refused_and_leaves_the_residual(bad):
+    dc = device_codecs.for_spec("int4+ef")
+    x = np.linspace(-1, 1, 200, dtype=np.float32)
+    x[137] = bad
+    residual = np.full(200, 0.25, np.float32)
+    raw, (new,) = dc.encode((x,), (np.zeros(200, np.float32),), (residual,))
+    with pytest.raises(codecs.NonFiniteError):
+        device_codecs.to_wire(dc, np.asarray(raw), [(200,)])
+    np.testing.assert_array_equal(np.asarray(new), residual)
+
+
+def test_codecs_without_a_device_encoder_stay_on_the_host():
+    assert [device_codecs.for_spec(s) for s in ("fp32", "bf16", "topk", "bf16+zstd1")] == [None] * 4
+    assert device_codecs.for_spec("int4+zstd1").zstd_level == 1
+    assert device_codecs.for_spec("2bit+ef+b128").block == 128
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["data", "fsdp"])
+def setup(request, tmp_path_factory):
+    """A learner of two devices, its params replicated (data) or split across them (fsdp)."""
+    cfg = one_learner_config(tmp_path_factory.mktemp("devenc"), devices=2, mesh=MeshConfig(fsdp=request.param))
+    return diloco_world(cfg)[2]
+
+
+def test_a_device_encoding_learner_sends_the_host_encoding_learners_frames(setup):
+    """Twins fed the same broadcasts by a K = 1 syncer: the same frames, residuals and params,
+    step by step, deferred (the wall-clock loop's way) and at once."""
+    state = sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0})
+    host = build_setup.new_unit(setup._replace(spec=setup.spec._replace(device_encode=False)), 0, 0, state)
+    dev = build_setup.new_unit(setup, 0, 0, state)
+    assert dev.device_codec is not None and host.device_codec is None
+    dev.warm_up()
+    sent = 0
+    for i in range(10):
+        for unit in (host, dev):
+            unit.apply_due()
+        a = host.step()
+        b = dev.step(defer=i % 2 == 0)
+        frames = dev.finish()[0] if i % 2 == 0 else b.frames
+        assert frames == a.frames
+        sent += len(frames)
+        for frame in a.frames:
+            state, actions = sync.on_contribution(setup.policy, state, frame, float(i))
+            for action in actions:
+                if isinstance(action, sync.Publish):
+                    host.receive(action.frames[0])
+                    dev.receive(action.frames[0])
+    assert sent >= 8 and host.flush().frames == dev.flush().frames
+    for path, residual in host.codec_states.items():
+        np.testing.assert_array_equal(np.asarray(dev.codec_states[path].residual), residual.residual)
+    for x, y in zip(jax.tree.leaves(jax.device_get(host.state.params)), jax.tree.leaves(jax.device_get(dev.state.params))):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_only_the_packed_payload_crosses_to_the_host(setup, monkeypatch):
+    """Implicit device-to-host transfers are refused, explicit ones counted: what a learner copies
+    to the host for its contributions is exactly their packed payloads (int4: 4.5 bits a value,
+    7.1x fewer bytes than the fp32 params the host encoder copies)."""
+    state = sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0})
+    copied = []
+    real = jax.device_get
+
+    def counting(x):
+        out = real(x)
+        copied.append(sum(np.asarray(v).nbytes for v in jax.tree.leaves(out)))
+        return out
+
+    for device in (True, False):
+        unit = build_setup.new_unit(setup._replace(spec=setup.spec._replace(device_encode=device)), 0, 0, state)
+        copied.clear()
+        monkeypatch.setattr(jax, "device_get", counting)
+        with jax.transfer_guard_device_to_host("disallow"):
+            results = [unit.step(defer=True) for _ in range(4)]
+            frames = [f for _ in results for f in unit.finish()[0]]
+        monkeypatch.setattr(jax, "device_get", real)
+        fp32 = sum(4 * f.size for r in results for s in r.sends for f in [setup.fragments[s.fragment]])
+        if device:
+            payload = sum(t["nbytes"] for f in frames for t in messages.decode(f).header["tensors"])
+            raw = sum(sum(unit.device_codec.sizes([tuple(t["shape"]) for t in messages.decode(f).header["tensors"]]))
+                      for f in frames)
+            assert sum(copied) == unit.host_bytes == raw and payload < raw  # zstd shrinks it further
+            assert 7.0 < fp32 / raw < 7.2
+        else:
+            assert sum(copied) == unit.host_bytes == fp32
