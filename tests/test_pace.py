@@ -2,7 +2,7 @@
 
 import pytest
 
-from diloco.runtime.unit import Pace
+from diloco.runtime.pace import Pace
 
 
 def test_without_a_period_a_step_ends_when_its_stretched_compute_does():

@@ -24,7 +24,8 @@ from diloco import report
 from diloco.config import TrainConfig
 from diloco.runtime import events as ev
 from diloco.runtime.rejoin import LearnerCheckpoints
-from diloco.runtime.unit import LearnerUnit, Pace, StallWatch
+from diloco.runtime.pace import Pace, StallWatch
+from diloco.runtime.unit import LearnerUnit
 from diloco.runtime.walltape import WallTape
 
 

@@ -49,7 +49,8 @@ from diloco.runtime.procs.child import (EXIT_DOWN, EXIT_SUPERSEDED, POLL_MAX, PO
 from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
 from diloco.runtime.build import Setup, new_unit
 from diloco.runtime.learner_loop import run_incarnation
-from diloco.runtime.unit import LearnerUnit, Pace
+from diloco.runtime.pace import Pace
+from diloco.runtime.unit import LearnerUnit
 from diloco.runtime.walltape import WallTape, chaos_tape
 
 log = logging.getLogger(__name__)

@@ -55,7 +55,8 @@ from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.build import Setup, new_unit
 from diloco.runtime.runlog import InputLog, read_inputs, run_outputs, write_decisions
 from diloco.runtime.learner_loop import run_incarnation
-from diloco.runtime.unit import LearnerUnit, Pace, StallWatch
+from diloco.runtime.pace import Pace, StallWatch
+from diloco.runtime.unit import LearnerUnit
 from diloco.runtime.walltape import WallTape, run_tape
 
 log = logging.getLogger(__name__)
