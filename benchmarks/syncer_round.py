@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
-from diloco.algo import messages, quorum, roundsum  # noqa: E402
+from diloco.algo import hostpool, messages, quorum, roundsum  # noqa: E402
 from diloco.algo import syncer as sync  # noqa: E402
 from diloco.algo.fragments import Fragment, make_fragments  # noqa: E402
 from diloco.algo.outer import make_outer  # noqa: E402
@@ -59,18 +62,27 @@ def policy(M: int, up: str, down: str) -> sync.Policy:
                        down_codec=messages.codec_from_spec(down), down_spec=down, up_spec=up)
 
 
-def frames_for(st, p: int, M: int, seq: int, codec, spec: str, rng) -> list[bytes]:
-    fs = st.fragments[p]
+def payloads_for(st, p: int, M: int, codec, rng) -> list[tuple[list, bytes]]:
+    """M encoded contributions to fragment p: (tensors, payload) each."""
     out = []
-    for m in range(M):
-        diff = {path: rng.standard_normal(x.shape, np.float32) * 1e-3 for path, x in fs.theta.items()}
-        tensors, payload, _ = messages.pack_fragment(diff, codec)
-        header = {"kind": "contribution", "learner": m, "incarnation": 0, "seq": seq, "fragment": p,
-                  "base_version": fs.version, "version": fs.version, "c_steps": 24,
-                  "c_tokens": 24 * 4096 * (1 + m % 3), "codec": spec, "delta_against": None,
-                  "tensors": tensors}
-        out.append(messages.encode(header, payload))
+    for _ in range(M):
+        diff = {path: rng.standard_normal(x.shape, np.float32) * 1e-3 for path, x in st.fragments[p].theta.items()}
+        out.append(messages.pack_fragment(diff, codec)[:2])
     return out
+
+
+def frames_of(st, p: int, payloads, seq: int, spec: str) -> list[bytes]:
+    """One frame per payload, learner m sending the m-th, against fragment p's current version."""
+    fs = st.fragments[p]
+    return [messages.encode({"kind": "contribution", "learner": m, "incarnation": 0, "seq": seq, "fragment": p,
+                             "base_version": fs.version, "version": fs.version, "c_steps": 24,
+                             "c_tokens": 24 * 4096 * (1 + m % 3), "codec": spec, "delta_against": None,
+                             "tensors": tensors}, payload)
+            for m, (tensors, payload) in enumerate(payloads)]
+
+
+def frames_for(st, p: int, M: int, seq: int, codec, spec: str, rng) -> list[bytes]:
+    return frames_of(st, p, payloads_for(st, p, M, codec, rng), seq, spec)
 
 
 PASSES = ("delta", "_axpy", "norm", "delta_of_local")  # what roundsum's fold and the syncer call per contribution
@@ -107,6 +119,14 @@ def one_round(pol, st, frames) -> tuple[object, float, float]:
     return st, t2 - t0, t2 - t1
 
 
+def memcpy(dst, src, times: int) -> float:
+    """Seconds to copy src to dst `times` times: the round's fp32 bytes, without holding M copies."""
+    t = time.perf_counter()
+    for _ in range(times):
+        np.copyto(dst, src)
+    return time.perf_counter() - t
+
+
 def grid(args) -> list[dict]:
     rows = []
     up_codec = messages.codec_from_spec(args.up)
@@ -125,7 +145,7 @@ def grid(args) -> list[dict]:
             t = time.perf_counter()
             st = sync.init(pol, (frag,), (theta,), {m: 0 for m in range(M)})
             init_s = time.perf_counter() - t
-            src = np.ones(M * frag.size, np.float32)
+            src = np.ones(frag.size, np.float32)
             dst = np.empty_like(src)
             first = None
             times = {v: ([], [], []) for v in variants}  # rounds, closes, copies
@@ -134,9 +154,7 @@ def grid(args) -> list[dict]:
                 use(current if v == "current" else baseline)
                 frames = frames_for(st, 0, M, r + 1, up_codec, args.up, rng)
                 st, seconds, close = one_round(pol, st, frames)
-                t = time.perf_counter()
-                np.copyto(dst, src)
-                copy = time.perf_counter() - t
+                copy = memcpy(dst, src, M)
                 if r < len(variants):
                     first = seconds if v == "current" else first
                     continue
@@ -165,6 +183,85 @@ def grid(args) -> list[dict]:
                       f"{max(b_rounds):.4f}], {row['baseline']['ratio']:.1f}x memcpy; baseline / current "
                       f"{statistics.median(paired):.2f} [{min(paired):.2f}, {max(paired):.2f}]", flush=True)
     return rows
+
+
+def memory_mb() -> tuple[float, float]:
+    """(resident, peak resident since the last reset_peak) of this process, MB (Linux)."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return int(status["VmRSS"].split()[0]) / 1024, int(status["VmHWM"].split()[0]) / 1024
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+
+
+def serve(args) -> None:
+    """--cores' child: one fragment of --sizes[0] values and --learners[0] contributions, set up
+    once; a round per "round" line on stdin, its figures as one JSON line on stdout."""
+    n, M = int(float(args.sizes[0])), args.learners[0]
+    rng = np.random.default_rng(0)
+    theta = fragment_values(n, rng)
+    frag = Fragment(0, tuple(theta), sum(x.size for x in theta.values()), False)
+    pol = policy(M, args.up, args.down)
+    st = sync.init(pol, (frag,), (theta,), {m: 0 for m in range(M)})
+    payloads = payloads_for(st, 0, M, messages.codec_from_spec(args.up), rng)
+    src, dst = np.ones(frag.size, np.float32), np.empty(frag.size, np.float32)
+    print("@@" + json.dumps({"values": frag.size, "threads": hostpool.threads(),
+                             "cores": sorted(os.sched_getaffinity(0))}), flush=True)
+    for seq, line in enumerate(sys.stdin, 1):
+        if line.strip() != "round":
+            break
+        frames = frames_of(st, 0, payloads, seq, args.up)
+        before, _ = memory_mb()
+        reset_peak()
+        st, seconds, close = one_round(pol, st, frames)
+        del frames
+        _, peak = memory_mb()
+        print("@@" + json.dumps({"round_s": seconds, "last_contribution_s": close, "rss_before_mb": before,
+                                 "peak_mb": peak, "memcpy_s": memcpy(dst, src, M)}), flush=True)
+
+
+def cores(args) -> dict:
+    """The same round in two processes, one pinned to one core and one on every core this one may
+    use, rounds alternated A B B A so both see the same load; the first round of each untimed."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cmd = [sys.executable, __file__, "--serve", "--learners", str(args.learners[0]), "--sizes", args.sizes[0],
+           "--up", args.up, "--down", args.down]
+    procs = {"one": subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=lambda: os.sched_setaffinity(0, {allowed[0]})),
+             "all": subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)}
+
+    def reply(name):
+        for line in procs[name].stdout:
+            if line.startswith("@@"):
+                return json.loads(line[2:])
+        raise RuntimeError(f"the {name}-core child ended early (exit {procs[name].wait()})")
+
+    setup = {name: reply(name) for name in procs}
+    rows = {name: [] for name in procs}
+    order = ["one", "all", "all", "one"] * ((args.repeats + 2) // 2)
+    for name in order[: 2 * (args.repeats + 1)]:
+        procs[name].stdin.write("round\n")
+        procs[name].stdin.flush()
+        rows[name].append(reply(name))
+        r = rows[name][-1]
+        print(f"{name:3s} ({setup[name]['threads']} threads): round {r['round_s']:.3f} s, last contribution "
+              f"{r['last_contribution_s']:.3f} s, peak {r['peak_mb']:.0f} MB (from {r['rss_before_mb']:.0f})",
+              flush=True)
+    for p in procs.values():
+        p.stdin.close()
+        p.wait()
+    timed = {name: xs[1:] for name, xs in rows.items()}
+    paired = [a["round_s"] / b["round_s"] for a, b in zip(timed["one"], timed["all"])]
+    out = {name: {"threads": setup[name]["threads"], "cores": setup[name]["cores"], "values": setup[name]["values"],
+                  **{k: spread([r[k] for r in xs]) for k in ("round_s", "last_contribution_s", "memcpy_s", "peak_mb",
+                                                             "rss_before_mb")}}
+           for name, xs in timed.items()}
+    out["one_over_all"] = spread(paired)
+    print(f"one core / all ({len(allowed)}): {statistics.median(paired):.2f} [{min(paired):.2f}, {max(paired):.2f}] "
+          f"(n={len(paired)}); rounds {out['one']['round_s']['median']:.3f} s against "
+          f"{out['all']['round_s']['median']:.3f} s")
+    return out
 
 
 def startup(args) -> dict:
@@ -214,7 +311,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--up", default="int4+zstd1")
     p.add_argument("--down", default="int8")
-    p.add_argument("--max-values", type=int, default=320_000_000,
+    p.add_argument("--max-values", type=int, default=700_000_000,
                    help="skip grid points with more than this many contributed values (memory)")
     p.add_argument("--startup", action="store_true", help="time init and the first rounds of the 100.7M model")
     p.add_argument("--startup-learners", type=int, default=8)
@@ -222,11 +319,18 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=0, help="--startup: only the first N fragments (0 = all)")
     p.add_argument("--baseline", default=None,
                    help="a roundsum.py whose per-contribution passes are timed against the current ones, alternated")
+    p.add_argument("--cores", action="store_true",
+                   help="the round at --sizes[0], --learners[0] on one core and on all, alternated, with peak memory")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before, after)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.serve:
+        return serve(args)
     result = {"args": vars(args)}
-    if args.startup:
+    if args.cores:
+        result["cores"] = cores(args)
+    elif args.startup:
         result["startup"] = startup(args)
     else:
         result["rounds"] = grid(args)

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from diloco.algo import auth
+from diloco.algo import auth, hostpool
 from diloco.algo.bounds import loads_json
 from diloco.algo.codecs import Codec, CodecError, NonFiniteError, make_codec
 
@@ -189,8 +189,9 @@ def encode(header: Mapping[str, Any], payload: bytes, key: bytes | None = None) 
     return _PREFIX.pack(MAGIC, len(raw)) + raw + bytes(payload)
 
 
-def decode(frame: bytes, *, max_payload: int | None = None) -> Message:
-    """Parse and validate a frame; `max_payload` bounds payload_len before any payload byte is touched."""
+def decode(frame: bytes, *, max_payload: int | None = None, verify: bool = True) -> Message:
+    """Parse and validate a frame; `max_payload` bounds payload_len before any payload byte is touched.
+    verify=False leaves the payload's checksum to payload_fault (a caller checking it concurrently)."""
     frame = bytes(frame)
     if len(frame) < _PREFIX.size:
         if MAGIC.startswith(frame[:4]):
@@ -217,9 +218,19 @@ def decode(frame: bytes, *, max_payload: int | None = None) -> Message:
         raise MessageError("truncated", f"payload_len {n}, frame holds {len(payload)}")
     if len(payload) > n:
         raise MessageError("trailing_bytes", f"payload_len {n}, frame holds {len(payload)}")
-    if checksum(payload) != header["checksum"]:
-        raise MessageError("checksum", f"header says {header['checksum']}, payload hashes to {checksum(payload)}")
-    return Message(header, payload)
+    msg = Message(header, payload)
+    fault = payload_fault(msg) if verify else None
+    if fault is not None:
+        raise fault
+    return msg
+
+
+def payload_fault(msg: Message) -> MessageError | None:
+    """The checksum error of a decoded frame's payload, or None if it hashes to its header's."""
+    got = checksum(msg.payload)
+    if got != msg.header["checksum"]:
+        return MessageError("checksum", f"header says {msg.header['checksum']}, payload hashes to {got}")
+    return None
 
 
 def _no_constant(name: str) -> Any:
@@ -340,30 +351,44 @@ def unpack_fragment(
     if set(got) != set(expected):
         missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
         raise MessageError("wrong_shape", f"missing tensors {missing}, unexpected tensors {extra}")
-    out: dict[Path, np.ndarray] = {}
-    offset = 0
+    # Checked in tensor order, the first fault raised, as a loop would; the decodes themselves
+    # run concurrently (zstd and the block kernels release the GIL; hostpool.py).
+    jobs, fault, offset = [], None, 0
     for t in header["tensors"]:
         path, shape = tuple(t["path"]), tuple(t["shape"])
         want_shape, want_dtype = expected[path]
         if shape != tuple(want_shape):
-            raise MessageError("wrong_shape", f"{path}: header shape {shape}, expected {tuple(want_shape)}")
-        if t["dtype"] not in DTYPES or np.dtype(want_dtype) != np.dtype(t["dtype"]):
-            raise MessageError("wrong_dtype", f"{path}: header dtype {t['dtype']}, expected {np.dtype(want_dtype)}")
-        chunk = payload[offset:offset + t["nbytes"]]
+            fault = MessageError("wrong_shape", f"{path}: header shape {shape}, expected {tuple(want_shape)}")
+        elif t["dtype"] not in DTYPES or np.dtype(want_dtype) != np.dtype(t["dtype"]):
+            fault = MessageError("wrong_dtype", f"{path}: header dtype {t['dtype']}, expected {np.dtype(want_dtype)}")
+        if fault is not None:
+            break
+        jobs.append((path, shape, payload[offset:offset + t["nbytes"]]))
         offset += t["nbytes"]
-        try:
-            x = np.asarray(codec.decode(chunk, shape))
-        except CodecError as e:
-            reason = "non_finite" if isinstance(e, NonFiniteError) else "codec_error"
-            raise MessageError(reason, f"{path}: {e}") from None
-        if x.shape != shape or x.dtype != np.float32:
-            raise MessageError("codec_error", f"{path}: decoded {x.dtype}{list(x.shape)}, want float32{list(shape)}")
-        # Finite already: every codec refuses non-finite values on decode (NonFiniteError, above),
-        # so a second pass over the values here would only cost time (docs/algorithm.md#codecs).
+    decoded = hostpool.run([lambda job=job: _decode_one(codec, *job) for job in jobs], len(payload) >= hostpool.CHUNK)
+    out: dict[Path, np.ndarray] = {}
+    for (path, _, _), x in zip(jobs, decoded):
+        if isinstance(x, MessageError):
+            raise x
+        # Finite already: every codec refuses non-finite values on decode (NonFiniteError), so a
+        # second pass over the values here would only cost time (docs/algorithm.md#codecs).
         out[path] = x
+    if fault is not None:
+        raise fault
     if offset != len(payload):
         raise MessageError("codec_error", f"tensors cover {offset} bytes of a {len(payload)}-byte payload")
     return out
+
+
+def _decode_one(codec: Codec, path: Path, shape: tuple, chunk: bytes) -> np.ndarray | MessageError:
+    """One tensor decoded and checked, or the MessageError saying why not."""
+    try:
+        x = np.asarray(codec.decode(chunk, shape))
+    except CodecError as e:
+        return MessageError("non_finite" if isinstance(e, NonFiniteError) else "codec_error", f"{path}: {e}")
+    if x.shape != shape or x.dtype != np.float32:
+        return MessageError("codec_error", f"{path}: decoded {x.dtype}{list(x.shape)}, want float32{list(shape)}")
+    return x
 
 
 def _decoder_name(name: str) -> str:

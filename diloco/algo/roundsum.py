@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
-from diloco.algo import messages
+from diloco.algo import hostpool, messages
 from diloco.algo.merge import MergeRule, fragment_norm
 from diloco.algo.codec_base import Codec
 
@@ -151,8 +151,16 @@ def _root(ss: float) -> float:
     return math.sqrt(ss) if math.isfinite(ss) else math.inf
 
 
+def _total(partials: list[float]) -> float:
+    # The float64 sum of squares of a whole array from those of its hostpool.CHUNK pieces, exactly
+    # rounded (fsum), so it depends on the piece size alone, never on how many threads summed them;
+    # an array of one piece keeps the kernel's own sum.
+    return partials[0] if len(partials) == 1 else math.fsum(partials)
+
+
 def _sumsq(flat: np.ndarray) -> float:
-    return _kernels().sumsq(_flat(flat))
+    x, k = _flat(flat), _kernels()
+    return _total(hostpool.each(x.size, lambda lo, hi: k.sumsq(x[lo:hi]))) if x.size else k.sumsq(x)
 
 
 def norm(x: np.ndarray) -> float:
@@ -164,8 +172,19 @@ def delta(anchor: np.ndarray, ref: np.ndarray, wire: np.ndarray) -> tuple[np.nda
     """(delta, ||wire||, ||delta||) with delta = anchor - (ref - wire) exactly as
     merge.pseudo_gradient(anchor, local) of local = ref - wire computes it, written over `wire`
     (which must be `owned`). One pass: both norms are summed while the values are in registers."""
-    wire_ss, delta_ss = _kernels().delta_sumsq(_flat(anchor), _flat(ref), wire.reshape(-1))
-    return wire, _root(wire_ss), _root(delta_ss)
+    a, r, d, k = _flat(anchor), _flat(ref), wire.reshape(-1), _kernels()
+    if not d.size:
+        return wire, 0.0, 0.0
+    sums = hostpool.each(d.size, lambda lo, hi: k.delta_sumsq(a[lo:hi], r[lo:hi], d[lo:hi]))
+    return wire, _root(_total([w for w, _ in sums])), _root(_total([x for _, x in sums]))
+
+
+def add_into(a: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """a + x in float32, written over x (or over a copy of it if it is not `owned`)."""
+    x = owned(x)
+    a, flat = _flat(a), x.reshape(-1)
+    hostpool.each(flat.size, lambda lo, hi: np.add(a[lo:hi], flat[lo:hi], out=flat[lo:hi]))
+    return x
 
 
 def delta_of_local(anchor: np.ndarray, local_values: np.ndarray) -> tuple[np.ndarray, float]:
@@ -198,4 +217,5 @@ def fold(rs: RoundSum, key, weight: float, deltas: list[np.ndarray], norms: tupl
 def _axpy(d: np.ndarray, old: np.ndarray, a: np.float32, old_scaled: bool) -> None:
     """d = d + a old (old_scaled) or d = a d + old, over d, in float32 (a multiply, then an add,
     each rounded, as numpy's two passes did) and in one pass. An overflow shows at the close."""
-    _kernels().axpy(d.reshape(-1), _flat(old), np.float32(a), bool(old_scaled))
+    d, old, a, k = d.reshape(-1), _flat(old), np.float32(a), _kernels()
+    hostpool.each(d.size, lambda lo, hi: k.axpy(d[lo:hi], old[lo:hi], a, bool(old_scaled)))

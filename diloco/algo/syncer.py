@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from diloco.algo import merge as merging
-from diloco.algo import auth, bounds, messages, outer, quorum, roundsum
+from diloco.algo import auth, bounds, hostpool, messages, outer, quorum, roundsum
 from diloco.algo.codecs import Codec, NonFiniteError
 from diloco.algo.eventlog import Records
 from diloco.algo.fragments import Fragment, Path
@@ -202,9 +202,23 @@ def _with_fragment(st: SyncerState, p: int, fs: FragmentState) -> SyncerState:
 def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> tuple[SyncerState, tuple]:
     """Validate, decode and admit one contribution frame; merge if the round's decision says so."""
     try:
-        msg = messages.decode(frame, max_payload=max_payload(st))
+        msg = messages.decode(frame, max_payload=max_payload(st), verify=False)
     except messages.MessageError as e:
         return _quarantine(st, e.reason, None, now, e.detail)
+    # The payload's checksum (blake2b, one thread, about a third of a large contribution's work)
+    # is summed on another thread while the payload is decoded. Nothing is admitted before it
+    # passes, and a frame that fails it is quarantined from `st` whatever else was found: the
+    # outcomes of checking it first.
+    verified = hostpool.start(lambda: messages.payload_fault(msg), len(msg.payload) >= hostpool.CHUNK)
+    out = _received(cfg, st, msg, now, verified)
+    fault = verified()
+    if fault is not None:
+        return _quarantine(st, fault.reason, None, now, fault.detail)
+    return out
+
+
+def _received(cfg: Policy, st: SyncerState, msg: messages.Message, now: float,
+              verified) -> tuple[SyncerState, tuple]:
     h = msg.header
     if cfg.auth is not None:
         why = auth.verify(cfg.auth, h, msg.payload)
@@ -249,6 +263,8 @@ def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> t
                             sum(x.size for x in fs.theta.values()), cfg.theta_norm_bound)
     if why:
         return _quarantine(st, "exploding_norm", key, now, why)
+    if verified() is not None:  # on_contribution quarantines it
+        return st, ()
     if norm > 0:  # zeros stay out: a median of zeros would refuse every nonzero contribution
         st = _with_fragment(st, p, fs._replace(norms=(fs.norms + (norm,))[-cfg.norm_window:]))
     st = st._replace(last_seq={**st.last_seq, (h["learner"], h["incarnation"]): h["seq"]})
@@ -527,13 +543,13 @@ def _publish(cfg: Policy, st: SyncerState, fs: FragmentState, p: int,
         ref, delta_frame = fs.theta, None
     else:
         tensors, payload, _ = messages.pack_fragment(diff, cfg.down_codec)
+        # the frame (its checksum, one thread) is built while the new ref is decoded and summed
+        framed = hostpool.start(lambda: _frame(p, fs.version, prev_version, cfg.down_spec, tensors, payload,
+                                               merged), len(payload) >= hostpool.CHUNK)
         decoded = messages.unpack_fragment({"codec": cfg.down_spec, "tensors": tensors}, payload,
                                            cfg.down_codec, {k: (v.shape, np.float32) for k, v in prev.items()})
-        ref = {}
-        for path in prev:  # prev + decoded, written over the decoded buffer
-            x = roundsum.owned(decoded[path])
-            ref[path] = np.add(prev[path], x, out=x)
-        delta_frame = _frame(p, fs.version, prev_version, cfg.down_spec, tensors, payload, merged)
+        ref = {path: roundsum.add_into(prev[path], decoded[path]) for path in prev}
+        delta_frame = framed()
     full_copy = None
     frames, full = {}, []
     held = dict(st.held)

@@ -1,0 +1,127 @@
+"""Worker threads for the host passes over large arrays (codecs, a round's sums): a pass is cut into
+pieces of a fixed size, so what it computes never depends on how many threads ran it
+(docs/experiments.md#syncer-round).
+
+The thread count is the number of cores this process may run on (os.sched_getaffinity, so
+`taskset -c 0` gives one), capped by the environment variable DILOCO_HOST_THREADS when it is set.
+The numba kernels and zstd release the GIL, so the threads run them in parallel. Each piece is
+claimed from a shared counter by whichever thread is free, the caller included: a pass started from
+inside another (a tensor's block decode inside a fragment's concurrent decode) never waits on a
+piece that no thread will run.
+
+The pool is made on first use and lives as long as the process, as numba's own would; a forked
+child makes its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import numpy as np
+
+ENV = "DILOCO_HOST_THREADS"
+# Values (float32) per piece: 1 MB, a few hundred microseconds of any pass, against a few
+# microseconds to claim and dispatch it. Also the unit of every float64 norm's partial sums, so it
+# is part of what the norms are: changing it changes their last bits.
+CHUNK = 1 << 18
+
+T = TypeVar("T")
+_LOCK = threading.Lock()
+_POOL: list = [None, 0]  # the executor and its worker count, made on first use
+
+
+def threads() -> int:
+    """Threads a pass may use: the cores this process may run on, at most DILOCO_HOST_THREADS."""
+    n = len(os.sched_getaffinity(0))
+    cap = os.environ.get(ENV, "").strip()
+    if cap:
+        if not cap.isdigit() or int(cap) < 1:
+            raise ValueError(f"{ENV} must be a positive integer, got {cap!r}")
+        n = min(n, int(cap))
+    return n
+
+
+def pieces(n: int, size: int = CHUNK) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of `size` cutting range(n), the last one shorter."""
+    return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    with _LOCK:
+        if _POOL[0] is None or _POOL[1] < workers:
+            old = _POOL[0]
+            _POOL[:] = [ThreadPoolExecutor(workers, thread_name_prefix="diloco-host"), workers]
+            if old is not None:
+                old.shutdown(wait=False)
+        return _POOL[0]
+
+
+def _forget() -> None:  # a forked child inherits the executor but none of its threads
+    _POOL[:] = [None, 0]
+
+
+os.register_at_fork(after_in_child=_forget)
+
+
+def run(tasks: Sequence[Callable[[], T]], parallel: bool = True) -> list[T]:
+    """Each task's result, in order, the tasks run on up to threads() threads (one, the caller's,
+    unless `parallel`: small work is not worth a hand-off); the first task's exception (in task
+    order) is raised after all have ended."""
+    n = len(tasks)
+    helpers = min(threads(), n) - 1 if parallel else 0
+    if helpers <= 0:
+        return [t() for t in tasks]
+    results: list = [None] * n
+    errors: dict[int, BaseException] = {}
+    claim = itertools.count()  # next() on it is atomic under the GIL
+    finished = [0]
+    done = threading.Condition()
+
+    def work() -> None:
+        while (i := next(claim)) < n:
+            try:
+                results[i] = tasks[i]()
+            except BaseException as e:  # noqa: BLE001 (re-raised by the caller, in task order)
+                errors[i] = e
+            with done:
+                finished[0] += 1
+                if finished[0] == n:
+                    done.notify_all()
+
+    pool = _executor(helpers)
+    for _ in range(helpers):
+        pool.submit(work)
+    work()
+    with done:
+        done.wait_for(lambda: finished[0] == n)
+    if errors:
+        raise errors[min(errors)]
+    return results
+
+
+def start(task: Callable[[], T], parallel: bool = True) -> Callable[[], T]:
+    """task() begun on a pool thread (run now where this process may use one core, or unless
+    `parallel`); the function returned waits for its result (raises its exception), and may be
+    called again."""
+    if not parallel or threads() < 2:
+        value = task()
+        return lambda: value
+    return _executor(threads() - 1).submit(task).result
+
+
+def each(n: int, body: Callable[[int, int], T], size: int = CHUNK) -> list[T]:
+    """body(lo, hi) over pieces(n, size), in parallel when there is more than one piece."""
+    return run([lambda lo=lo, hi=hi: body(lo, hi) for lo, hi in pieces(n, size)])
+
+
+def aligned_empty(n: int) -> np.ndarray:
+    """np.empty(n, float32) at a 64-byte boundary: jax then reads it in place instead of copying
+    it (the round's close takes the sums and refs this way; a 155 MB copy each otherwise)."""
+    raw = np.empty(4 * n + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    return raw[off:off + 4 * n].view(np.float32)
