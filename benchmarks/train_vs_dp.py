@@ -3,11 +3,14 @@ against the data-parallel baseline at the same tokens (`algo=dp data.batch_size=
 
     python benchmarks/train_vs_dp.py --steps 300 --rounds 3
     python benchmarks/train_vs_dp.py --before /tmp/old   # also `make train` of another checkout
+    python benchmarks/train_vs_dp.py --steps 100 --rounds 1 --set model=base10m data=synthetic \
+        data.synthetic_vocab=256 runtime.devices_per_learner=1   # one accelerator
 
 Each round runs both, in alternating order, as separate `scripts/train.py` processes, so every
 figure includes start-up, compiles, evals and checkpoints, as a user sees them. Goal: DiLoCo
 within 1.3x of data parallel. `--before DIR` adds a third run per round, `make train` of the
-checkout in DIR (e.g. `git worktree add /tmp/old <commit>`), with the same interpreter.
+checkout in DIR (e.g. `git worktree add /tmp/old <commit>`), with the same interpreter. `--set`
+adds Hydra overrides to every run (the data-parallel one ignores the runtime group).
 Writes benchmarks/results/train_vs_dp.json.
 """
 
@@ -30,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"diloco": [], "dp": ["algo=dp", "data.batch_size=32"], "before": []}
 
 
-def one(kind: str, steps: int, out: Path, before: Path | None) -> dict:
+def one(kind: str, steps: int, out: Path, before: Path | None, extra: list[str]) -> dict:
     root = before if kind == "before" else ROOT
-    args = [sys.executable, str(root / "scripts" / "train.py"), *RUNS[kind], f"run.steps={steps}",
+    args = [sys.executable, str(root / "scripts" / "train.py"), *extra, *RUNS[kind], f"run.steps={steps}",
             f"run.out_dir={out}", "run.plot=false", "run.tensorboard=false", "run.progress=false"]
     env = {**os.environ, "CI": "1", "PYTHONPATH": str(root)}
     env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -49,6 +52,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--before", type=Path, default=None)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="Hydra overrides of every run")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     kinds = ["diloco", "dp"] + (["before"] if args.before else [])
@@ -56,7 +60,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-                results[kind].append(one(kind, args.steps, Path(tmp) / f"{kind}-{r}", args.before))
+                results[kind].append(one(kind, args.steps, Path(tmp) / f"{kind}-{r}", args.before, args.set))
                 print(kind, r, f"{results[kind][-1]['process_s']:.1f} s", flush=True)
     ratios = [a["process_s"] / b["process_s"] for a, b in zip(results["diloco"], results["dp"])]
     med = {k: statistics.median(x["process_s"] for x in v) for k, v in results.items()}
