@@ -14,7 +14,8 @@ SMOLLM2 := $(VENV)/.smollm2
 # Torch and transformers, only to regenerate the parity fixtures (tests/fixtures/hf/README.md).
 PARITY := .venv-parity/.installed
 
-.PHONY: train test test-slow bench finetune smollm2 parity-fixtures test-parity clean-venv
+.PHONY: train test test-slow bench bench-accelerator accelerator-wheels finetune smollm2 parity-fixtures \
+	test-parity clean-venv
 
 PIP := $(PY) -m pip -qq --disable-pip-version-check  # -qq: errors only, no warnings
 
@@ -62,6 +63,15 @@ finetune: $(STAMP) $(SMOLLM2)
 
 bench: $(STAMP)
 	$(PY) benchmarks/inner_step.py $(ARGS)
+
+# An accelerator machine without network (docs/experiments.md#accelerator-benchmark): first, where
+# there is network, the wheels its image lacks into wheels/ (git-ignored); there, with the image's
+# python3, `make bench-accelerator` (about 7 minutes on one GPU; ARGS=--quick for a smoke run).
+accelerator-wheels:
+	PYTHON=$(PYTHON) scripts/accelerator_wheels.sh
+
+bench-accelerator:
+	scripts/accelerator_run.sh $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
