@@ -51,7 +51,7 @@ class Part(NamedTuple):
 def parts(args) -> list[Part]:
     py, q = sys.executable, args.quick
     out = []
-    out.append(Part("probe", [py, str(HERE / "accelerator.py"), "--probe"] + (["--quick"] if q else []), 90, 30))
+    out.append(Part("probe", [py, str(HERE / "accelerator.py"), "--probe"] + (["--quick"] if q else []), 90, 20))
     # (preset, vocabulary, batch, seq): the 1b preset's BPE vocabulary, SmolLM2's tokenizer
     shapes = [("tiny", 256, 4, 64)] if q else [("1b", 32768, 8, 1024), ("135m", 49152, 16, 1024)]
     P = 4 if q else 24
@@ -62,15 +62,15 @@ def parts(args) -> list[Part]:
                     "--tau", "2", "--steps", str(args.steps), "--repeats", str(args.repeats), "--encode", encode]
             if not q:
                 argv += ["--dtype", "bfloat16"]
-            out.append(Part(f"learner_{model}_{encode}", argv, 60 if q else 150, 45))
+            out.append(Part(f"learner_{model}_{encode}", argv, 60 if q else 150, 40))
     sizes, learners = (["1e5", "4e5"], ["2", "4"]) if q else (["4.64e6", "3.88e7"], ["4", "16"])
     out.append(Part("syncer", [py, str(HERE / "syncer_round.py"), "--sizes", *sizes, "--learners", *learners,
-                               "--repeats", "1" if q else "3", "--max-values", "700000000"], 120, 60))
+                               "--repeats", "1" if q else "3", "--max-values", "700000000"], 100, 40))
     model, steps = ("tiny", 20) if q else ("base10m", 100)
     out.append(Part("sim_vs_dp", [py, str(HERE / "train_vs_dp.py"), "--steps", str(steps), "--rounds", "1",
                                   "--set", f"model={model}", "data=synthetic", "data.synthetic_vocab=256",
                                   "runtime.devices_per_learner=1", "inner.warmup_steps=10", "run.eval_every=50"],
-                    150, 90))
+                    120, 60))
     return out
 
 
@@ -136,7 +136,7 @@ def write(path: Path, payload: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke test on a CPU")
-    p.add_argument("--budget", type=float, default=400.0, help="seconds for every part together")
+    p.add_argument("--budget", type=float, default=410.0, help="seconds for every part together")
     p.add_argument("--steps", type=int, default=None, help="learner steps per block (24; quick 4)")
     p.add_argument("--repeats", type=int, default=None, help="learner blocks (2; quick 1)")
     p.add_argument("--only", nargs="*", default=None, help="run only these parts")
