@@ -173,3 +173,27 @@ def test_a_bad_checksum_is_quarantined_as_if_checked_first(threads):
         assert st2.fragments == st.fragments and st2.quarantined == {"checksum": 1}
     st2, actions = sync.on_contribution(pol, st, good, 1.0)
     assert len(publishes(actions)) == 1
+
+
+def test_large_buffers_are_reused_only_when_nothing_reads_them():
+    import jax
+
+    n = 3 * CHUNK
+    a = hostpool.aligned_empty(n)
+    at = a.ctypes.data
+    assert at % 64 == 0 and a.dtype == np.float32 and a.shape == (n,)
+    view = a.reshape(3, -1)[1:]
+    del a
+    b = hostpool.aligned_empty(n)
+    assert b.ctypes.data != at  # a view of it lives
+    del view
+    c = hostpool.aligned_empty(n)
+    assert c.ctypes.data == at
+    c.fill(7.0)
+    held = jax.device_put(c)  # read in place by jax
+    assert held.unsafe_buffer_pointer() == at
+    del c
+    d = hostpool.aligned_empty(n)
+    assert d.ctypes.data not in (at, b.ctypes.data)
+    d.fill(0.0)
+    assert (np.asarray(held) == 7.0).all()
