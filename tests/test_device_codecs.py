@@ -144,3 +144,87 @@ def test_only_the_packed_payload_crosses_to_the_host(setup, monkeypatch):
             assert 7.0 < fp32 / raw < 7.2
         else:
             assert sum(copied) == unit.host_bytes == fp32
+
+
+def test_a_returned_fragment_crosses_to_the_devices_as_its_int8_payload(setup, monkeypatch):
+    """A merged fragment coming back as an int8 delta is put on the devices as its payload (about
+    a quarter of the fp32 values), decoded and applied there; nothing is fetched to the host."""
+    state = sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0})
+    unit = build_setup.new_unit(setup, 0, 0, state)
+    unit.warm_up()
+    real_put, real_get = jax.device_put, jax.device_get
+    put, got = [], []
+
+    def counting_put(x, *a, **k):
+        put.append(sum(v.nbytes for v in jax.tree.leaves(x) if isinstance(v, np.ndarray)))
+        return real_put(x, *a, **k)
+
+    def counting_get(x):
+        got.append(x)
+        return real_get(x)
+
+    deltas = 0
+    for i in range(8):
+        unit.apply_due()
+        result = unit.step()
+        for frame in result.frames:
+            state, actions = sync.on_contribution(setup.policy, state, frame, float(i))
+            for action in actions:
+                if isinstance(action, sync.Publish):
+                    header = messages.decode(action.frames[0]).header
+                    put.clear(), got.clear()
+                    monkeypatch.setattr(jax, "device_put", counting_put)
+                    monkeypatch.setattr(jax, "device_get", counting_get)
+                    unit.receive(action.frames[0])
+                    monkeypatch.setattr(jax, "device_put", real_put)
+                    monkeypatch.setattr(jax, "device_get", real_get)
+                    if header["delta_against"] is not None:
+                        deltas += 1
+                        values = sum(4 * np.prod(t["shape"]) for t in header["tensors"])
+                        assert sum(put) == header["payload_len"] < values / 3.5 and got == []
+        monkeypatch.setattr(jax, "device_get", counting_get)
+        got.clear()
+        unit.apply_due()
+        monkeypatch.setattr(jax, "device_get", real_get)
+        assert got == []  # an overwriting apply copies on the devices
+    assert deltas >= 3 and unit.dropped_frames == 0
+
+
+def test_a_bad_broadcast_is_dropped_on_the_devices_as_on_the_host(setup):
+    """A broadcast with a nan or negative block scale, a scale whose largest code overflows, a
+    wrong size or a wrong shape is dropped (counted, nothing held changes) by a unit that decodes
+    on its devices exactly when a host-decoding unit drops it."""
+    state = sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0})
+    units = [build_setup.new_unit(setup._replace(spec=setup.spec._replace(device_encode=d)), 0, 0, state)
+             for d in (True, False)]
+    for i in range(6):  # until a merge publishes an int8 delta
+        frames = [u.step().frames for u in units][0]
+        published = []
+        for frame in frames:
+            state, actions = sync.on_contribution(setup.policy, state, frame, float(i))
+            published += [a.frames[0] for a in actions if isinstance(a, sync.Publish)]
+        if published:
+            break
+    msg = messages.decode(published[0])
+    h, payload = msg.header, bytearray(msg.payload)
+    assert h["codec"] == "int8" and h["delta_against"] == 0
+    t0 = h["tensors"][0]
+
+    def forged(scale=None, tensors=None, cut=0):
+        p = bytearray(payload)
+        if scale is not None:
+            p[0:4] = np.float32(scale).tobytes()
+        body = bytes(p[: len(p) - cut])
+        return messages.encode({**h, "tensors": tensors or h["tensors"]}, body)
+
+    bad = [forged(scale=np.nan), forged(scale=-1.0), forged(scale=3e38),
+           forged(tensors=[{**t0, "nbytes": t0["nbytes"] - 1}] + h["tensors"][1:], cut=1),
+           forged(tensors=[{**t0, "shape": [t0["shape"][0] + 1] + t0["shape"][1:]}] + h["tensors"][1:])]
+    for frame in bad:
+        held = [u.latest[h["fragment"]] for u in units]
+        assert [u.receive(frame) for u in units] == [None, None]
+        assert [u.latest[h["fragment"]] for u in units] == held
+    assert [u.dropped_frames for u in units] == [len(bad)] * 2
+    assert [u.receive(published[0]) for u in units] == [(h["fragment"], h["version"])] * 2
+    for path in units[1].latest[h["fragment"]][1]:
+        np.testing.assert_array_equal(units[0].latest[h["fragment"]][1][path], units[1].latest[h["fragment"]][1][path])

@@ -164,3 +164,83 @@ def to_wire(dc: DeviceCodec, raw: np.ndarray, shapes) -> list[bytes]:
         start += size
     return out
 
+
+
+class DeviceDecoder(NamedTuple):
+    """A broadcast codec decoded on the learner's devices (docs/design.md#encoding-on-the-device):
+    `apply(base, payload)` returns the fragment's tensors, base + decode(payload) for a delta and
+    the decoded values themselves for a full copy (base None); `check(header, payload, shapes)`
+    refuses on the host, as the host decoder would, a payload whose sizes or scales are wrong and
+    returns it as a uint8 array, the one thing that crosses to the devices."""
+
+    spec: str
+    check: Any
+    apply: Any
+
+
+def decoder_for(spec: str) -> DeviceDecoder | None:
+    """The device decoder of a broadcast spec: fp32 full copies and the zstd-free block formats
+    (the run's down codecs); None for the rest, which decode on the host."""
+    kw = messages.parse_spec(spec)
+    if kw.get("zstd_level") or (kw["name"] != "fp32" and kw["name"] not in codecs.BLOCK_FORMATS):
+        return None
+    return _decoder(spec, kw["name"], kw.get("block", 64))
+
+
+@functools.lru_cache(maxsize=32)
+def _decoder(spec: str, name: str, block: int) -> DeviceDecoder:
+    fmt = None if name == "fp32" else codecs.BLOCK_FORMATS[name]()
+    per = 1 if fmt is None else 8 // fmt.bits
+
+    def layout(shape):
+        n = math.prod(shape)
+        nb = -(-n // block)
+        return (n, 0, 4 * n) if fmt is None else (n, nb, 4 * nb + -(-n // per))
+
+    def check(header, payload: bytes, shapes) -> np.ndarray:
+        raw = np.frombuffer(payload, np.uint8)
+        start = 0
+        for t, shape in zip(header["tensors"], shapes):
+            n, nb, size = layout(shape)
+            if t["nbytes"] != size:
+                raise messages.MessageError("codec_error", f"{t['path']}: {t['nbytes']} bytes, shape {shape} needs {size}")
+            with np.errstate(over="ignore"):
+                if fmt is None:
+                    values = raw[start:start + size].view("<f4")
+                else:  # every decoded value is finite iff every scale is, times the largest code
+                    values = raw[start:start + 4 * nb].view("<f4") * np.float32(np.abs(fmt.lut).max())
+                    if (values < 0).any():
+                        raise messages.MessageError("codec_error", f"{t['path']}: negative block scale")
+                if not np.isfinite(values).all():
+                    raise messages.MessageError("non_finite", f"{t['path']}: non-finite values")
+            start += size
+        return raw
+
+    def apply(base, payload, zero, shapes):
+        out, start = [], 0
+        for t, shape in enumerate(shapes):
+            n, nb, size = layout(shape)
+            chunk = payload[start:start + size]
+            start += size
+            if fmt is None:
+                values = jax.lax.bitcast_convert_type(chunk.reshape(n, 4), jnp.float32)
+            else:
+                scales = jax.lax.bitcast_convert_type(chunk[: 4 * nb].reshape(nb, 4), jnp.float32)
+                codes = jnp.pad(chunk[4 * nb:], (0, nb * block // per - (size - 4 * nb))).reshape(nb, block // per)
+                lanes = [(codes >> np.uint8(k * fmt.bits)) & np.uint8((1 << fmt.bits) - 1) for k in range(per)]
+                code = jnp.stack(lanes, axis=-1).reshape(nb, block).astype(jnp.int32)
+                if fmt.kind == INT:
+                    value = (code - ((code & (1 << (fmt.bits - 1))) << 1)).astype(jnp.float32)
+                else:
+                    value = jnp.asarray(fmt.lut)[code]
+                values = _rounded(value * scales[:, None], zero).reshape(-1)[:n]
+            values = values.reshape(shape)
+            out.append(values if base is None else base[t] + values)
+        return tuple(out)
+
+    jitted = jax.jit(apply, static_argnums=3)
+
+    def run(base, payload, shapes):
+        return jitted(base, payload, np.uint32(0), tuple(shapes))
+
+    return DeviceDecoder(spec, check, run)

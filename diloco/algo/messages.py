@@ -347,20 +347,13 @@ def unpack_fragment(
         codec = named
     elif _decoder_name(codec.name) != _decoder_name(named.name):
         raise MessageError("wrong_codec", f"header codec {header['codec']!r}, receiver decodes {codec.name!r}")
-    got = {tuple(t["path"]): t for t in header["tensors"]}
-    if set(got) != set(expected):
-        missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
-        raise MessageError("wrong_shape", f"missing tensors {missing}, unexpected tensors {extra}")
+    _check_paths(header, expected)
     # Checked in tensor order, the first fault raised, as a loop would; the decodes themselves
     # run concurrently (zstd and the block kernels release the GIL; hostpool.py).
     jobs, fault, offset = [], None, 0
     for t in header["tensors"]:
         path, shape = tuple(t["path"]), tuple(t["shape"])
-        want_shape, want_dtype = expected[path]
-        if shape != tuple(want_shape):
-            fault = MessageError("wrong_shape", f"{path}: header shape {shape}, expected {tuple(want_shape)}")
-        elif t["dtype"] not in DTYPES or np.dtype(want_dtype) != np.dtype(t["dtype"]):
-            fault = MessageError("wrong_dtype", f"{path}: header dtype {t['dtype']}, expected {np.dtype(want_dtype)}")
+        fault = _tensor_fault(t, expected)
         if fault is not None:
             break
         jobs.append((path, shape, payload[offset:offset + t["nbytes"]]))
@@ -389,6 +382,37 @@ def _decode_one(codec: Codec, path: Path, shape: tuple, chunk: bytes) -> np.ndar
     if x.shape != shape or x.dtype != np.float32:
         return MessageError("codec_error", f"{path}: decoded {x.dtype}{list(x.shape)}, want float32{list(shape)}")
     return x
+
+
+def _check_paths(header: Mapping[str, Any], expected: Mapping[Path, Any]) -> None:
+    got = {tuple(t["path"]) for t in header["tensors"]}
+    if got != set(expected):
+        missing, extra = sorted(set(expected) - got), sorted(got - set(expected))
+        raise MessageError("wrong_shape", f"missing tensors {missing}, unexpected tensors {extra}")
+
+
+def _tensor_fault(t: Mapping[str, Any], expected: Mapping[Path, tuple[Iterable[int], Any]]) -> MessageError | None:
+    """Why a header's tensor entry does not match what the receiver expects, or None."""
+    path, shape = tuple(t["path"]), tuple(t["shape"])
+    want_shape, want_dtype = expected[path]
+    if shape != tuple(want_shape):
+        return MessageError("wrong_shape", f"{path}: header shape {shape}, expected {tuple(want_shape)}")
+    if t["dtype"] not in DTYPES or np.dtype(want_dtype) != np.dtype(t["dtype"]):
+        return MessageError("wrong_dtype", f"{path}: header dtype {t['dtype']}, expected {np.dtype(want_dtype)}")
+    return None
+
+
+def tensor_layout(header: Mapping[str, Any], expected: Mapping[Path, tuple[Iterable[int], Any]]
+                  ) -> list[tuple[Path, tuple[int, ...]]]:
+    """Each tensor's (path, shape) in payload order, checked against `expected` {path: (shape,
+    dtype)} as unpack_fragment checks them: for a receiver that decodes the payload elsewhere
+    (a learner's devices, diloco/algo/device_codecs.py)."""
+    _check_paths(header, expected)
+    for t in header["tensors"]:
+        fault = _tensor_fault(t, expected)
+        if fault is not None:
+            raise fault
+    return [(tuple(t["path"]), tuple(t["shape"])) for t in header["tensors"]]
 
 
 def _decoder_name(name: str) -> str:

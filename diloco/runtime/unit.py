@@ -6,10 +6,12 @@ Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), docs/algorithm
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from diloco.algo import device_codecs
 from diloco.algo import learner as lsm
@@ -26,6 +28,27 @@ class StepResult(NamedTuple):
     loss: float | None  # None unless fetched (fetching syncs the device)
     sends: tuple[lsm.Send, ...]
     frames: tuple[bytes, ...]
+
+
+class DeviceValues(Mapping):
+    """A fragment's values (path -> array) held on the learner's devices: a broadcast decoded
+    there. Read on the host (a snapshot, a rebase, the host encoder), they come over in one
+    transfer, once (docs/design.md#encoding-on-the-device)."""
+
+    def __init__(self, leaves: dict[Path, jax.Array]):
+        self.leaves = leaves
+        self._host: dict | None = None
+
+    def __getitem__(self, path: Path) -> np.ndarray:
+        if self._host is None:
+            self._host = {k: np.asarray(v, np.float32) for k, v in jax.device_get(self.leaves).items()}
+        return self._host[path]
+
+    def __iter__(self):
+        return iter(self.leaves)
+
+    def __len__(self) -> int:
+        return len(self.leaves)
 
 
 class _Ticket(NamedTuple):
@@ -93,7 +116,8 @@ class LearnerUnit:
         # values on the host (sent_local) anyway, so it encodes there.
         self.device_codec = (device_codecs.for_spec(spec.up_spec)
                              if spec.device_encode and not spec.schedule.keep else None)
-        self._device_anchors: dict[int, tuple[jax.Array, ...]] = {}  # fragment -> anchor on the devices
+        # fragment -> (host values, their copy on the devices): the anchor the device encoder reads
+        self._placed: dict[int, tuple[Mapping, dict[Path, jax.Array]]] = {}
         self.host_bytes = 0  # bytes contributions copied from the devices to the host
 
     @property
@@ -122,7 +146,6 @@ class LearnerUnit:
             version, values = self.latest[q.fragment]
             _, before = self.anchors[q.fragment]
             self.anchors[q.fragment] = (version, values)
-            self._device_anchors.pop(q.fragment, None)  # put again from the host when next needed
             if q.kept and not q.answers:  # rebase: Theta' + (local - Theta), the send snapshot too
                 params = self._rebase(params, q.fragment, before, values)
                 continue
@@ -131,18 +154,19 @@ class LearnerUnit:
             sent = self.sent_local.pop(q.fragment, None)
             sent = sent if q.kept else None
             olds = {path: get_path(params, path) for path in values}
+            if sent is None and alpha == 0.0 and self.device_codec is not None:
+                # An overwrite: the params become a copy, made on the devices, of the version's
+                # values there (the next step donates the params; the anchor stays).
+                glob = self._on_device(q.fragment, values)
+                placed = jax.device_put(glob, {path: x.sharding for path, x in olds.items()}, may_alias=False)
+                for path, x in placed.items():
+                    params = set_path(params, path, x)
+                continue
             # One transfer each way per fragment, not one per tensor.
             locals_ = jax.device_get(olds) if sent is not None or alpha != 0.0 else {}
             news = {path: np.asarray(lsm.applied(glob, locals_.get(path), None if sent is None else sent[path],
                                                  alpha), np.float32) for path, glob in values.items()}
             params = self._put(params, olds, news)
-            if sent is None and alpha == 0.0 and self.device_codec is not None:
-                # An overwrite: the params are the anchor now, so the device encoder's anchor is a
-                # copy made on the devices rather than a second transfer (the next step donates
-                # the params).
-                live = tuple(get_path(params, path) for path in sorted(values))
-                self._device_anchors[q.fragment] = jax.device_put(
-                    live, tuple(x.sharding for x in live), may_alias=False)
         self.state = self.state.replace(params=params)
         return tuple(q for q in ready if not q.kept)
 
@@ -232,17 +256,31 @@ class LearnerUnit:
         p = send.fragment
         paths = sorted(self.spec.fragments[p].paths)
         live = tuple(get_path(self.state.params, path) for path in paths)
-        if p not in self._device_anchors:
-            _, anchor = self.anchors[p]
-            self._device_anchors[p] = jax.device_put(tuple(anchor[path] for path in paths),
-                                                     tuple(x.sharding for x in live))
+        anchor = self._on_device(p, self.anchors[p][1])
         residuals = tuple(self._residual(path, x) for path, x in zip(paths, live))
-        payload, new = self.device_codec.encode(self._device_anchors[p], live, residuals)
+        payload, new = self.device_codec.encode(tuple(anchor[path] for path in paths), live, residuals)
         for path, r in zip(paths, new):  # error feedback: the residuals stay on the devices
             self.codec_states[path] = ErrorFeedbackState(r, ())
         local = payload if payload.is_fully_addressable else payload.addressable_data(0)
         local.copy_to_host_async()
         return _Ticket(send, payload=local)
+
+    def _on_device(self, p: int, values: Mapping) -> dict[Path, jax.Array]:
+        """Fragment p's `values` on the learner's devices, on its params' shardings: a broadcast
+        decoded there already is; host values are put there once (a version's values stay the
+        same object until another version replaces them)."""
+        if isinstance(values, DeviceValues):
+            return values.leaves
+        hit = self._placed.get(p)
+        if hit is None or hit[0] is not values:
+            shardings = {path: get_path(self.state.params, path).sharding for path in values}
+            hit = self._placed[p] = (values, jax.device_put(dict(values), shardings))
+        return hit[1]
+
+    def _replicated(self):
+        """A sharding that puts a whole array on every device of the learner."""
+        sharding = jax.tree.leaves(self.state.params)[0].sharding
+        return NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding) else sharding
 
     def _residual(self, path: Path, like: jax.Array):
         if not self.device_codec.error_feedback:
@@ -313,24 +351,36 @@ class LearnerUnit:
         return tensors, payload
 
     def receive(self, frame: bytes) -> tuple[int, int] | None:
-        """A broadcast arrived: decode it against the newest version held; (fragment, version) or None."""
+        """A broadcast arrived: decode it against the newest version held; (fragment, version) or
+        None. A unit that encodes on its devices decodes there too (when the frame's codec has a
+        device decoder): only the payload crosses, and the values stay there."""
         try:
             msg = messages.decode(frame)
             h = msg.header
             p = h["fragment"]
             frag = self.spec.fragments[p]
             base_version, base = self.latest[p]
-            expected = {path: (base[path].shape, np.float32) for path in frag.paths}
-            values = messages.unpack_fragment(h, msg.payload, None, expected)
+            expected = {path: (get_path(self.state.params, path).shape, np.float32) for path in frag.paths}
+            decoder = None if self.device_codec is None else device_codecs.decoder_for(h["codec"])
+            if decoder is None:
+                values = messages.unpack_fragment(h, msg.payload, None, expected)
+            else:
+                layout = messages.tensor_layout(h, expected)
+                raw = decoder.check(h, msg.payload, [shape for _, shape in layout])
         except (messages.MessageError, IndexError, KeyError):
             self.dropped_frames += 1
             return None
         if h["version"] <= base_version:
             return None
-        if h["delta_against"] is not None:
-            if h["delta_against"] != base_version:  # cannot decode: wait for a full copy
-                self.dropped_frames += 1
-                return None
+        if h["delta_against"] is not None and h["delta_against"] != base_version:
+            self.dropped_frames += 1  # cannot decode: wait for a full copy
+            return None
+        if decoder is not None:
+            on_device = None if h["delta_against"] is None else self._on_device(p, base)
+            leaves = decoder.apply(None if on_device is None else tuple(on_device[path] for path, _ in layout),
+                                   jax.device_put(raw, self._replicated()), [shape for _, shape in layout])
+            values = DeviceValues(dict(zip((path for path, _ in layout), leaves)))
+        elif h["delta_against"] is not None:
             values = {path: base[path] + values[path] for path in values}
         self.latest[p] = (h["version"], values)
         self.ls = lsm.on_fragment(self.ls, self.spec.schedule, p, h["version"], messages.merged_keys(h))
