@@ -3,6 +3,7 @@
     python benchmarks/syncer_round.py                       # the grid: M = 2, 4, 8, 16 x 0.1M..40M values
     python benchmarks/syncer_round.py --learners 8 --sizes 3.34e6 --repeats 7
     python benchmarks/syncer_round.py --startup             # init + first rounds of the 100.7M model
+    python benchmarks/syncer_round.py --cores --learners 16 --sizes 3.88e7   # one core against all
     git show 1d226a6:diloco/algo/roundsum.py > /tmp/roundsum_before.py  # the numpy passes
     python benchmarks/syncer_round.py --learners 8 --sizes 3.34e6 --baseline /tmp/roundsum_before.py
 
@@ -10,13 +11,21 @@ A round is M contributions of one fragment (int4 + zstd up, int8 down: the run's
 K = M, so the M-th contribution merges (RDA, outer Nesterov) and publishes. Timed: the M calls of
 `on_contribution` (frames encoded beforehand), the last of them alone (admission of the last one
 plus the close of the round: merge, outer step, broadcast), and `np.copyto` of M x N float32
-values, the bytes of the round's contributions in fp32, interleaved with the rounds so both see the
-same load. Every figure is a median with its min and max over `--repeats` rounds, after one
-untimed round (it compiled the merge before the streaming accumulator made init compile it).
+values (one N-value buffer copied M times), the bytes of the round's contributions in fp32,
+interleaved with the rounds so both see the same load. Every figure is a median with its min and
+max over `--repeats` rounds, after one untimed round (it compiled the merge before the streaming
+accumulator made init compile it).
 
 `--baseline FILE` (another version of diloco/algo/roundsum.py) times its per-contribution passes
 (delta, the sum update, norms) against the current ones in the same process, rounds alternated
 A B B A so both see the same load, and adds the paired ratio baseline / current per round pair.
+
+`--cores` runs one round of --sizes[0] values and --learners[0] contributions in two processes, one
+pinned to one core (as `taskset -c 0`, so hostpool gives it one thread) and one on every core this
+one may use, rounds alternated A B B A after one untimed round each, and reports each round's time,
+its last contribution and its peak resident memory (VmHWM, reset before the round) over the memory
+held before it; the contributions are encoded once and framed again per round. Writes
+benchmarks/results/syncer_round.json (or --label, --out):
 
 `--startup` times `sync.init` of the 100.7M-parameter model (24 fragments, M = 8: what compiles
 there) and then the first and second round of every fragment: first - second is the compile
@@ -218,7 +227,8 @@ def serve(args) -> None:
         del frames
         _, peak = memory_mb()
         print("@@" + json.dumps({"round_s": seconds, "last_contribution_s": close, "rss_before_mb": before,
-                                 "peak_mb": peak, "memcpy_s": memcpy(dst, src, M)}), flush=True)
+                                 "peak_mb": peak, "growth_mb": peak - before, "memcpy_s": memcpy(dst, src, M)}),
+              flush=True)
 
 
 def cores(args) -> dict:
@@ -246,8 +256,8 @@ def cores(args) -> dict:
         rows[name].append(reply(name))
         r = rows[name][-1]
         print(f"{name:3s} ({setup[name]['threads']} threads): round {r['round_s']:.3f} s, last contribution "
-              f"{r['last_contribution_s']:.3f} s, peak {r['peak_mb']:.0f} MB (from {r['rss_before_mb']:.0f})",
-              flush=True)
+              f"{r['last_contribution_s']:.3f} s, peak {r['peak_mb']:.0f} MB (+{r['growth_mb']:.0f} over the "
+              f"{r['rss_before_mb']:.0f} before it)", flush=True)
     for p in procs.values():
         p.stdin.close()
         p.wait()
@@ -255,7 +265,7 @@ def cores(args) -> dict:
     paired = [a["round_s"] / b["round_s"] for a, b in zip(timed["one"], timed["all"])]
     out = {name: {"threads": setup[name]["threads"], "cores": setup[name]["cores"], "values": setup[name]["values"],
                   **{k: spread([r[k] for r in xs]) for k in ("round_s", "last_contribution_s", "memcpy_s", "peak_mb",
-                                                             "rss_before_mb")}}
+                                                             "rss_before_mb", "growth_mb")}, "rounds": xs}
            for name, xs in timed.items()}
     out["one_over_all"] = spread(paired)
     print(f"one core / all ({len(allowed)}): {statistics.median(paired):.2f} [{min(paired):.2f}, {max(paired):.2f}] "
