@@ -136,6 +136,10 @@ def run_incarnation(port: LearnerPort, unit: LearnerUnit, cfg: TrainConfig, spee
         log = report.due(unit.ls.step + 1, cfg.run.log_every, steps)
         result = unit.step(fetch_loss=log, rows=rows, defer=True)
         release(overlapped=True)  # the previous step's frames, while this one runs
+        # Broadcasts that came during the step are taken while it runs too: their checksums,
+        # checks and transfers overlap the devices' work. What they schedule is applied before
+        # the next step, as when the next pass's poll takes them (which takes any later ones).
+        port.poll(unit)
         jax.block_until_ready(unit.state)  # dispatch is asynchronous: time the step, not its launch
         compute = port.clock() - start
         saved = checkpoints.maybe_save(unit)

@@ -6,7 +6,8 @@ Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), docs/algorithm
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import jax
@@ -51,6 +52,30 @@ class DeviceValues(Mapping):
         return len(self.leaves)
 
 
+class _Job:
+    """A send's byte work (collect, zstd, checksum, HMAC, frame) on a thread of its own, begun
+    when its step is dispatched: it waits for the payload's copy and never holds the step's path
+    (zstd and the hashes release the GIL). The thread ends with its job."""
+
+    def __init__(self, fn: Callable[[], tuple[bytes, int]]):
+        self._out: tuple[bytes, int] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="diloco-frame", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._out = fn()
+        except BaseException as e:  # raised again, where the frame is asked for
+            self._error = e
+
+    def result(self) -> tuple[bytes, int]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._out
+
+
 class _Ticket(NamedTuple):
     """One send on its way to a frame: the packed payload a device encode is copying to the host,
     or (host encode) device copies of the fragment's params, encoded on the host later."""
@@ -58,6 +83,7 @@ class _Ticket(NamedTuple):
     send: lsm.Send
     payload: jax.Array | None = None
     snapshot: dict[Path, jax.Array] | None = None
+    job: _Job | None = None  # the payload's frame, being made on a thread of its own
 
 
 class _Deferred(NamedTuple):
@@ -263,6 +289,9 @@ class LearnerUnit:
             self.codec_states[path] = ErrorFeedbackState(r, ())
         local = payload if payload.is_fully_addressable else payload.addressable_data(0)
         local.copy_to_host_async()
+        shapes = [tuple(x.shape) for x in live]
+        if copy:  # deferred: framed on a thread while the devices compute
+            return _Ticket(send, job=_Job(lambda: self._device_frame(send, local, paths, shapes)))
         return _Ticket(send, payload=local)
 
     def _on_device(self, p: int, values: Mapping) -> dict[Path, jax.Array]:
@@ -301,8 +330,7 @@ class LearnerUnit:
         for i, d in enumerate(self._deferred[:count]):
             if d.frames is None:
                 self._deferred[i] = d._replace(frames=tuple(self._frame(t) for t in d.tickets),
-                                               tickets=tuple(t._replace(payload=None, snapshot=None)
-                                                             for t in d.tickets))
+                                               tickets=tuple(_Ticket(t.send) for t in d.tickets))
 
     def flush(self) -> StepResult:
         """Final contributions of every fragment with unsent progress (see learner.flush)."""
@@ -311,28 +339,36 @@ class LearnerUnit:
         return StepResult(0, None, sends, tuple(self._frame(self._start(send, copy=False)) for send in sends))
 
     def _frame(self, ticket: _Ticket) -> bytes:
-        """The frame of a started send: its device payload collected and framed, or its params
-        encoded on the host."""
+        """The frame of a started send: made on its thread, made now from its device payload,
+        or its params encoded on the host."""
         send = ticket.send
-        if ticket.payload is None:
-            tensors, payload = self._encode_host(send, ticket.snapshot)
-        else:
+        if ticket.job is not None:
+            frame, nbytes = ticket.job.result()
+        elif ticket.payload is not None:
             paths = sorted(self.spec.fragments[send.fragment].paths)
-            shapes = [tuple(self._shape(path)) for path in paths]
-            raw = np.asarray(jax.device_get(ticket.payload))  # waits for the copy started at the step
-            self.host_bytes += raw.nbytes
-            chunks = device_codecs.to_wire(self.device_codec, raw, shapes)
-            tensors = [{"path": list(path), "shape": list(shape), "dtype": "float32", "nbytes": len(c)}
-                       for path, shape, c in zip(paths, shapes, chunks)]
-            payload = b"".join(chunks)
+            frame, nbytes = self._device_frame(send, ticket.payload, paths,
+                                               [tuple(get_path(self.state.params, path).shape) for path in paths])
+        else:
+            tensors, payload = self._encode_host(send, ticket.snapshot)
+            return self._framed(send, tensors, payload)
+        self.host_bytes += nbytes
+        return frame
+
+    def _device_frame(self, send: lsm.Send, payload: jax.Array, paths, shapes) -> tuple[bytes, int]:
+        """(frame, bytes copied to the host) of a device-encoded send. Reads nothing that changes
+        after the send started, so it may run on a thread of its own."""
+        raw = np.asarray(jax.device_get(payload))  # waits for the copy started at the step
+        chunks = device_codecs.to_wire(self.device_codec, raw, shapes)
+        tensors = [{"path": list(path), "shape": list(shape), "dtype": "float32", "nbytes": len(c)}
+                   for path, shape, c in zip(paths, shapes, chunks)]
+        return self._framed(send, tensors, b"".join(chunks)), raw.nbytes
+
+    def _framed(self, send: lsm.Send, tensors: list, payload: bytes) -> bytes:
         header = {"kind": "contribution", "learner": self.learner, "incarnation": self.ls.incarnation,
                   "seq": send.seq, "fragment": send.fragment, "base_version": send.base_version,
                   "version": send.base_version, "c_steps": send.c_steps, "c_tokens": send.c_tokens,
                   "codec": self.spec.up_spec, "delta_against": None, "tensors": tensors}
         return messages.encode(header, payload, self._key)
-
-    def _shape(self, path: Path) -> tuple[int, ...]:
-        return get_path(self.state.params, path).shape
 
     def _encode_host(self, send: lsm.Send, snapshot: dict[Path, jax.Array]) -> tuple[list, bytes]:
         """Quantize anchor - local (a pseudo-gradient against a version the syncer holds) on the
