@@ -37,6 +37,8 @@ _POOL: list = [None, 0]  # the executor and its worker count, made on first use
 _IDLE = 2  # unreferenced buffers of one size kept for reuse by aligned_empty (the rest are freed)
 _BUFFERS_LOCK = threading.Lock()
 _BUFFERS: dict[int, list[np.ndarray]] = {}  # aligned_empty's owners by value count, in use or idle
+_PROBE = [object()]
+_ONLY_LISTED = sys.getrefcount(_PROBE[0])  # what that count reads for an object only a list holds
 
 
 def threads() -> int:
@@ -137,7 +139,7 @@ def aligned_empty(n: int) -> np.ndarray:
         return _aligned(np.empty(4 * n + 64, np.uint8), n)
     with _BUFFERS_LOCK:
         owners = _BUFFERS.setdefault(n, [])
-        idle = [i for i in range(len(owners)) if sys.getrefcount(owners[i]) == 2]  # the list's and the call's
+        idle = [i for i in range(len(owners)) if sys.getrefcount(owners[i]) == _ONLY_LISTED]
         for i in reversed(idle[_IDLE:]):
             del owners[i]
         if idle:
