@@ -61,7 +61,7 @@ def codec_check(preset: str, vocab: int, P: int) -> dict:
             local = noise(local, jax.random.key(r), np.float32(scale))
             t = time.perf_counter()
             raw, residuals = dc.encode(anchor, local, residuals)
-            got = device_codecs.to_wire(dc, np.asarray(jax.device_get(raw)), shapes)
+            got = device_codecs.to_wire(dc, jax.device_get(raw), shapes)
             device_s = time.perf_counter() - t
             t = time.perf_counter()
             diff = pseudo_gradient(anchor_host, {path: np.asarray(x) for path, x in zip(frag.paths, local)})

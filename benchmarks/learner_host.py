@@ -102,15 +102,17 @@ def main() -> None:
 
     def send_start():
         payload, _ = dc.encode(tuple(anchor[q] for q in paths), tuple(local[q] for q in paths), ())
-        payload.copy_to_host_async()
+        for x in jax.tree.leaves(payload):
+            x.copy_to_host_async()
         return payload
 
     def send_frame(payload):
-        raw = np.asarray(jax.device_get(payload))
+        raw = jax.device_get(payload)
         chunks = device_codecs.to_wire(dc, raw, [shapes[q] for q in paths])
         tensors = [{"path": list(q), "shape": list(shapes[q]), "dtype": "float32", "nbytes": len(c)}
                    for q, c in zip(paths, chunks)]
-        return messages.encode(header("contribution", args.up, tensors), b"".join(chunks)), raw.nbytes
+        return (messages.encode(header("contribution", args.up, tensors), b"".join(chunks)),
+                sum(x.nbytes for x in jax.tree.leaves(raw)))
 
     # The int8 delta a merge sends back, against the version the learner holds (its anchor).
     delta = {q: rng.standard_normal(shapes[q], np.float32) * 1e-3 for q in paths}

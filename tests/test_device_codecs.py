@@ -47,7 +47,7 @@ def test_device_payloads_and_residuals_are_the_host_codecs(spec, seed, sizes, sc
     states = {}
     for _ in range(3):
         raw, residuals = dc.encode(tuple(anchor), tuple(local), residuals)
-        got = device_codecs.to_wire(dc, np.asarray(raw), shapes)
+        got = device_codecs.to_wire(dc, jax.device_get(raw), shapes)
         want = host_payloads(spec, [a - x for a, x in zip(anchor, local)], states)
         assert got == want
         for i in range(len(shapes) if dc.error_feedback else 0):
@@ -67,7 +67,7 @@ def test_a_non_finite_value_is_refused_and_leaves_the_residual(bad):
     residual = np.full(200, 0.25, np.float32)
     raw, (new,) = dc.encode((x,), (np.zeros(200, np.float32),), (residual,))
     with pytest.raises(codecs.NonFiniteError):
-        device_codecs.to_wire(dc, np.asarray(raw), [(200,)])
+        device_codecs.to_wire(dc, jax.device_get(raw), [(200,)])
     np.testing.assert_array_equal(np.asarray(new), residual)
 
 
@@ -228,3 +228,40 @@ def test_a_bad_broadcast_is_dropped_on_the_devices_as_on_the_host(setup):
     assert [u.receive(published[0]) for u in units] == [(h["fragment"], h["version"])] * 2
     for path in units[1].latest[h["fragment"]][1]:
         np.testing.assert_array_equal(units[0].latest[h["fragment"]][1][path], units[1].latest[h["fragment"]][1][path])
+
+
+@pytest.mark.parametrize("spec,specs,cuts", [
+    ("int4+ef", {(8, 512): ("fsdp", None), (3, 1024): (None, "fsdp"), (6, 4, 64): (None, "fsdp", None)},
+     [(1, 4, 1024), (3, 4, 256), (6, 4, 64)]),
+    ("2bit+ef+zstd1", {(8, 512): ("fsdp", None), (6, 4, 64): (None, "fsdp", None)}, [(1, 4, 1024), (6, 4, 64)]),
+    ("int8+b32", {(3, 1024): (None, "fsdp"), (5, 96): (None, "fsdp")}, [(3, 4, 256), (1, 1, 480)]),
+])
+def test_each_device_quantises_its_own_shard(spec, specs, cuts):
+    """fsdp-split tensors whose shards are whole blocks are cut per shard (no gather in the
+    compiled encode; the scales and codes stay split) and still give the host codec's bytes and
+    residuals; a tensor whose shards split a block ((5, 96): runs of 24) is gathered first, with
+    the same bytes."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 4), ("data", "fsdp"))
+    dc = device_codecs.for_spec(spec)
+    rng = np.random.default_rng(1)
+    shapes = list(specs)
+    shardings = [NamedSharding(mesh, PartitionSpec(*specs[s])) for s in shapes]
+    assert [device_codecs.layout(s, sh, dc.block) for s, sh in zip(shapes, shardings)] == cuts
+    anchor = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    local = [(a - rng.standard_normal(s) * 1e-2).astype(np.float32) for a, s in zip(anchor, shapes)]
+    put = lambda xs: tuple(jax.device_put(x, sh) for x, sh in zip(xs, shardings))  # noqa: E731
+    residuals = put([np.zeros(s, np.float32) for s in shapes]) if dc.error_feedback else ()
+    states = {}
+    for _ in range(2):
+        pieces, residuals = dc.encode(put(anchor), put(local), residuals)
+        assert device_codecs.to_wire(dc, jax.device_get(pieces), shapes) == host_payloads(
+            spec, [a - x for a, x in zip(anchor, local)], states)
+        for i in range(len(shapes) if dc.error_feedback else 0):
+            np.testing.assert_array_equal(np.asarray(residuals[i]), states[i].residual)
+        for (scales, _), (_, parts, _) in zip(pieces, cuts):
+            assert scales.sharding.is_fully_replicated == (parts == 1)
+        local = [(x - rng.standard_normal(x.shape) * 1e-2).astype(np.float32) for x in local]
+    text = dc.lower(put(anchor), put(local), residuals).compile().as_text()
+    assert ("all-gather" in text) == any(parts == 1 for _, parts, _ in cuts)

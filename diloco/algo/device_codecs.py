@@ -43,9 +43,10 @@ class DeviceCodec(NamedTuple):
     """A contribution codec whose value transform runs on the learner's devices.
 
     `encode(anchor, local, residuals)` takes a fragment's tensors (tuples in sorted path order, as
-    the wire carries them) and returns (the payload of every tensor concatenated, uint8; the new
-    residuals, () without error feedback). `sizes(shapes)` gives each tensor's payload bytes;
-    `zstd_level` is the host's stage after it (0: none)."""
+    the wire carries them) and returns (each tensor's (scales, packed codes), cut by `layout` so
+    that each device quantises its own shard; the new residuals, () without error feedback).
+    `to_wire` makes the payloads of them once they are on the host; `sizes(shapes)` gives each
+    tensor's payload bytes; `zstd_level` is the host's stage after it (0: none)."""
 
     spec: str
     block: int
@@ -53,6 +54,7 @@ class DeviceCodec(NamedTuple):
     zstd_level: int
     encode: Any
     sizes: Any
+    lower: Any  # encode's arguments -> its lowered jitted function (to read the compiled program)
 
 
 def for_spec(spec: str) -> DeviceCodec | None:
@@ -63,6 +65,31 @@ def for_spec(spec: str) -> DeviceCodec | None:
     if fmt is None:
         return None
     return _build(spec, kw["name"], kw.get("block", 64), bool(kw.get("error_feedback")), kw.get("zstd_level", 0))
+
+
+def layout(shape: tuple[int, ...], sharding, block: int) -> tuple[int, int, int]:
+    """How a tensor's blocks are cut so that each device quantises its own shard: (outer, parts,
+    run), the flattened tensor seen as outer x parts runs of `run` values, the parts being the
+    shards of its one sharded dimension. It applies when every run is whole blocks, so no block
+    spans two shards; otherwise (1, 1, n), and XLA gathers the tensor before it is cut. Either
+    way the blocks, hence the bytes, are the same: only where they are computed changes."""
+    n = math.prod(shape)
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    if spec is None or mesh is None:
+        return 1, 1, n
+    split = [(d, math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else e)))
+             for d, e in enumerate(tuple(spec)[:len(shape)]) if e is not None]
+    split = [(d, k) for d, k in split if k > 1]
+    if len(split) != 1:
+        return 1, 1, n
+    d, parts = split[0]
+    if shape[d] % parts:
+        return 1, 1, n
+    run = shape[d] // parts * math.prod(shape[d + 1:])
+    if run % block:
+        return 1, 1, n
+    return math.prod(shape[:d]), parts, run
 
 
 @functools.lru_cache(maxsize=32)
@@ -78,25 +105,27 @@ def _build(spec: str, name: str, block: int, error_feedback: bool, zstd_level: i
             out.append(4 * -(-n // block) + -(-n // per))
         return tuple(out)
 
-    def encode(anchor, local, residuals, zero):
-        payloads, new_residuals = [], []
+    def encode(anchor, local, residuals, zero, layouts):
+        pieces, new_residuals = [], []
         for t, (a, x) in enumerate(zip(anchor, local)):
             # the pseudo-gradient, as merge.pseudo_gradient computes it on the host
             diff = jnp.asarray(a, jnp.float32) - jnp.asarray(x, jnp.float32)
             target = diff + residuals[t] if error_feedback else diff
-            payload, decoded, finite = _encode_tensor(target.reshape(-1), fmt, block, zero)
-            payloads.append(payload)
+            scales, packed, decoded, finite = _encode_tensor(target, fmt, block, zero, layouts[t])
+            pieces.append((scales, packed))
             if error_feedback:  # a refused contribution leaves the residual as it was
-                new = jnp.where(finite, target - decoded.reshape(target.shape), residuals[t])
+                new = jnp.where(finite, target - decoded, residuals[t])
                 new_residuals.append(new)
-        return jnp.concatenate(payloads), tuple(new_residuals)
+        return tuple(pieces), tuple(new_residuals)
 
-    jitted = jax.jit(encode)
+    jitted = jax.jit(encode, static_argnums=4)
 
-    def run(anchor, local, residuals):
-        return jitted(anchor, local, residuals, np.uint32(0))
+    def args(anchor, local, residuals):
+        layouts = tuple(layout(tuple(x.shape), getattr(x, "sharding", None), block) for x in local)
+        return anchor, local, residuals, np.uint32(0), layouts
 
-    return DeviceCodec(spec, block, error_feedback, zstd_level, run, sizes)
+    return DeviceCodec(spec, block, error_feedback, zstd_level, lambda *a: jitted(*args(*a)), sizes,
+                       lambda *a: jitted.lower(*args(*a)))
 
 
 def _rounded(x, zero):
@@ -107,17 +136,24 @@ def _rounded(x, zero):
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _encode_tensor(x, fmt, block: int, zero):
-    """(payload uint8, decoded float32 values, all finite) of one flat float32 tensor."""
-    n = x.shape[0]
-    nb = -(-n // block)
+def _encode_tensor(x, fmt, block: int, zero, cut: tuple[int, int, int]):
+    """(scales float32, packed codes uint8, decoded values in x's shape, all finite) of one
+    tensor, cut as `layout` says: scales (outer, parts, blocks) and codes (outer, parts, blocks,
+    block * bits / 8), which read in row-major order are the wire's; a tensor of one part whose
+    last block is partial is padded with zeros, and its codes cut after the last value."""
+    n = math.prod(x.shape)
     per = 8 // fmt.bits
-    xb = jnp.pad(x, (0, nb * block - n)).reshape(nb, block)
-    m = jnp.max(jax.lax.bitcast_convert_type(xb, jnp.uint32) & _ABS, axis=1)
+    outer, parts, run = cut
+    nb = -(-run // block)
+    if parts == 1 and run % block:
+        xb = jnp.pad(x.reshape(-1), (0, nb * block - n)).reshape(1, 1, nb, block)
+    else:
+        xb = x.reshape(outer, parts, nb, block)
+    m = jnp.max(jax.lax.bitcast_convert_type(xb, jnp.uint32) & _ABS, axis=-1)
     finite = m < _EXP
     # XLA turns a division by a broadcast scalar into a multiplication by its reciprocal, which
     # rounds differently; a divisor array behind a barrier keeps it a true division, as numpy's.
-    levels = jax.lax.optimization_barrier(jnp.full((nb,), np.float32(fmt.levels)))
+    levels = jax.lax.optimization_barrier(jnp.full(m.shape, np.float32(fmt.levels)))
     s = jax.lax.bitcast_convert_type(m, jnp.float32) / levels
     # The host keeps s > 0 as it computed it, subnormal or not; XLA on the CPU flushes a subnormal
     # s to 0, so whether it is positive is read off the integer absmax instead (levels is odd, so
@@ -126,7 +162,7 @@ def _encode_tensor(x, fmt, block: int, zero):
     floor = jnp.maximum(s, _TINY)
     scales = jnp.where(positive, floor, np.float32(0.0))
     scales = jnp.where(finite, scales, np.float32(np.nan))
-    y = _rounded(xb * (np.float32(1.0) / floor)[:, None], zero)
+    y = _rounded(xb * (np.float32(1.0) / floor)[..., None], zero)
     if fmt.kind == INT:
         code = jax.lax.round(y, jax.lax.RoundingMethod.TO_NEAREST_EVEN).astype(jnp.int32) & ((1 << fmt.bits) - 1)
         sign = 1 << (fmt.bits - 1)
@@ -139,31 +175,29 @@ def _encode_tensor(x, fmt, block: int, zero):
         u = jax.lax.round((y + np.float32(3.0)) * np.float32(0.5), jax.lax.RoundingMethod.TO_NEAREST_EVEN)
         code = jnp.clip(u, 0, 3).astype(jnp.int32)
         value = jnp.asarray(fmt.lut)[code]
-    decoded = _rounded(value * scales[:, None], zero).reshape(-1)[:n]
-    lanes = code.astype(jnp.uint8).reshape(nb, block // per, per)
+    decoded = _rounded(value * scales[..., None], zero)
+    decoded = (decoded.reshape(-1)[:n] if decoded.size != n else decoded).reshape(x.shape)
+    lanes = code.astype(jnp.uint8).reshape(*code.shape[:-1], block // per, per)
     packed = lanes[..., 0]
     for k in range(1, per):  # low bits first
         packed = packed | (lanes[..., k] << np.uint8(k * fmt.bits))
-    packed = packed.reshape(-1)[: -(-n // per)]
-    scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(-1)  # little-endian float32
-    return jnp.concatenate([scale_bytes, packed]), decoded, jnp.all(finite)
+    if packed.size * per != n:  # a partial last block: its codes past the tensor are not sent
+        packed = packed.reshape(-1)[: -(-n // per)]
+    return scales, packed, decoded, jnp.all(finite)
 
 
-def to_wire(dc: DeviceCodec, raw: np.ndarray, shapes) -> list[bytes]:
-    """Each tensor's wire bytes from a fragment's device payload, now on the host: the scales
-    checked (a nan scale is a block that held inf or nan: NonFiniteError, as the host encoder
-    raises), then zstd when the spec has it."""
-    out, start = [], 0
-    for size, shape in zip(dc.sizes(shapes), shapes):
-        chunk = raw[start:start + size]
-        scales = chunk[: 4 * -(-math.prod(shape) // dc.block)].view("<f4")
+def to_wire(dc: DeviceCodec, pieces, shapes) -> list[bytes]:
+    """Each tensor's wire bytes from its (scales, packed codes) on the host: the scales checked
+    (a nan scale is a block that held inf or nan: NonFiniteError, as the host encoder raises),
+    then zstd when the spec has it."""
+    out = []
+    for (scales, packed), shape in zip(pieces, shapes):
+        scales = np.asarray(scales, "<f4").reshape(-1)
         if not np.isfinite(scales).all():  # one float per block: a small pass
             raise codecs.NonFiniteError(f"{dc.spec}: non-finite values (nan or inf) cannot be encoded")
-        payload = chunk.tobytes()
+        payload = scales.tobytes() + np.asarray(packed, np.uint8).tobytes()
         out.append(codecs.zstd_compress(payload, dc.zstd_level) if dc.zstd_level else payload)
-        start += size
     return out
-
 
 
 class DeviceDecoder(NamedTuple):

@@ -52,6 +52,18 @@ class DeviceValues(Mapping):
         return len(self.leaves)
 
 
+def _host_copy(x: jax.Array) -> np.ndarray:
+    """x on the host. A learner of several processes holds a whole replica of its params in each
+    (its fsdp axis stays within a process: diloco/runtime/world.py), so the shards this process
+    holds make up the whole array, and no collective is needed."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    out = np.empty(x.shape, x.dtype)
+    for shard in x.addressable_shards:
+        out[shard.index] = np.asarray(jax.device_get(shard.data))
+    return out
+
+
 class _Job:
     """A send's byte work (collect, zstd, checksum, HMAC, frame) on a thread of its own, begun
     when its step is dispatched: it waits for the payload's copy and never holds the step's path
@@ -81,7 +93,7 @@ class _Ticket(NamedTuple):
     or (host encode) device copies of the fragment's params, encoded on the host later."""
 
     send: lsm.Send
-    payload: jax.Array | None = None
+    payload: tuple | None = None  # device encode: each tensor's (scales, codes), copying to the host
     snapshot: dict[Path, jax.Array] | None = None
     job: _Job | None = None  # the payload's frame, being made on a thread of its own
 
@@ -284,15 +296,16 @@ class LearnerUnit:
         live = tuple(get_path(self.state.params, path) for path in paths)
         anchor = self._on_device(p, self.anchors[p][1])
         residuals = tuple(self._residual(path, x) for path, x in zip(paths, live))
-        payload, new = self.device_codec.encode(tuple(anchor[path] for path in paths), live, residuals)
+        pieces, new = self.device_codec.encode(tuple(anchor[path] for path in paths), live, residuals)
         for path, r in zip(paths, new):  # error feedback: the residuals stay on the devices
             self.codec_states[path] = ErrorFeedbackState(r, ())
-        local = payload if payload.is_fully_addressable else payload.addressable_data(0)
-        local.copy_to_host_async()
+        for x in jax.tree.leaves(pieces):
+            for part in ((x,) if x.is_fully_addressable else (s.data for s in x.addressable_shards)):
+                part.copy_to_host_async()
         shapes = [tuple(x.shape) for x in live]
         if copy:  # deferred: framed on a thread while the devices compute
-            return _Ticket(send, job=_Job(lambda: self._device_frame(send, local, paths, shapes)))
-        return _Ticket(send, payload=local)
+            return _Ticket(send, job=_Job(lambda: self._device_frame(send, pieces, paths, shapes)))
+        return _Ticket(send, payload=pieces)
 
     def _on_device(self, p: int, values: Mapping) -> dict[Path, jax.Array]:
         """Fragment p's `values` on the learner's devices, on its params' shardings: a broadcast
@@ -354,14 +367,14 @@ class LearnerUnit:
         self.host_bytes += nbytes
         return frame
 
-    def _device_frame(self, send: lsm.Send, payload: jax.Array, paths, shapes) -> tuple[bytes, int]:
+    def _device_frame(self, send: lsm.Send, payload, paths, shapes) -> tuple[bytes, int]:
         """(frame, bytes copied to the host) of a device-encoded send. Reads nothing that changes
         after the send started, so it may run on a thread of its own."""
-        raw = np.asarray(jax.device_get(payload))  # waits for the copy started at the step
-        chunks = device_codecs.to_wire(self.device_codec, raw, shapes)
+        host = jax.tree.map(_host_copy, payload)  # waits for the copies started at the step
+        chunks = device_codecs.to_wire(self.device_codec, host, shapes)
         tensors = [{"path": list(path), "shape": list(shape), "dtype": "float32", "nbytes": len(c)}
                    for path, shape, c in zip(paths, shapes, chunks)]
-        return self._framed(send, tensors, b"".join(chunks)), raw.nbytes
+        return self._framed(send, tensors, b"".join(chunks)), sum(x.nbytes for x in jax.tree.leaves(host))
 
     def _framed(self, send: lsm.Send, tensors: list, payload: bytes) -> bytes:
         header = {"kind": "contribution", "learner": self.learner, "incarnation": self.ls.incarnation,
