@@ -53,6 +53,7 @@ from diloco.algo import hostpool, messages, quorum, roundsum  # noqa: E402
 from diloco.algo import syncer as sync  # noqa: E402
 from diloco.algo.fragments import Fragment, make_fragments  # noqa: E402
 from diloco.algo.outer import make_outer  # noqa: E402
+from diloco.runtime import keepup  # noqa: E402
 
 WIDTH = 768  # the rows of a d_model = 768 layer
 
@@ -73,20 +74,13 @@ def policy(M: int, up: str, down: str) -> sync.Policy:
 
 def payloads_for(st, p: int, M: int, codec, rng) -> list[tuple[list, bytes]]:
     """M encoded contributions to fragment p: (tensors, payload) each."""
-    out = []
-    for _ in range(M):
-        diff = {path: rng.standard_normal(x.shape, np.float32) * 1e-3 for path, x in st.fragments[p].theta.items()}
-        out.append(messages.pack_fragment(diff, codec)[:2])
-    return out
+    return keepup.random_payloads(st.fragments[p].theta, M, codec, rng)
 
 
 def frames_of(st, p: int, payloads, seq: int, spec: str) -> list[bytes]:
     """One frame per payload, learner m sending the m-th, against fragment p's current version."""
-    fs = st.fragments[p]
-    return [messages.encode({"kind": "contribution", "learner": m, "incarnation": 0, "seq": seq, "fragment": p,
-                             "base_version": fs.version, "version": fs.version, "c_steps": 24,
-                             "c_tokens": 24 * 4096 * (1 + m % 3), "codec": spec, "delta_against": None,
-                             "tensors": tensors}, payload)
+    version = st.fragments[p].version
+    return [keepup.contribution_frame(p, version, m, seq, spec, tensors, payload, 24, 24 * 4096 * (1 + m % 3))
             for m, (tensors, payload) in enumerate(payloads)]
 
 

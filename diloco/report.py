@@ -134,6 +134,9 @@ def render_summary(summary: dict[str, Any], title: str) -> str:
         if g("dp_bytes_over_diloco"):
             text += f"; {g('dp_bytes_over_diloco'):.1f}x fewer bytes than data parallel"
         lines.append(("traffic", text))
+    syncer = _syncer_line(summary)
+    if syncer:
+        lines.append(("syncer", syncer))
     if g("goodput") is not None:
         lines.append(("goodput, uptime", f"{_pct(g('goodput'))}, {_pct(g('uptime', 0.0))}"))
     failures = [f"{g(k):,} {label}" for k, label in (("learner_deaths", "learner deaths"), ("rejoins", "rejoins"),
@@ -153,6 +156,22 @@ def render_summary(summary: dict[str, Any], title: str) -> str:
                    f"{g('unigram_loss'):.4f}: the model predicts worse than token frequencies alone "
                    "(too few steps, or a learning rate too high?)")
     return "\n".join(out)
+
+
+def _syncer_line(summary: dict[str, Any]) -> str:
+    """The syncer's busy time (a share of the wall on a wall clock) and the start-up check's
+    predicted share (docs/design.md#does-the-syncer-keep-up)."""
+    g = summary.get
+    parts = []
+    if g("syncer_busy_s") is not None:
+        text = f"busy {g('syncer_busy_s'):,.2f} s"
+        parts.append(text + (f" ({_pct(g('syncer_busy_share'))} of the wall)" if g("syncer_busy_share") is not None
+                             else " real (merges take no virtual time)"))
+    if g("syncer_pace_share") is not None:
+        step = "the modelled step" if g("clock") == "virtual" else "the learners' step"
+        parts.append(f"predicted {_pct(g('syncer_pace_share'))} at {step} "
+                     f"(largest round {1e3 * g('syncer_round_s'):,.1f} ms)")
+    return ", ".join(parts)
 
 
 def _fmt(v: Any) -> str:

@@ -86,6 +86,10 @@ def test_two_learners_train_merge_and_balance(world, tmp_path, no_leftover_threa
     # take the merged global model far below it.
     assert initial > 2.5
     assert summary["eval_loss"] < initial - 1.0, (summary["eval_loss"], initial)
+    # The syncer's work as a share of the wall, and the start-up check's prediction at the step
+    # time read from the learners' first steps (docs/design.md#does-the-syncer-keep-up).
+    assert 0 < summary["syncer_busy_s"] < summary["clock_s"] and 0 < summary["syncer_busy_share"] < 1
+    assert summary["syncer_pace_share"] > 0 and summary["syncer_round_s"] > 0
     # Same summary keys as sim, so run_diloco can dispatch on runtime.kind.
     sim_keys = set(sim.Sim(replace(cfg, runtime=replace(cfg.runtime, kind="sim")), setup, None, None).summary())
     assert sim_keys <= set(summary)

@@ -187,6 +187,9 @@ class SyncerConfig:
     # Robust merge: scale each pseudo-gradient down to at most clip x the fragment's median norm per
     # step (docs/algorithm.md#robust-merges); 0 = off. Bounds what a plausible bad update can do.
     clip: float = 0.0
+    # At start-up, time one fragment round on this host and warn once if the learners would hand
+    # the syncer more work than it can do (docs/design.md#does-the-syncer-keep-up).
+    check_pace: bool = True
 
 
 @dataclass(frozen=True)

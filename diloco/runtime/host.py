@@ -9,12 +9,16 @@ Reference: docs/design.md#ledgers and docs/design.md#learner-events.
 from __future__ import annotations
 
 import logging
+import os
+import statistics
+import time
 from typing import Callable
 
-from diloco.algo import ledger, roundsum, timeline, traffic
+from diloco.algo import hostpool, ledger, roundsum, timeline, traffic
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input, apply as deliver
 from diloco.runtime import events as ev
+from diloco.runtime import keepup
 from diloco.runtime.build import Setup
 from diloco.runtime.summary import run_summary
 
@@ -30,13 +34,15 @@ class SyncerHost:
     def __init__(self, setup: Setup, learners: dict[int, int], inputs=None,
                  on_deadline: Callable[[int, float], None] | None = None, transport: Transport | None = None,
                  on_publish: Callable[[sync.Publish], None] | None = None, learners_fetch: bool = False,
-                 on_step: Callable[[ev.StepDone], None] | None = None):
+                 on_step: Callable[[ev.StepDone], None] | None = None, pace: keepup.Plan | None = None):
         """learners_fetch: learners pull broadcasts themselves and report what they fetched (procs),
         so down bytes are booked from their events, not per Publish; their clocks are several
         processes' wall clocks, so an interval starting a hair before the previous one ended is
         clipped rather than an error. on_publish sees every whole Publish (procs stores it).
         on_step sees each step once it is booked and before its contributions are delivered: the
-        global model as it stood when the learner finished the step (evals, reports)."""
+        global model as it stood when the learner finished the step (evals, reports).
+        pace: check whether the syncer keeps up (docs/design.md#does-the-syncer-keep-up); its rounds
+        are timed here, before any clock starts, on copies of the state."""
         self.setup, self.policy = setup, setup.policy
         self.learners_fetch = learners_fetch
         self.on_publish = on_publish or (lambda action: None)
@@ -44,6 +50,12 @@ class SyncerHost:
         self.inputs = inputs  # every syncer input, in delivery order: the replayable tape
         self.state = sync.init(setup.policy, setup.fragments, setup.theta0, dict(learners))
         roundsum.warm()  # before any clock starts: a merge's first fold compiles nothing
+        self.busy_s = 0.0  # real seconds inside `deliver`: the syncer's work
+        self.pace, self.pace_share, self.step_seconds = pace, None, []
+        self.rounds = None if pace is None else keepup.measure(setup.policy, self.state, len(learners),
+                                                               setup.spec.up_codec, setup.spec.up_spec)
+        if pace is not None and pace.step_s is not None:
+            self.check_pace(pace.step_s)
         self.tokens = ledger.token_ledger(len(setup.fragments))
         self.bytes = traffic.byte_ledger()
         self.time = timeline.time_ledger()
@@ -136,6 +148,20 @@ class SyncerHost:
             self.book_time(m, "degraded", split, end)
         self.tokens = ledger.process(self.tokens, m, inc, tokens)
         self.deliver(Input("step_time", now, (m, end - start)))
+        if self.pace is not None and self.pace_share is None:  # a wall clock: learn the step time
+            self.step_seconds.append(end - start)
+            if len(self.step_seconds) >= keepup.STEPS_PER_LEARNER * len(self.incarnations):
+                self.check_pace(max(statistics.median(self.step_seconds), self.pace.period_s))
+
+    def check_pace(self, step_s: float) -> None:
+        """The syncer's predicted share of the wall at learner steps of step_s; one warning if > 1."""
+        if step_s <= 0:
+            return
+        self.pace_share = keepup.share(self.rounds.seconds, self.pace.H, step_s)
+        why = keepup.warning(self.rounds, self.pace.H, step_s, self.setup.spec.up_spec,
+                             len(os.sched_getaffinity(0)), hostpool.threads())
+        if why:
+            log.warning(why)
 
     def sent(self, m: int, inc: int, at: float, sends, frames) -> None:
         """Book contributions, (fragment, seq) pairs, as they leave learner m (the runtime delivers
@@ -187,6 +213,13 @@ class SyncerHost:
         """Give the syncer one input. `sent`: the key of the send whose frame this is, known from the
         event that named it, so a frame too damaged to name itself (checksum, truncation, header)
         still resolves its tokens, as dropped, instead of staying in flight forever."""
+        started = time.perf_counter()
+        try:
+            self._deliver(event, sent)
+        finally:
+            self.busy_s += time.perf_counter() - started
+
+    def _deliver(self, event: Input, sent: tuple[int, int, int] | None) -> None:
         self.inputs_seen += 1
         if self.inputs is not None:
             self.inputs.append(event)
@@ -212,7 +245,8 @@ class SyncerHost:
 
     def summary(self, *, clock: str, end: float, window: float) -> dict:
         return run_summary(self.state, self.tokens, self.bytes, self.time, clock=clock, end=end,
-                           window=window, stalls=self.stalls)
+                           window=window, stalls=self.stalls, busy_s=self.busy_s, pace_share=self.pace_share,
+                           round_s=None if self.rounds is None else max(self.rounds.seconds))
 
 
 class HostedRuntime:

@@ -7,11 +7,23 @@ import numpy as np
 from diloco.algo import ledger, timeline, traffic
 from diloco.algo import syncer as sync
 
+# Keys measured in real seconds on this host: a replayed or resumed run reproduces every other one.
+REAL_TIME_KEYS = ("syncer_busy_s", "syncer_busy_share", "syncer_pace_share", "syncer_round_s")
+
+
+def replayable(summary: dict) -> dict:
+    """The summary without REAL_TIME_KEYS: what two runs from the same seeds agree on."""
+    return {k: v for k, v in summary.items() if k not in REAL_TIME_KEYS}
+
 
 def run_summary(st: sync.SyncerState, tokens: ledger.TokenLedger, bytes_: traffic.ByteLedger,
-                time: timeline.TimeLedger, *, clock: str, end: float, window: float, stalls: int) -> dict:
+                time: timeline.TimeLedger, *, clock: str, end: float, window: float, stalls: int,
+                busy_s: float = 0.0, pace_share: float | None = None, round_s: float | None = None) -> dict:
     """Plain numbers; raises if the token ledger does not balance. `clock` names the clock the
-    run's times are on: "virtual" (sim) or "wall" (threads); clock_s is the run's length on it."""
+    run's times are on: "virtual" (sim) or "wall" (threads); clock_s is the run's length on it.
+    busy_s: real seconds the syncer spent on its inputs, a share of the run only on a wall clock
+    (sim merges in zero virtual time); pace_share, round_s: the start-up check's prediction and its
+    largest fragment's round (docs/design.md#does-the-syncer-keep-up), None when it did not run."""
     ledger.check_balance(tokens)
     merges = [r for r in st.decisions if r["event"] == "merge"]
     quorum_sizes = [len(r["learners"]) for r in merges]
@@ -38,4 +50,8 @@ def run_summary(st: sync.SyncerState, tokens: ledger.TokenLedger, bytes_: traffi
         "learner_deaths": len(tokens.dead),
         "quarantined": sum(st.quarantined.values()),
         "token_ledger_imbalance": ledger.balance(tokens),
+        "syncer_busy_s": busy_s,
+        "syncer_busy_share": busy_s / end if clock == "wall" and end > 0 else None,
+        "syncer_pace_share": pace_share,
+        "syncer_round_s": round_s,
     }

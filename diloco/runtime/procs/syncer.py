@@ -54,6 +54,7 @@ from diloco.algo.replay import Input
 from diloco.config import TrainConfig
 from diloco.runtime import blobstore as bs
 from diloco.runtime import events as ev
+from diloco.runtime import keepup
 from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.procs.child import (POLL_MAX, POLL_MIN, buried, child_main, child_setup, died, event_key,
                                         in_main_thread, max_frame)
@@ -166,7 +167,8 @@ class ProcSyncer(HostedRuntime):
         self.M = cfg.runtime.learners
         # Learners fetch broadcasts from the store and report what they fetched (learners_fetch).
         self.host = SyncerHost(s, {m: 0 for m in range(self.M)}, on_deadline=self._arm,
-                               on_publish=self._publish, learners_fetch=True, on_step=self._on_step)
+                               on_publish=self._publish, learners_fetch=True, on_step=self._on_step,
+                               pace=None if restart else keepup.plan(cfg))  # a restart's learners are running
         self.current = dict.fromkeys(range(self.M), 0)  # incarnation booked now
         self.cursor = dict.fromkeys(range(self.M), 0)  # its next event number
         self.steps = dict.fromkeys(range(self.M), 0)  # last step booked per learner

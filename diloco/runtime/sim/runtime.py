@@ -36,6 +36,7 @@ from diloco.chaos import tapes
 from diloco.config import TrainConfig
 from diloco.runtime import events as ev
 from diloco.algo.eventlog import LedgerError
+from diloco.runtime import keepup
 from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.stop import RunStopped
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
@@ -69,7 +70,8 @@ class Sim(HostedRuntime):
         self.order = 0
         base = range(r.learners)
         self.host = SyncerHost(setup, {m: 0 for m in base}, inputs,
-                               on_deadline=lambda p, at: self.push(at, "deadline", p), transport=self._transmit)
+                               on_deadline=lambda p, at: self.push(at, "deadline", p), transport=self._transmit,
+                               pace=keepup.plan(cfg))
         self.units = [new_unit(setup, m, 0, self.host.state) if m in base else None for m in range(self.M)]
         self.alive = {m: m in base for m in range(self.M)}
         self.died_at: dict[int, tuple[float, int]] = {}  # dead learner -> (time, step it stopped at)

@@ -47,6 +47,7 @@ from diloco.chaos import tapes
 from diloco.config import ConfigError, TrainConfig
 from diloco.runtime import events as ev
 from diloco.runtime.crew import Crew, Stopped
+from diloco.runtime import keepup
 from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.stop import RunStopped, signals_as_interrupt
 from diloco.runtime.syncer_ckpt import SYNCER_DIR, SyncerCheckpoints, host_in, host_out, pairs
@@ -107,7 +108,7 @@ class Threads(HostedRuntime):
         if tape is not None:
             self.speeds = list(tape.speeds[:self.M])
         self.host = SyncerHost(setup, {m: 0 for m in range(self.M)}, inputs, on_deadline=self._arm,
-                               transport=self._transmit, on_step=self._on_step)
+                               transport=self._transmit, on_step=self._on_step, pace=keepup.plan(cfg))
         self.run_dir, self.syncer_ckpts = run_dir, syncer_ckpts
         # Each learner thread builds its own unit (device_put of its params) from this initial state.
         self.units: list[LearnerUnit | None] = [None] * self.M
