@@ -10,7 +10,7 @@ inside another (a tensor's block decode inside a fragment's concurrent decode) n
 piece that no thread will run.
 
 The pool is made on first use and lives as long as the process, as numba's own would; a forked
-child makes its own. So does the cache of large aligned buffers (aligned_empty).
+child makes its own.
 """
 
 from __future__ import annotations
@@ -67,7 +67,11 @@ def _executor(workers: int) -> ThreadPoolExecutor:
         return _POOL[0]
 
 
-def _forget() -> None:  # a forked child inherits the executor but none of its threads
+def _forget() -> None:
+    """In a forked child: it inherits the executor but none of its threads, and maybe a lock
+    another thread held at the fork."""
+    global _LOCK, _BUFFERS_LOCK
+    _LOCK, _BUFFERS_LOCK = threading.Lock(), threading.Lock()
     _POOL[:] = [None, 0]
 
 
@@ -131,10 +135,11 @@ def aligned_empty(n: int) -> np.ndarray:
 
     An array of CHUNK values or more reuses the memory of an earlier one of the same size that
     nothing references any more (CPython's reference count of its owner, which every view, numba
-    call and jax buffer reading it holds), up to _IDLE of them per size. A fresh one costs a page
-    fault per page on first write, and with transparent huge pages a compaction when memory is
-    fragmented: 15-20 ms for 155 MB on a quiet machine, 300 ms measured under memory pressure, once
-    per contribution, against the 8 ms of writing it again."""
+    call and jax buffer reading it holds); the next request of a size frees all but _IDLE of its
+    unreferenced ones. A fresh one costs a page fault per page on first write, and with
+    transparent huge pages a compaction when memory is fragmented: 15-20 ms for 155 MB on a quiet
+    machine, 300 ms measured under memory pressure, once per contribution, against the 8 ms of
+    writing it again."""
     if n < CHUNK:
         return _aligned(np.empty(4 * n + 64, np.uint8), n)
     with _BUFFERS_LOCK:
