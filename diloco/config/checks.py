@@ -216,6 +216,8 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
           f"runtime.step_period_s={r.step_period_s} paces the wall-clock runtimes (threads, procs); "
           f"sim steps take runtime.step_time={r.step_time} virtual seconds")
     check(e, r.rejoin_at in ("own", "schedule"), f"runtime.rejoin_at={r.rejoin_at!r} must be own or schedule")
+    check(e, r.batch_learners in ("auto", "on", "off"),
+          f"runtime.batch_learners={r.batch_learners!r} must be auto, on or off")
     check(e, r.auth in ("auto", "on", "off"), f"runtime.auth={r.auth!r} not in auto|on|off")
     e += store_errors(r)
     check(e, re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", r.auth_secret_env) is not None,

@@ -202,8 +202,12 @@ class RuntimeConfig:
     step_time: float = 1.0  # modelled seconds per inner step at speed 1 (sim)
     speeds: tuple[float, ...] = ()  # per learner step-time factor; () = all 1.0
     jitter: float = 0.0  # relative std of each step time
+    # sim: learners whose steps fall within one step of each other take them as one vmapped step
+    # over a learner axis (docs/design.md#sim). auto: on an accelerator; off on the CPU, where
+    # the stacked step costs what the separate ones do
+    batch_learners: str = "auto"  # auto | on | off
     # threads/procs: a learner's steps end at least this many wall seconds apart, on a schedule from
-    # its first step (diloco/runtime/unit.py Pace); keeps learners in phase on a shared machine
+    # its first step (diloco/runtime/pace.py Pace); keeps learners in phase on a shared machine
     step_period_s: float = 0.0
     # threads/procs: where a restarted learner resumes. own: its checkpoint's step (or where it
     # stopped), redoing the steps since; schedule (needs step_period_s): the step the run's paced

@@ -6,8 +6,7 @@ Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), docs/algorithm
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -21,6 +20,7 @@ from diloco.algo.codecs import Codec, ErrorFeedbackState
 from diloco.algo.fragments import Fragment, Path, Schedule, assemble, get_path, set_path
 from diloco.algo.merge import pseudo_gradient
 from diloco.data import train_batch, trained_tokens
+from diloco.runtime.transfer import DeviceValues, FrameJob, host_copy
 from diloco.train.trainer import Compiled
 
 
@@ -31,63 +31,6 @@ class StepResult(NamedTuple):
     frames: tuple[bytes, ...]
 
 
-class DeviceValues(Mapping):
-    """A fragment's values (path -> array) held on the learner's devices: a broadcast decoded
-    there. Read on the host (a snapshot, a rebase, the host encoder), they come over in one
-    transfer, once (docs/design.md#encoding-on-the-device)."""
-
-    def __init__(self, leaves: dict[Path, jax.Array]):
-        self.leaves = leaves
-        self._host: dict | None = None
-
-    def __getitem__(self, path: Path) -> np.ndarray:
-        if self._host is None:
-            self._host = {k: np.asarray(v, np.float32) for k, v in jax.device_get(self.leaves).items()}
-        return self._host[path]
-
-    def __iter__(self):
-        return iter(self.leaves)
-
-    def __len__(self) -> int:
-        return len(self.leaves)
-
-
-def _host_copy(x: jax.Array) -> np.ndarray:
-    """x on the host. A learner of several processes holds a whole replica of its params in each
-    (its fsdp axis stays within a process: diloco/runtime/world.py), so the shards this process
-    holds make up the whole array, and no collective is needed."""
-    if x.is_fully_addressable:
-        return np.asarray(jax.device_get(x))
-    out = np.empty(x.shape, x.dtype)
-    for shard in x.addressable_shards:
-        out[shard.index] = np.asarray(jax.device_get(shard.data))
-    return out
-
-
-class _Job:
-    """A send's byte work (collect, zstd, checksum, HMAC, frame) on a thread of its own, begun
-    when its step is dispatched: it waits for the payload's copy and never holds the step's path
-    (zstd and the hashes release the GIL). The thread ends with its job."""
-
-    def __init__(self, fn: Callable[[], tuple[bytes, int]]):
-        self._out: tuple[bytes, int] | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="diloco-frame", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn) -> None:
-        try:
-            self._out = fn()
-        except BaseException as e:  # raised again, where the frame is asked for
-            self._error = e
-
-    def result(self) -> tuple[bytes, int]:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._out
-
-
 class _Ticket(NamedTuple):
     """One send on its way to a frame: the packed payload a device encode is copying to the host,
     or (host encode) device copies of the fragment's params, encoded on the host later."""
@@ -95,7 +38,7 @@ class _Ticket(NamedTuple):
     send: lsm.Send
     payload: tuple | None = None  # device encode: each tensor's (scales, codes), copying to the host
     snapshot: dict[Path, jax.Array] | None = None
-    job: _Job | None = None  # the payload's frame, being made on a thread of its own
+    job: FrameJob | None = None  # the payload's frame, being made on a thread of its own
 
 
 class _Deferred(NamedTuple):
@@ -251,14 +194,21 @@ class LearnerUnit:
         The tokens are those trained on (of fine-tuning rows, the assistant's): what the ledger
         books and the merge weighs. `defer`: return at once, without frames or loss; `finish`
         hands them out later, framed after the next step is dispatched."""
-        s = self.spec
-        rows = s.batch_size if rows is None else rows
-        batch = train_batch(s.train, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
-                            step=self.ls.step, batch_size=rows, seq_len=s.seq_len, shard_block=s.shard_block)
+        batch = self._batch(rows)
         self.state, metrics = self.compiled.train_step(
             self.state, jax.device_put(batch, self.compiled.batch_sharding))
+        return self._stepped(batch, metrics, fetch_loss, defer)
+
+    def _batch(self, rows: int | None):
+        s = self.spec
+        return train_batch(s.train, seed=s.seed, learner=self.learner, num_learners=s.num_learners, step=self.ls.step,
+                           batch_size=s.batch_size if rows is None else rows, seq_len=s.seq_len,
+                           shard_block=s.shard_block)
+
+    def _stepped(self, batch, metrics, fetch_loss: bool, defer: bool) -> StepResult:
+        """What follows a step once it is dispatched: the counters, the sends and their frames."""
         tokens = trained_tokens(batch)
-        self.ls, sends = lsm.after_step(self.ls, s.schedule, tokens)
+        self.ls, sends = lsm.after_step(self.ls, self.spec.schedule, tokens)
         tickets = tuple(self._start(send, copy=defer) for send in sends)
         if defer:
             self._deferred.append(_Deferred(tickets, metrics if fetch_loss else None))
@@ -304,7 +254,7 @@ class LearnerUnit:
                 part.copy_to_host_async()
         shapes = [tuple(x.shape) for x in live]
         if copy:  # deferred: framed on a thread while the devices compute
-            return _Ticket(send, job=_Job(lambda: self._device_frame(send, pieces, paths, shapes)))
+            return _Ticket(send, job=FrameJob(lambda: self._device_frame(send, pieces, paths, shapes)))
         return _Ticket(send, payload=pieces)
 
     def _on_device(self, p: int, values: Mapping) -> dict[Path, jax.Array]:
@@ -370,7 +320,7 @@ class LearnerUnit:
     def _device_frame(self, send: lsm.Send, payload, paths, shapes) -> tuple[bytes, int]:
         """(frame, bytes copied to the host) of a device-encoded send. Reads nothing that changes
         after the send started, so it may run on a thread of its own."""
-        host = jax.tree.map(_host_copy, payload)  # waits for the copies started at the step
+        host = jax.tree.map(host_copy, payload)  # waits for the copies started at the step
         chunks = device_codecs.to_wire(self.device_codec, host, shapes)
         tensors = [{"path": list(path), "shape": list(shape), "dtype": "float32", "nbytes": len(c)}
                    for path, shape, c in zip(paths, shapes, chunks)]
@@ -437,3 +387,19 @@ class LearnerUnit:
 
     def params_host(self) -> dict:
         return jax.device_get(self.state.params)
+
+
+def step_together(units: list[LearnerUnit], rows: int | None, fetch_loss: list[bool]) -> list[StepResult]:
+    """One inner step of each unit, as one vmapped step over a leading learner axis: units that
+    share one compiled step and mesh (sim) and take batches of the same rows. Each keeps its own
+    data, state, counters and sends; the results are each unit's `step` (docs/design.md#sim)."""
+    compiled = units[0].compiled
+    assert all(u.compiled is compiled for u in units), "units stepped together must share their compiled step"
+    batches = [u._batch(rows) for u in units]
+    placed = tuple(jax.device_put(b, compiled.batch_sharding) for b in batches)
+    out = compiled.train_many(len(units))(tuple(u.state for u in units), placed)
+    results = []
+    for u, b, (state, metrics), fetch in zip(units, batches, out, fetch_loss):
+        u.state = state
+        results.append(u._stepped(b, metrics, fetch, False))
+    return results

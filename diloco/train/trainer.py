@@ -6,11 +6,13 @@ Decoupled DiLoCo learner runs on its own sub-mesh.
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -33,6 +35,9 @@ class Compiled(NamedTuple):
     state_sharding: object
     batch_sharding: object  # a sharding, or for packed fine-tuning rows a dict of them like the batch
     abstract_state: TrainState
+    # n -> (n states, n batches) -> (n states, n metrics): n learners' steps as one vmapped step
+    # (sim's learners share one mesh, docs/design.md#sim); donates the states
+    train_many: Callable[[int], Callable] | None = None
 
 
 def compile_steps(model: Model, cfg: TrainConfig, mesh: Mesh) -> Compiled:
@@ -55,7 +60,24 @@ def compile_steps(model: Model, cfg: TrainConfig, mesh: Mesh) -> Compiled:
                         out_shardings=rep)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, state_sh)
-    return Compiled(init, train_step, eval_step, state_sh, batch_sh, abstract)
+    return Compiled(init, train_step, eval_step, state_sh, batch_sh, abstract,
+                    _stepper(make_train_step(loss, optimizer, schedule), state_sh, batch_sh, rep))
+
+
+def _stepper(step: Callable, state_sh, batch_sh, rep) -> Callable[[int], Callable]:
+    """n -> one jitted step of n learners: their states and batches stacked on a leading axis,
+    the step vmapped over it, the results taken apart again; compiled once per n."""
+
+    @functools.lru_cache(maxsize=None)
+    def train_many(n: int) -> Callable:
+        def many(states, batches):
+            stacked = jax.vmap(step)(*(jax.tree.map(lambda *xs: jnp.stack(xs), *t) for t in (states, batches)))
+            return tuple(zip(*(tuple(jax.tree.map(lambda x: x[i], tree) for i in range(n)) for tree in stacked)))
+
+        return jax.jit(many, in_shardings=((state_sh,) * n, (batch_sh,) * n),
+                       out_shardings=tuple((state_sh, rep) for _ in range(n)), donate_argnums=0)
+
+    return train_many
 
 
 def evaluate(compiled: Compiled, params: dict, batches: list) -> float:
