@@ -166,8 +166,9 @@ def test_exception_in_a_thread_propagates_and_stops_all(world, monkeypatch, no_l
         on_contribution, calls = sync.on_contribution, []
 
         def broken_on_contribution(*args):
-            calls.append(1)
-            if len(calls) == 3:
+            # the syncer thread's own calls: the host's start-up pace check makes some first
+            calls.append(threading.current_thread().name == "diloco-syncer")
+            if sum(calls) == 3 and calls[-1]:
                 raised_at.append(time.monotonic())
                 raise Boom("syncer broke on the third contribution")
             return on_contribution(*args)
