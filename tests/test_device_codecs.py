@@ -265,3 +265,93 @@ def test_each_device_quantises_its_own_shard(spec, specs, cuts):
         local = [(x - rng.standard_normal(x.shape) * 1e-2).astype(np.float32) for x in local]
     text = dc.lower(put(anchor), put(local), residuals).compile().as_text()
     assert ("all-gather" in text) == any(parts == 1 for _, parts, _ in cuts)
+
+
+def test_forged_block_specs_are_taken_or_dropped_as_on_the_host(setup):
+    """A broadcast naming a block of 0, one that is no whole number of bytes, one past MAX_BLOCK,
+    or an fp32 copy with a block named: the device path drops or takes each exactly as the host
+    path does, and never raises."""
+    state = sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0})
+    units = [build_setup.new_unit(setup._replace(spec=setup.spec._replace(device_encode=d)), 0, 0, state)
+             for d in (True, False)]
+    p = 0
+    shapes = {path: units[0].latest[p][1][path].shape for path in setup.fragments[p].paths}
+    version = 1
+    for spec in ("fp32+b0", "int8+b0", "int4+b3", "int8+b1048576", "int8+b32"):
+        values = {path: np.full(shape, 0.01, np.float32) for path, shape in shapes.items()}
+        try:
+            codec = messages.codec_from_spec(spec)
+        except messages.MessageError:
+            codec = messages.codec_from_spec(spec.split("+")[0])  # sent under a spec it does not match
+        tensors, payload, _ = messages.pack_fragment(values, codec)
+        header = {"kind": "fragment", "learner": 0, "incarnation": 0, "seq": version, "fragment": p,
+                  "base_version": version, "version": version, "c_steps": 0, "c_tokens": 0, "codec": spec,
+                  "delta_against": None, "tensors": tensors}
+        frame = messages.encode(header, payload)
+        got = [u.receive(frame) for u in units]
+        assert got[0] == got[1], spec
+        version += got[0] is not None
+    assert units[0].dropped_frames == units[1].dropped_frames >= 3
+
+
+def test_an_overflowing_error_feedback_round_trip_is_refused_and_keeps_every_residual():
+    """absmax = float32 max: 127 x (max / 127) decodes to inf, which the host's error feedback
+    refuses; the device encoder refuses it too, and no tensor's residual moves."""
+    dc = device_codecs.for_spec("int8+ef")
+    big = np.full(64, np.finfo(np.float32).max, np.float32)
+    fine = np.linspace(-1, 1, 64, dtype=np.float32)
+    with pytest.raises(codecs.NonFiniteError):
+        messages.codec_from_spec("int8+ef").encode(big, codecs.ErrorFeedbackState(np.zeros(64, np.float32), ()))
+    residuals = (np.full(64, 0.5, np.float32), np.full(64, 0.25, np.float32))
+    pieces, new = dc.encode((fine, big), (np.zeros(64, np.float32), np.zeros(64, np.float32)), residuals)
+    with pytest.raises(codecs.NonFiniteError):
+        device_codecs.to_wire(dc, jax.device_get(pieces), [(64,), (64,)])
+    for r, n in zip(residuals, new):
+        np.testing.assert_array_equal(np.asarray(n), r)
+
+
+def merged(setup, unit, steps):
+    """Step `unit` `steps` times beside a K = 1 syncer that merges its frames at once; yields
+    (the syncer's state, the Publish) for each merge."""
+    state = sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0})
+    for i in range(steps):
+        unit.apply_due()
+        for frame in unit.step().frames:
+            state, actions = sync.on_contribution(setup.policy, state, frame, float(i))
+            for action in actions:
+                if isinstance(action, sync.Publish):
+                    yield state, action
+
+
+def test_no_host_anchor_stays_on_the_devices_once_versions_live_there(setup):
+    state = sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0})
+    unit = build_setup.new_unit(setup, 0, 0, state)
+    for _, action in merged(setup, unit, 8):
+        unit.receive(action.frames[0])
+    held = [p for p, (_, v) in unit.anchors.items() if type(v).__name__ == "DeviceValues"]
+    assert held and not set(held) & set(unit._placed)
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_warm_up_compiles_the_broadcast_decoders_too(setup, warm):
+    """After warm_up a learner's first int8 delta and a joiner's first fp32 copy compile nothing:
+    each fragment shape's decoders ran on zero payloads before any clock (without warm_up, they
+    compile on arrival)."""
+    jax.clear_caches()  # nothing compiled by the tests before
+    state = sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0})
+    unit, joiner = (build_setup.new_unit(setup, 0, 0, state) for _ in range(2))
+    assert unit.spec.down_spec == "int8"
+    if warm:
+        unit.warm_up()
+        joiner.warm_up()
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compiles.append(name) if name.endswith("backend_compile_duration") else None)
+    arrivals = 0
+    for state, action in merged(setup, unit, 6):
+        compiles.clear()
+        unit.receive(action.frames[0])
+        joiner.receive(sync.full_frame(state, action.fragment))
+        arrivals += 1
+        assert (compiles == []) == warm or arrivals > 2, compiles
+    assert arrivals >= 3 and unit.dropped_frames == joiner.dropped_frames == 0

@@ -210,9 +210,10 @@ def test_build_fails_loudly_on_bad_config_and_long_sequences(tiny):
         jax.eval_shape(model.apply, model.params, jax.ShapeDtypeStruct((1, 129), jnp.int32))
 
 
-# Expected parameter counts: CPU presets with the byte vocabulary, 1b with a 32k BPE vocabulary.
+# Expected parameter counts: CPU presets with the byte vocabulary, 1b with a 32k BPE vocabulary,
+# 135m (SmolLM2-135M's shape) with its 49,152-token one.
 PRESET_RANGES = {"tiny": (256, 0.08e6, 0.15e6), "small": (256, 0.8e6, 1.2e6),
-                 "base10m": (256, 8e6, 12e6), "1b": (32768, 0.9e9, 1.1e9)}
+                 "base10m": (256, 8e6, 12e6), "1b": (32768, 0.9e9, 1.1e9), "135m": (49152, 0.13e9, 0.14e9)}
 
 
 @pytest.mark.parametrize("name", sorted(PRESET_RANGES))

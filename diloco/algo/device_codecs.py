@@ -14,8 +14,8 @@ codecs.py's docstring and these are its rules, operation for operation, in float
 
 So the payload is byte for byte the host encoder's (tests/test_device_codecs.py), with one
 exception: the CPU backend of XLA flushes subnormal floats to zero, so a block whose absmax is
-below about 3e-36 (or, for fp4, above 2^126) may round differently there; such a block decodes
-within 1e-35 of the host's either way. A block holding inf or nan gets a nan scale: the host finds
+below about 3e-36 may round differently there (it decodes within 1e-35 of the host's either
+way), as may an fp4 or 2-bit block whose absmax is above 2^126 (1 / scale is subnormal). A block holding inf or nan gets a nan scale: the host finds
 it in the scales alone and refuses the contribution, as the host encoder
 does. zstd, the checksum and the frame stay on the host: they are byte streams, not arrays.
 """
@@ -106,17 +106,22 @@ def _build(spec: str, name: str, block: int, error_feedback: bool, zstd_level: i
         return tuple(out)
 
     def encode(anchor, local, residuals, zero, layouts):
-        pieces, new_residuals = [], []
+        pieces, targets, decodes, finite = [], [], [], []
         for t, (a, x) in enumerate(zip(anchor, local)):
             # the pseudo-gradient, as merge.pseudo_gradient computes it on the host
             diff = jnp.asarray(a, jnp.float32) - jnp.asarray(x, jnp.float32)
             target = diff + residuals[t] if error_feedback else diff
-            scales, packed, decoded, finite = _encode_tensor(target, fmt, block, zero, layouts[t])
+            scales, packed, decoded, ok = _encode_tensor(target, fmt, block, zero, layouts[t], error_feedback)
             pieces.append((scales, packed))
-            if error_feedback:  # a refused contribution leaves the residual as it was
-                new = jnp.where(finite, target - decoded, residuals[t])
-                new_residuals.append(new)
-        return tuple(pieces), tuple(new_residuals)
+            targets.append(target)
+            decodes.append(decoded)
+            finite.append(ok)
+        if not error_feedback:
+            return tuple(pieces), ()
+        # A refused contribution (any tensor) leaves every residual as it was, as the host's
+        # pack_fragment does when one tensor's encode raises.
+        ok = jnp.all(jnp.stack(finite))
+        return tuple(pieces), tuple(jnp.where(ok, t - d, r) for t, d, r in zip(targets, decodes, residuals))
 
     jitted = jax.jit(encode, static_argnums=4)
 
@@ -136,11 +141,13 @@ def _rounded(x, zero):
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _encode_tensor(x, fmt, block: int, zero, cut: tuple[int, int, int]):
+def _encode_tensor(x, fmt, block: int, zero, cut: tuple[int, int, int], decodes: bool = False):
     """(scales float32, packed codes uint8, decoded values in x's shape, all finite) of one
     tensor, cut as `layout` says: scales (outer, parts, blocks) and codes (outer, parts, blocks,
     block * bits / 8), which read in row-major order are the wire's; a tensor of one part whose
-    last block is partial is padded with zeros, and its codes cut after the last value."""
+    last block is partial is padded with zeros, and its codes cut after the last value.
+    `decodes` (error feedback): a block whose decoded values overflow is refused too, as the
+    host's error feedback refuses it when it decodes its own payload."""
     n = math.prod(x.shape)
     per = 8 // fmt.bits
     outer, parts, run = cut
@@ -176,6 +183,10 @@ def _encode_tensor(x, fmt, block: int, zero, cut: tuple[int, int, int]):
         code = jnp.clip(u, 0, 3).astype(jnp.int32)
         value = jnp.asarray(fmt.lut)[code]
     decoded = _rounded(value * scales[..., None], zero)
+    if decodes:  # e.g. absmax = float32 max: 127 x (max / 127) rounds up to inf
+        whole = jnp.all(jnp.isfinite(decoded), axis=-1)
+        scales = jnp.where(whole, scales, np.float32(np.nan))
+        finite = finite & whole
     decoded = (decoded.reshape(-1)[:n] if decoded.size != n else decoded).reshape(x.shape)
     lanes = code.astype(jnp.uint8).reshape(*code.shape[:-1], block // per, per)
     packed = lanes[..., 0]
@@ -205,20 +216,23 @@ class DeviceDecoder(NamedTuple):
     `apply(base, payload)` returns the fragment's tensors, base + decode(payload) for a delta and
     the decoded values themselves for a full copy (base None); `check(header, payload, shapes)`
     refuses on the host, as the host decoder would, a payload whose sizes or scales are wrong and
-    returns it as a uint8 array, the one thing that crosses to the devices."""
+    returns it as a uint8 array, the one thing that crosses to the devices (None: the host decoder
+    must decide, for a block scale so large that only its codes say if a value overflows)."""
 
     spec: str
     check: Any
     apply: Any
+    sizes: Any  # shapes -> each tensor's payload bytes
 
 
 def decoder_for(spec: str) -> DeviceDecoder | None:
     """The device decoder of a broadcast spec: fp32 full copies and the zstd-free block formats
     (the run's down codecs); None for the rest, which decode on the host."""
+    messages.codec_from_spec(spec)  # a spec the host decoder refuses (a block of 0 or 2^20) is refused here
     kw = messages.parse_spec(spec)
     if kw.get("zstd_level") or (kw["name"] != "fp32" and kw["name"] not in codecs.BLOCK_FORMATS):
         return None
-    return _decoder(spec, kw["name"], kw.get("block", 64))
+    return _decoder(spec, kw["name"], 1 if kw["name"] == "fp32" else kw.get("block", 64))
 
 
 @functools.lru_cache(maxsize=32)
@@ -231,22 +245,25 @@ def _decoder(spec: str, name: str, block: int) -> DeviceDecoder:
         nb = -(-n // block)
         return (n, 0, 4 * n) if fmt is None else (n, nb, 4 * nb + -(-n // per))
 
-    def check(header, payload: bytes, shapes) -> np.ndarray:
+    def check(header, payload: bytes, shapes) -> np.ndarray | None:
         raw = np.frombuffer(payload, np.uint8)
         start = 0
         for t, shape in zip(header["tensors"], shapes):
             n, nb, size = layout(shape)
             if t["nbytes"] != size:
                 raise messages.MessageError("codec_error", f"{t['path']}: {t['nbytes']} bytes, shape {shape} needs {size}")
-            with np.errstate(over="ignore"):
-                if fmt is None:
-                    values = raw[start:start + size].view("<f4")
-                else:  # every decoded value is finite iff every scale is, times the largest code
-                    values = raw[start:start + 4 * nb].view("<f4") * np.float32(np.abs(fmt.lut).max())
-                    if (values < 0).any():
-                        raise messages.MessageError("codec_error", f"{t['path']}: negative block scale")
-                if not np.isfinite(values).all():
+            if fmt is None:
+                if not np.isfinite(raw[start:start + size].view("<f4")).all():
                     raise messages.MessageError("non_finite", f"{t['path']}: non-finite values")
+            else:
+                scales = raw[start:start + 4 * nb].view("<f4")
+                if not ((scales >= 0) & (scales < np.inf)).all():  # codec_kernels.scales_ok's rule
+                    raise messages.MessageError("codec_error", f"{t['path']}: block scales must be finite and >= 0")
+                with np.errstate(over="ignore"):
+                    if not np.isfinite(scales * np.float32(np.abs(fmt.lut).max())).all():
+                        # Whether its largest code overflows depends on the codes: the host decoder
+                        # reads them (a forged frame only; an honest scale is an absmax / levels).
+                        return None
             start += size
         return raw
 
@@ -275,6 +292,6 @@ def _decoder(spec: str, name: str, block: int) -> DeviceDecoder:
     jitted = jax.jit(apply, static_argnums=3)
 
     def run(base, payload, shapes):
-        return jitted(base, payload, np.uint32(0), tuple(shapes))
+        return jitted(base, payload, np.uint32(0), tuple(tuple(s) for s in shapes))
 
-    return DeviceDecoder(spec, check, run)
+    return DeviceDecoder(spec, check, run, lambda shapes: tuple(layout(s)[2] for s in shapes))

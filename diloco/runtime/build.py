@@ -157,7 +157,8 @@ def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
                     topk_fraction=c.topk_fraction)
     up_spec = codec_spec(c.up, c.error_feedback, c.zstd_level, block=c.block, topk_fraction=c.topk_fraction)
     spec = UnitSpec(corpus.train, cfg.run.seed, cfg.runtime.learners, cfg.data.batch_size, cfg.data.seq_len,
-                    fragments, schedule, up, up_spec, cfg.data.shard_block)
+                    fragments, schedule, up, up_spec, cfg.data.shard_block,
+                    down_spec=codec_spec(c.down, block=c.block, topk_fraction=c.topk_fraction))
     compiled = tuple(compile_steps(model, cfg, mesh) for mesh in learner_meshes(cfg))
     host = jax.device_get(model.params)
     theta0 = tuple({p: np.asarray(v, np.float32) for p, v in extract(host, frag).items()} for frag in fragments)

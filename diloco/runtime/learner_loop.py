@@ -142,7 +142,6 @@ def run_incarnation(port: LearnerPort, unit: LearnerUnit, cfg: TrainConfig, spee
         port.poll(unit)
         jax.block_until_ready(unit.state)  # dispatch is asynchronous: time the step, not its launch
         compute = port.clock() - start
-        saved = checkpoints.maybe_save(unit)
         factor = speed * max(0.1, 1.0 + jitter * rng.standard_normal())
         until = pace.end(start, compute, factor)  # the speed factor and runtime.step_period_s
         while port.leader and port.clock() < until:  # the artificial slowdown, taking broadcasts as they come
@@ -151,7 +150,9 @@ def run_incarnation(port: LearnerPort, unit: LearnerUnit, cfg: TrainConfig, spee
         watch.observe(end - start)
         held.append((ev.StepDone(m, inc, unit.ls.step, start, end, result.tokens, ev.pairs(result.sends),
                                  (), watch.take(), None, rows=rows or 0), log))
-        if saved:  # a checkpoint is never ahead of the steps the syncer has heard of
+        # A checkpoint is never ahead of the steps the syncer has heard of: this step's event
+        # leaves as soon as its (asynchronous) save starts, after the pacing wait, not before it.
+        if checkpoints.maybe_save(unit):
             release()
     release()
     if cfg.fragments.final_sync:

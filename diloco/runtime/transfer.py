@@ -43,8 +43,13 @@ def host_copy(x: jax.Array) -> np.ndarray:
     if x.is_fully_addressable:
         return np.asarray(jax.device_get(x))
     out = np.empty(x.shape, x.dtype)
+    covered = np.zeros(x.shape, bool)
     for shard in x.addressable_shards:
         out[shard.index] = np.asarray(jax.device_get(shard.data))
+        covered[shard.index] = True
+    if not covered.all():  # a learner whose fsdp axis spans processes: refused, never half-sent
+        raise ValueError(f"this process holds only part of a {x.shape} array ({x.sharding}); "
+                         "a learner's fsdp axis must stay within one process")
     return out
 
 

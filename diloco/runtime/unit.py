@@ -69,6 +69,7 @@ class UnitSpec(NamedTuple):
     # Encode block-format contributions on the learner's devices (docs/design.md#encoding-on-the-device);
     # False: on the host, from a copy of the fragment's params (benchmarks compare the two).
     device_encode: bool = True
+    down_spec: str = "fp32"  # the broadcasts' delta codec (syncer.Policy.down_spec): warm_up compiles its decoder
 
 
 class LearnerUnit:
@@ -127,6 +128,8 @@ class LearnerUnit:
             version, values = self.latest[q.fragment]
             _, before = self.anchors[q.fragment]
             self.anchors[q.fragment] = (version, values)
+            if isinstance(values, DeviceValues):  # nothing host-held of p is needed on the devices now
+                self._placed.pop(q.fragment, None)
             if q.kept and not q.answers:  # rebase: Theta' + (local - Theta), the send snapshot too
                 params = self._rebase(params, q.fragment, before, values)
                 continue
@@ -182,11 +185,22 @@ class LearnerUnit:
             batch = train_batch(s.train, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
                                 step=0, batch_size=rows, seq_len=s.seq_len, shard_block=s.shard_block)
             jax.block_until_ready(c.train_step(state, jax.device_put(batch, c.batch_sharding)))
-        if self.device_codec is not None:  # each fragment shape's encoder; its results dropped
-            states = dict(self.codec_states)
-            for p in range(len(s.fragments)):
-                jax.block_until_ready(self._start(lsm.Send(p, 0, 0, 0, 0, 0), copy=False).payload)
-            self.codec_states = states
+        if self.device_codec is None:
+            return
+        states = dict(self.codec_states)
+        for p, frag in enumerate(s.fragments):  # each fragment shape's encoder; its results dropped
+            jax.block_until_ready(self._start(lsm.Send(p, 0, 0, 0, 0, 0), copy=False).payload)
+            # and the decoders of a broadcast coming back, delta and full copy, on zero payloads
+            paths = sorted(frag.paths)
+            shapes = [tuple(get_path(self.state.params, path).shape) for path in paths]
+            base = self._on_device(p, self.anchors[p][1])
+            for spec, anchor in ((s.down_spec, tuple(base[path] for path in paths)), ("fp32", None)):
+                decoder = device_codecs.decoder_for(spec)
+                if decoder is not None:
+                    size = sum(decoder.sizes(shapes))
+                    zeros = jax.device_put(np.zeros(size, np.uint8), self._replicated())
+                    jax.block_until_ready(decoder.apply(anchor, zeros, shapes))
+        self.codec_states = states
 
     def step(self, fetch_loss: bool = False, rows: int | None = None, defer: bool = False) -> StepResult:
         """One inner step on this learner's shard, then the sends the schedule asks for. `rows`
@@ -361,11 +375,12 @@ class LearnerUnit:
             base_version, base = self.latest[p]
             expected = {path: (get_path(self.state.params, path).shape, np.float32) for path in frag.paths}
             decoder = None if self.device_codec is None else device_codecs.decoder_for(h["codec"])
-            if decoder is None:
-                values = messages.unpack_fragment(h, msg.payload, None, expected)
-            else:
+            if decoder is not None:
                 layout = messages.tensor_layout(h, expected)
                 raw = decoder.check(h, msg.payload, [shape for _, shape in layout])
+                decoder = None if raw is None else decoder
+            if decoder is None:
+                values = messages.unpack_fragment(h, msg.payload, None, expected)
         except (messages.MessageError, IndexError, KeyError):
             self.dropped_frames += 1
             return None
