@@ -13,9 +13,8 @@ from diloco.algo import syncer as sync
 from diloco.config import ConfigError, validate
 from diloco.runtime import sim as sim_mod
 from diloco.runtime.build import new_unit
-from diloco.runtime.sim import runtime as sim_runtime
+from diloco.runtime.sim import batched
 from diloco.runtime.summary import replayable
-from diloco.runtime.unit import step_together
 from test_sim import build, corpus, make_cfg, model  # noqa: F401  (fixtures)
 
 
@@ -29,13 +28,13 @@ def cfg_for(tmp, name, batch, **runtime):
 @pytest.fixture
 def sizes(monkeypatch):
     """The size of every batched step the sim takes."""
-    seen = []
+    seen, real = [], batched.step_together
 
     def recording(units, rows, fetch):
         seen.append(len(units))
-        return step_together(units, rows, fetch)
+        return real(units, rows, fetch)
 
-    monkeypatch.setattr(sim_runtime, "step_together", recording)
+    monkeypatch.setattr(batched, "step_together", recording)
     return seen
 
 
@@ -80,7 +79,7 @@ def test_units_stepped_together_are_units_stepped_apart(tmp_path, build):
     together = [new_unit(setup, m, 0, state) for m in range(3)]
     for _ in range(3):
         alone = [u.step(fetch_loss=True) for u in apart]
-        joint = step_together(together, None, [True] * 3)
+        joint = batched.step_together(together, None, [True] * 3)
         for x, y in zip(alone, joint):
             assert x.sends == y.sends and x.tokens == y.tokens and len(x.frames) == len(y.frames)
             np.testing.assert_allclose(y.loss, x.loss, rtol=1e-5)

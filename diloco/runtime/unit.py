@@ -208,18 +208,18 @@ class LearnerUnit:
         The tokens are those trained on (of fine-tuning rows, the assistant's): what the ledger
         books and the merge weighs. `defer`: return at once, without frames or loss; `finish`
         hands them out later, framed after the next step is dispatched."""
-        batch = self._batch(rows)
+        batch = self.batch(rows)
         self.state, metrics = self.compiled.train_step(
             self.state, jax.device_put(batch, self.compiled.batch_sharding))
-        return self._stepped(batch, metrics, fetch_loss, defer)
+        return self.stepped(batch, metrics, fetch_loss, defer)
 
-    def _batch(self, rows: int | None):
+    def batch(self, rows: int | None):
         s = self.spec
         return train_batch(s.train, seed=s.seed, learner=self.learner, num_learners=s.num_learners, step=self.ls.step,
                            batch_size=s.batch_size if rows is None else rows, seq_len=s.seq_len,
                            shard_block=s.shard_block)
 
-    def _stepped(self, batch, metrics, fetch_loss: bool, defer: bool) -> StepResult:
+    def stepped(self, batch, metrics, fetch_loss: bool, defer: bool) -> StepResult:
         """What follows a step once it is dispatched: the counters, the sends and their frames."""
         tokens = trained_tokens(batch)
         self.ls, sends = lsm.after_step(self.ls, self.spec.schedule, tokens)
@@ -402,19 +402,3 @@ class LearnerUnit:
 
     def params_host(self) -> dict:
         return jax.device_get(self.state.params)
-
-
-def step_together(units: list[LearnerUnit], rows: int | None, fetch_loss: list[bool]) -> list[StepResult]:
-    """One inner step of each unit, as one vmapped step over a leading learner axis: units that
-    share one compiled step and mesh (sim) and take batches of the same rows. Each keeps its own
-    data, state, counters and sends; the results are each unit's `step` (docs/design.md#sim)."""
-    compiled = units[0].compiled
-    assert all(u.compiled is compiled for u in units), "units stepped together must share their compiled step"
-    batches = [u._batch(rows) for u in units]
-    placed = tuple(jax.device_put(b, compiled.batch_sharding) for b in batches)
-    out = compiled.train_many(len(units))(tuple(u.state for u in units), placed)
-    results = []
-    for u, b, (state, metrics), fetch in zip(units, batches, out, fetch_loss):
-        u.state = state
-        results.append(u._stepped(b, metrics, fetch, False))
-    return results

@@ -31,7 +31,6 @@ import numpy as np
 
 from diloco import report
 from diloco import watch as run_watch
-from diloco.algo import learner as lsm
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
 from diloco.chaos import tapes
@@ -43,7 +42,7 @@ from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.stop import RunStopped
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.build import Setup, new_unit
-from diloco.runtime.unit import step_together
+from diloco.runtime.sim import batched
 from diloco.runtime.sim.snapshots import SimSnapshots, restore
 from diloco.runtime.runlog import InputLog, read_inputs, run_outputs, write_decisions
 from diloco.runtime.walltape import run_tape
@@ -140,7 +139,7 @@ class Sim(HostedRuntime):
                        for m, u in enumerate(self.units))
 
     # --- failures (chaos tape) ------------------------------------------------------------------
-    def _rows(self, m: int, t: float | None = None) -> int:
+    def rows_at(self, m: int, t: float | None = None) -> int:
         """Batch rows for learner m's live slices at t (default now; rows of dead slices are
         simply not computed)."""
         b = self.setup.spec.batch_size
@@ -229,55 +228,22 @@ class Sim(HostedRuntime):
                                               result.frames), self.now, deliver=False)
                 self._send(m, unit.ls.incarnation, self.now, result.sends, result.frames)
             return
-        rows = self._rows(m)
-        steps = [(m, self.now, self._log(m), self._duration(m))]
+        rows = self.rows_at(m)
+        steps = [(m, self.now, self.log_due(m), self.duration(m))]
         if self.batched:
-            steps += self._in_step(rows, self.now + steps[0][3])
+            steps += batched.in_step(self, rows, self.now + steps[0][3])
         if len(steps) == 1:
             results = [unit.step(fetch_loss=steps[0][2], rows=rows)]
         else:
-            results = step_together([self.units[k] for k, *_ in steps], rows, [lg for _, _, lg, _ in steps])
+            results = batched.step_together([self.units[k] for k, *_ in steps], rows, [lg for _, _, lg, _ in steps])
         for (k, start, lg, duration), result in zip(steps, results):
             self.now = start
             self._stepped(k, result, rows, lg, duration)
 
-    def _in_step(self, rows: int, end: float) -> list[tuple[int, float, bool, float]]:
-        """The learners whose steps come next on the heap and can be taken with this one, as one
-        batched step (runtime.batch_learners, docs/design.md#sim): each starts before any of the
-        steps taken with it ends (so nothing it could receive comes first), steps at once (no
-        stall, no flush, no failure) and with the same rows. Their events are taken off the heap
-        in order and everything before their step is done as at their own turn; each is
-        (learner, start, log loss, duration), the durations drawn in the same order as one by one."""
-        out = []
-        while self.heap and self.heap[0][2] == "step" and self.heap[0][0] < end:
-            t, k = self.heap[0][0], self.heap[0][3][0]
-            if not self._steps_at(k, t, rows):
-                break
-            heapq.heappop(self.heap)
-            self.now = t
-            self.waking.discard(k)
-            unit = self.units[k]
-            for q in unit.apply_due():
-                self.host.on_event(ev.Applied(k, unit.ls.incarnation, (q.fragment,)), self.now)
-            if k in self.stalled_since:
-                self.host.stalled(k, self.stalled_since.pop(k), self.now)
-            out.append((k, t, self._log(k), self._duration(k)))
-            end = min(end, t + out[-1][3])
-        return out
-
-    def _steps_at(self, k: int, t: float, rows: int) -> bool:
-        """Whether learner k's step event at t would step at once, with `rows` rows (nothing changes)."""
-        unit = self.units[k]
-        if unit is None or not self.alive[k] or (self.tape is not None and not tapes.is_alive(self.tape, k, t)):
-            return False
-        schedule = unit.spec.schedule
-        ls, _ = lsm.to_apply(unit.ls, schedule)
-        return lsm.blocking(ls, schedule) is None and ls.step < self.cfg.run.steps and self._rows(k, t) == rows
-
-    def _log(self, m: int) -> bool:
+    def log_due(self, m: int) -> bool:
         return report.due(self.units[m].ls.step + 1, self.cfg.run.log_every, self.cfg.run.steps)
 
-    def _duration(self, m: int) -> float:
+    def duration(self, m: int) -> float:
         r = self.cfg.runtime
         return r.step_time * self.speeds[m % len(self.speeds)] * max(0.1, 1.0 + self.jitter * self.rng.standard_normal())
 
