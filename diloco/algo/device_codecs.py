@@ -95,15 +95,10 @@ def layout(shape: tuple[int, ...], sharding, block: int) -> tuple[int, int, int]
 @functools.lru_cache(maxsize=32)
 def _build(spec: str, name: str, block: int, error_feedback: bool, zstd_level: int) -> DeviceCodec:
     fmt = codecs.BLOCK_FORMATS[name]()
-    codecs.check_block(name, fmt, block)
-    per = 8 // fmt.bits
+    wire = codecs.make_codec(name, block=block)  # refuses a bad block; its payload sizes are the wire's
 
     def sizes(shapes):
-        out = []
-        for shape in shapes:
-            n = math.prod(shape)
-            out.append(4 * -(-n // block) + -(-n // per))
-        return tuple(out)
+        return tuple(wire.payload_bytes(tuple(shape)) for shape in shapes)
 
     def encode(anchor, local, residuals, zero, layouts):
         pieces, targets, decodes, finite = [], [], [], []
@@ -239,11 +234,11 @@ def decoder_for(spec: str) -> DeviceDecoder | None:
 def _decoder(spec: str, name: str, block: int) -> DeviceDecoder:
     fmt = None if name == "fp32" else codecs.BLOCK_FORMATS[name]()
     per = 1 if fmt is None else 8 // fmt.bits
+    wire = codecs.make_codec(name, block=block)  # the host codec: its payload sizes are the wire's
 
     def layout(shape):
         n = math.prod(shape)
-        nb = -(-n // block)
-        return (n, 0, 4 * n) if fmt is None else (n, nb, 4 * nb + -(-n // per))
+        return n, 0 if fmt is None else -(-n // block), wire.payload_bytes(tuple(shape))
 
     def check(header, payload: bytes, shapes) -> np.ndarray | None:
         raw = np.frombuffer(payload, np.uint8)

@@ -6,7 +6,7 @@ Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), docs/algorithm
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import jax
@@ -36,9 +36,10 @@ class _Ticket(NamedTuple):
     or (host encode) device copies of the fragment's params, encoded on the host later."""
 
     send: lsm.Send
-    payload: tuple | None = None  # device encode: each tensor's (scales, codes), copying to the host
-    snapshot: dict[Path, jax.Array] | None = None
-    job: FrameJob | None = None  # the payload's frame, being made on a thread of its own
+    snapshot: dict[Path, jax.Array] | None = None  # host encode
+    # device encode: () -> (frame, bytes copied to the host), run at once or on its own thread (job)
+    work: Callable[[], tuple[bytes, int]] | None = None
+    job: FrameJob | None = None
 
 
 class _Deferred(NamedTuple):
@@ -189,7 +190,7 @@ class LearnerUnit:
             return
         states = dict(self.codec_states)
         for p, frag in enumerate(s.fragments):  # each fragment shape's encoder; its results dropped
-            jax.block_until_ready(self._start(lsm.Send(p, 0, 0, 0, 0, 0), copy=False).payload)
+            self._start(lsm.Send(p, 0, 0, 0, 0, 0), copy=False).work()
             # and the decoders of a broadcast coming back, delta and full copy, on zero payloads
             paths = sorted(frag.paths)
             shapes = [tuple(get_path(self.state.params, path).shape) for path in paths]
@@ -267,9 +268,9 @@ class LearnerUnit:
             for part in ((x,) if x.is_fully_addressable else (s.data for s in x.addressable_shards)):
                 part.copy_to_host_async()
         shapes = [tuple(x.shape) for x in live]
-        if copy:  # deferred: framed on a thread while the devices compute
-            return _Ticket(send, job=FrameJob(lambda: self._device_frame(send, pieces, paths, shapes)))
-        return _Ticket(send, payload=pieces)
+        work = lambda: self._device_frame(send, pieces, paths, shapes)  # noqa: E731
+        # deferred: framed on a thread of its own while the devices compute
+        return _Ticket(send, job=FrameJob(work)) if copy else _Ticket(send, work=work)
 
     def _on_device(self, p: int, values: Mapping) -> dict[Path, jax.Array]:
         """Fragment p's `values` on the learner's devices, on its params' shardings: a broadcast
@@ -318,16 +319,10 @@ class LearnerUnit:
     def _frame(self, ticket: _Ticket) -> bytes:
         """The frame of a started send: made on its thread, made now from its device payload,
         or its params encoded on the host."""
-        send = ticket.send
-        if ticket.job is not None:
-            frame, nbytes = ticket.job.result()
-        elif ticket.payload is not None:
-            paths = sorted(self.spec.fragments[send.fragment].paths)
-            frame, nbytes = self._device_frame(send, ticket.payload, paths,
-                                               [tuple(get_path(self.state.params, path).shape) for path in paths])
-        else:
-            tensors, payload = self._encode_host(send, ticket.snapshot)
-            return self._framed(send, tensors, payload)
+        if ticket.job is None and ticket.work is None:
+            tensors, payload = self._encode_host(ticket.send, ticket.snapshot)
+            return self._framed(ticket.send, tensors, payload)
+        frame, nbytes = ticket.job.result() if ticket.job is not None else ticket.work()
         self.host_bytes += nbytes
         return frame
 
