@@ -70,8 +70,11 @@ class FrameJob:
         except BaseException as e:  # raised again, where the frame is asked for
             self._error = e
 
-    def result(self) -> tuple[bytes, int]:
+    def wait(self) -> None:
         self._thread.join()
+
+    def result(self) -> tuple[bytes, int]:
+        self.wait()
         if self._error is not None:
             raise self._error
         return self._out

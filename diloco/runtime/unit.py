@@ -239,6 +239,13 @@ class LearnerUnit:
         d = self._deferred.pop(0)
         return d.frames, None if d.metrics is None else float(d.metrics["loss"])
 
+    def drain(self) -> None:
+        """Wait for the frame threads of deferred sends to end (their frames stay to be taken)."""
+        for d in self._deferred:
+            for t in d.tickets:
+                if t.job is not None:
+                    t.job.wait()
+
     @property
     def deferred(self) -> int:
         """Steps whose frames `finish` has still to hand out."""

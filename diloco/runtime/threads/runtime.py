@@ -302,7 +302,10 @@ class Threads(HostedRuntime):
         return self.clock()
 
     def _incarnation(self, m: int, unit: LearnerUnit, ckpts: LearnerCheckpoints) -> None:
-        run_incarnation(_ThreadPort(self, m), unit, self.cfg, self.speeds[m], self.jitter, self.tape, ckpts)
+        try:
+            run_incarnation(_ThreadPort(self, m), unit, self.cfg, self.speeds[m], self.jitter, self.tape, ckpts)
+        finally:  # an incarnation that ends early (an error, a kill) leaves no frame thread running
+            unit.drain()
         while self._receive(m, POLL):  # broadcasts keep coming until the syncer closes the inbox
             pass
 
