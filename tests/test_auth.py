@@ -44,7 +44,8 @@ def test_a_tag_verifies_only_the_frame_it_was_made_for():
     assert auth.verify(SECRET, good.header, good.payload) == ""
     other = auth.Secret(b"fedcba9876543210fedcba9876543210")
     assert "does not verify" in auth.verify(other, good.header, good.payload)
-    for field, value in [("seq", 2), ("incarnation", 1), ("learner", 0), ("c_tokens", 9), ("base_version", 1)]:
+    for field, value in [("seq", 2), ("incarnation", 1), ("learner", 0), ("c_tokens", 9), ("base_version", 1),
+                         ("checksum", "0" * 16)]:  # the tag covers the checksum string too
         assert "does not verify" in auth.verify(SECRET, {**good.header, field: value}, good.payload), field
     flipped = bytearray(good.payload)
     flipped[0] ^= 1

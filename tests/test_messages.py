@@ -40,7 +40,7 @@ def reason(frame, **kw):
 def reframe(h: dict, payload: bytes) -> bytes:
     """A frame written by hand, bypassing encode's validation."""
     raw = json.dumps(h).encode()
-    return struct.pack("<4sI", b"DLC1", len(raw)) + raw + payload
+    return struct.pack("<4sI", msg.MAGIC, len(raw)) + raw + payload
 
 
 def test_round_trip_fills_length_and_checksum():
@@ -48,7 +48,7 @@ def test_round_trip_fills_length_and_checksum():
     m = msg.decode(frame)
     assert m.header["payload_len"] == len(m.payload) == 4 * (24 + 3)
     assert m.header["checksum"] == msg.checksum(m.payload)
-    assert frame[:4] == b"DLC1"
+    assert frame[:4] == msg.MAGIC == b"DLC2"
     assert [t["path"] for t in m.header["tensors"]] == [["dense", "bias"], ["dense", "kernel"]]
     out = msg.unpack_fragment(m.header, m.payload, FP32, EXPECTED)
     for path, v in VALUES.items():
@@ -83,10 +83,11 @@ def test_corrupt_frames_have_their_own_reason():
     assert reason(frame[:-5]) == "truncated"
     assert reason(frame[:6]) == "truncated"
     assert reason(frame + b"\0") == "trailing_bytes"
-    assert reason(b"DLC2" + frame[4:]) == "bad_magic"
+    assert reason(b"DLC1" + frame[4:]) == "bad_magic"  # the previous version (tests/test_checksum.py)
+    assert reason(b"GIF8" + frame[4:]) == "bad_magic"
     assert reason(frame, max_payload=4 * 27 - 1) == "too_large"
     assert msg.decode(frame, max_payload=4 * 27).header["seq"] == 7
-    not_json = struct.pack("<4sI", b"DLC1", 5) + b"{oops"
+    not_json = struct.pack("<4sI", msg.MAGIC, 5) + b"{oops"
     assert reason(not_json) == "bad_header"
 
 

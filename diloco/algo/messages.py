@@ -2,7 +2,7 @@
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); docs/algorithm.md#admission-and-quarantine.
 
-A frame is `b"DLC1" | uint32 LE header length | UTF-8 JSON header | payload`. Nothing is pickled:
+A frame is `b"DLC2" | uint32 LE header length | UTF-8 JSON header | payload`. Nothing is pickled:
 a frame from a crashed, buggy or hostile peer can at worst be rejected, never execute code. Every
 rejection is a `MessageError` whose `reason` is one of QUARANTINE_REASONS, so the syncer can
 quarantine the message and book its tokens under that reason in the ledger.
@@ -15,7 +15,6 @@ decoding and merging happen in FP32 (docs/algorithm.md#codecs).
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import re
@@ -27,11 +26,15 @@ import numpy as np
 
 from diloco.algo import auth, hostpool
 from diloco.algo.bounds import loads_json
+from diloco.algo.checksum import checksum
 from diloco.algo.codecs import Codec, CodecError, NonFiniteError, make_codec
 
 Path = tuple[str, ...]
 
-MAGIC = b"DLC1"
+# The frame version: DLC2 frames carry the tree checksum (diloco/algo/checksum.py), DLC1 frames
+# carried one blake2b stream over the payload. A frame of another version is refused (bad_magic).
+MAGIC = b"DLC2"
+_FAMILY = b"DLC"
 _PREFIX = struct.Struct("<4sI")  # magic, header length
 MAX_HEADER_BYTES = 1 << 20  # a header lists tensor shapes only; 1 MiB is thousands of tensors
 # A header nests 4 deep (header, tensors, one tensor, its path); json.loads recurses once per level
@@ -81,16 +84,6 @@ class MessageError(ValueError):
 class Message(NamedTuple):
     header: dict[str, Any]  # validated; tensor paths are lists of str as on the wire
     payload: bytes
-
-
-def checksum(payload: bytes) -> str:
-    """blake2b with an 8-byte digest, as hex.
-
-    Chosen over zlib.crc32: a 64-bit digest makes an undetected corruption (2**-64 per message)
-    negligible over millions of messages, where crc32's 2**-32 is not; blake2b runs at about
-    1 GB/s, small next to encoding a fragment.
-    """
-    return hashlib.blake2b(payload, digest_size=8).hexdigest()
 
 
 def _is_int(x: Any) -> bool:
@@ -199,6 +192,9 @@ def decode(frame: bytes, *, max_payload: int | None = None, verify: bool = True)
         raise MessageError("bad_magic", f"got {frame[:4]!r}")
     magic, hlen = _PREFIX.unpack_from(frame)
     if magic != MAGIC:
+        if magic.startswith(_FAMILY):  # a peer of another build: say which, so the fix is plain
+            raise MessageError("bad_magic", f"frame version {magic.decode('ascii', 'replace')}, "
+                                            f"this build speaks {MAGIC.decode('ascii')}")
         raise MessageError("bad_magic", f"got {magic!r}, want {MAGIC!r}")
     if hlen > MAX_HEADER_BYTES:
         raise MessageError("too_large", f"header of {hlen} bytes > {MAX_HEADER_BYTES}")

@@ -205,10 +205,9 @@ def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> t
         msg = messages.decode(frame, max_payload=max_payload(st), verify=False)
     except messages.MessageError as e:
         return _quarantine(st, e.reason, None, now, e.detail)
-    # The payload's checksum (blake2b, one thread, about a third of a large contribution's work)
-    # is summed on another thread while the payload is decoded. Nothing is admitted before it
-    # passes, and a frame that fails it is quarantined from `st` whatever else was found: the
-    # outcomes of checking it first.
+    # The payload's checksum (a blake2b tree, its pieces on the pool's threads) is summed while
+    # the payload is decoded. Nothing is admitted before it passes, and a frame that fails it is
+    # quarantined from `st` whatever else was found: the outcomes of checking it first.
     verified = hostpool.start(lambda: messages.payload_fault(msg), len(msg.payload) >= hostpool.CHUNK)
     out = _received(cfg, st, msg, now, verified)
     fault = verified()
@@ -543,7 +542,7 @@ def _publish(cfg: Policy, st: SyncerState, fs: FragmentState, p: int,
         ref, delta_frame = fs.theta, None
     else:
         tensors, payload, _ = messages.pack_fragment(diff, cfg.down_codec)
-        # the frame (its checksum, one thread) is built while the new ref is decoded and summed
+        # the frame (its checksum) is built on a pool thread while the new ref is decoded and summed
         framed = hostpool.start(lambda: _frame(p, fs.version, prev_version, cfg.down_spec, tensors, payload,
                                                merged), len(payload) >= hostpool.CHUNK)
         decoded = messages.unpack_fragment({"codec": cfg.down_spec, "tensors": tensors}, payload,
