@@ -1,5 +1,6 @@
 """Generation: the KV cache gives what recomputing the whole sequence gives, batched prompts of
-different lengths equal each prompt alone, transformers' greedy continuations, and sampling rules."""
+different lengths equal each prompt alone, transformers' greedy continuations, sampling rules, and
+the on-device decode loop gives exactly what a host loop of one dispatch per token gives."""
 
 import dataclasses
 import json
@@ -12,8 +13,10 @@ import pytest
 
 from diloco.config import ModelConfig
 from diloco.hf import load
-from diloco.model import build
-from diloco.model.generate import Sampling, generate, init_cache, left_pad, sample
+from diloco.hf.gguf_file import shipped_smollm2
+from diloco.model import Model, build
+from diloco.model.generate import (NO_TOKEN, Sampling, _decode_loop, buckets, generate, init_cache, left_pad,
+                                   sample)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 TINY = ModelConfig(name="tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=128)
@@ -109,3 +112,202 @@ def test_sampling_rules():
     np.testing.assert_allclose(full, [0.5, 0.3, 0.15, 0.05], atol=0.04)
     # A low temperature sharpens towards the argmax.
     assert freq(Sampling(temperature=0.2))[0] > 0.9
+
+
+def _stepwise(model, cfg, prompts, n, sampling=Sampling(), stop_ids=(), seed=0):
+    """The reference: a jitted prefill, then a host loop of one jitted step per token, with token i
+    drawn with jax.random.split(key(seed), n)[i] (what generate did before its loop moved onto the
+    device). Returns (tokens up to each row's first stop, stopped, decode tokens, raw steps BxT)."""
+    tokens_BxP, mask_BxP = left_pad(prompts)
+    B = len(prompts)
+    cache = init_cache(cfg, B, tokens_BxP.shape[1] + n)
+    keys = jax.random.split(jax.random.key(seed), n)
+    prefill = jax.jit(lambda p, t, m, c, k: (lambda lc: (sample(lc[0][:, -1], k, sampling), lc[1]))(
+        model.decode(p, t, m, c)))
+    step = jax.jit(lambda p, t, c, k: (lambda lc: (sample(lc[0][:, 0], k, sampling), lc[1]))(
+        model.decode(p, t[:, None], jnp.ones((B, 1), bool), c)))
+    next_B, cache = prefill(model.params, tokens_BxP, mask_BxP, cache, keys[0])
+    out, decoded = [np.asarray(next_B)], 0
+    done_B = np.isin(out[0], list(stop_ids))
+    for i in range(1, n):
+        if done_B.all():
+            break
+        decoded += int((~done_B).sum())
+        next_B, cache = step(model.params, next_B, cache, keys[i])
+        out.append(np.asarray(next_B))
+        done_B |= np.isin(out[-1], list(stop_ids))
+    steps_BxT = np.stack(out, axis=1)
+    rows, stopped = [], []
+    for row in steps_BxT.tolist():
+        hits = [j for j, t in enumerate(row) if t in stop_ids]
+        rows.append(row[:hits[0]] if hits else row)
+        stopped.append(bool(hits))
+    return rows, stopped, decoded, steps_BxT
+
+
+def _sharp(model):
+    # Scaled-up weights make the argmax decisive, so a cache error changes tokens, not ties.
+    return model._replace(params=jax.tree.map(lambda a: a * 8 if a.ndim == 2 else a, model.params))
+
+
+PROMPTS = [[5, 17, 200, 3, 99, 42, 7], [1, 2, 3], [100]]  # left-padded into one batch of unequal rows
+VARIANTS = [{}, {"positions": "learned", "norm": "layer", "mlp": "gelu", "qkv_bias": True, "o_bias": True,
+                 "mlp_bias": True},
+            {"qk_norm": True, "head_dim": 8, "rope_scaling": "llama3", "rope_original_max_len": 16}]
+
+
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+def test_device_loop_equals_the_per_token_loop_on_tiny_models(variant):
+    cfg = dataclasses.replace(TINY, **VARIANTS[variant])
+    model = build(cfg, 256, seed=3)
+    for m, sampling in ((_sharp(model), Sampling()), (model, Sampling(0.8, 20, 0.9))):
+        ref, stopped, decoded, _ = _stepwise(m, cfg, PROMPTS, 12, sampling, seed=1)
+        out = generate(m, cfg, PROMPTS, 12, sampling, seed=1)
+        assert (out.tokens, out.stopped, out.decode_tokens) == (ref, stopped, decoded)
+        assert decoded == 3 * 11  # no stop ids: every row runs all 11 steps after the prefill
+
+
+@pytest.mark.parametrize("name", ["llama3", "gpt2", "qwen3", "mistral"])
+def test_device_loop_equals_the_per_token_loop_on_each_family(name):
+    pre = load(FIXTURES / name)
+    prompts = [[3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    ref, *_ = _stepwise(pre.model, pre.config, prompts, 10)
+    assert generate(pre.model, pre.config, prompts, 10).tokens == ref
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shipped_smollm2() is None, reason="needs `make smollm2`")
+def test_device_loop_equals_the_per_token_loop_on_smollm2():
+    pre = load(shipped_smollm2())
+    tok = pre.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+               for text in ("What is the capital of France?", "Name a colour.")]
+    assert len(prompts[0]) != len(prompts[1])
+    ref, stopped, decoded, _ = _stepwise(pre.model, pre.config, prompts, 16, stop_ids=tok.stop_ids)
+    out = generate(pre.model, pre.config, prompts, 16, stop_ids=tok.stop_ids)
+    assert (out.tokens, out.stopped, out.decode_tokens) == (ref, stopped, decoded)
+    assert stopped == [True, False]  # "The capital of France is Paris." then eos; the other runs on
+
+
+def test_each_row_stops_at_its_own_stop_token_and_the_loop_at_the_last():
+    model = build(TINY, 256, seed=5)
+    free, _, _, raw_BxT = _stepwise(model, TINY, PROMPTS, 16)
+    # Stop tokens chosen so row 0 stops at step 2 and row 1 at step 6 (each one's first occurrence
+    # of any of them); row 2 runs to the end unless it meets one too.
+    stops = [free[0][2], free[1][6]]
+    assert stops[1] not in free[0][:2] and stops[0] not in free[1][:6]
+    firsts = [next((j for j, t in enumerate(row) if t in stops), None) for row in free]
+    ref, stopped, decoded, _ = _stepwise(model, TINY, PROMPTS, 16, stop_ids=stops)
+    out = generate(model, TINY, PROMPTS, 16, stop_ids=stops)
+    assert (out.tokens, out.stopped, out.decode_tokens) == (ref, stopped, decoded)
+    for row, first in zip(range(3), firsts):
+        assert out.tokens[row] == free[row][:first] and out.stopped[row] == (first is not None)
+    # Analytically: a row that stops at step j is running for steps 1..j, one that never stops for
+    # every step the loop takes; the loop runs to the last row's stop.
+    steps = 16 if None in firsts else max(firsts) + 1
+    assert out.decode_tokens == sum(steps - 1 if f is None else f for f in firsts)
+
+    # On the device, a stopped row's slots hold NO_TOKEN and the loop ends once all rows stopped.
+    first_B = jnp.asarray(raw_BxT[:, 0])
+    width, slots = buckets(7, 16, TINY.max_seq_len)
+    tokens_BxP, mask_BxP = left_pad(PROMPTS, width=width)
+    cache = init_cache(TINY, 3, width + slots)
+    _, cache = model.decode(model.params, tokens_BxP, mask_BxP, cache)
+    keys_T = jax.random.split(jax.random.key(0), slots)
+    all_stop = np.asarray(sorted({free[0][2], free[1][6], free[2][4]}), np.int32)
+    out_BxT, n, decoded, _ = _decode_loop(model.params, first_B, cache, keys_T, all_stop, np.int32(16),
+                                          decode=model.decode, sampling=Sampling(), on_step=None)
+    firsts = [next(j for j, t in enumerate(row) if t in all_stop) for row in free]
+    assert int(n) == max(firsts) + 1 and int(decoded) == sum(firsts)
+    for row, first in enumerate(firsts):
+        assert out_BxT[row, :first + 1].tolist() == raw_BxT[row, :first + 1].tolist()
+        assert (np.asarray(out_BxT[row, first + 1:]) == NO_TOKEN).all()
+
+
+class _FixedLogits:
+    """A model whose next-token logits are the same whatever the context: draws from it are draws
+    from one known distribution, so the loop's sampling can be checked analytically."""
+
+    def __init__(self, logits_V):
+        self.logits_V = jnp.asarray(logits_V, jnp.float32)
+
+    def decode(self, params, tokens_BxL, mask_BxL, cache):
+        B, L = tokens_BxL.shape
+        return jnp.broadcast_to(self.logits_V + 0 * params["w"], (B, L, self.logits_V.shape[0])), cache
+
+    def model(self):
+        return Model(apply=None, params={"w": jnp.zeros(())}, decode=self.decode)
+
+
+def test_sampling_in_the_loop_draws_token_i_with_key_i_and_respects_top_k_and_top_p():
+    V, B, n = 256, 8, 24
+    logits_V = np.linspace(0.0, 6.0, V)  # token 255 most likely, then 254, ...
+    model = _FixedLogits(logits_V).model()
+    prompts = [[1]] * B
+    for sampling, allowed in ((Sampling(1.0, top_k=3), {253, 254, 255}),
+                              (Sampling(1.0), set(range(V))),
+                              (Sampling(0.7, top_k=40, top_p=0.5), None)):
+        out = generate(model, TINY, prompts, n, sampling, seed=7)
+        tokens_BxT = np.asarray(out.tokens)
+        keys = jax.random.split(jax.random.key(7), n)
+        expect_BxT = np.stack([np.asarray(sample(jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (B, V)),
+                                                 keys[i], sampling)) for i in range(n)], axis=1)
+        np.testing.assert_array_equal(tokens_BxT, expect_BxT)
+        assert generate(model, TINY, prompts, n, sampling, seed=7).tokens == out.tokens  # deterministic
+        assert generate(model, TINY, prompts, n, sampling, seed=8).tokens != out.tokens
+        assert len(set(tokens_BxT[:, 0])) > 1 and len(set(tokens_BxT[0])) > 1  # fresh draws per row and step
+        if allowed is not None:
+            assert set(tokens_BxT.ravel()) <= allowed
+    assert set(np.asarray(generate(model, TINY, prompts, n, Sampling(1.0, top_k=3), seed=7).tokens).ravel()) \
+        == {253, 254, 255}  # 192 draws: each of the three appears
+
+
+def test_one_and_zero_new_tokens():
+    model = _sharp(build(TINY, 256, seed=4))
+    ref, *_ = _stepwise(model, TINY, PROMPTS, 1)
+    out = generate(model, TINY, PROMPTS, 1)
+    assert out.tokens == ref and all(len(t) == 1 for t in out.tokens)
+    assert out.decode_tokens == 0 and out.decode_s == 0 and np.isnan(out.tokens_per_s)
+    first = out.tokens[0][0]
+    stopped = generate(model, TINY, PROMPTS, 5, stop_ids=[first])
+    assert stopped.tokens[0] == [] and stopped.stopped[0] and stopped.decode_tokens == \
+        sum(len(t) - 1 for t in stopped.tokens[1:])  # row 0 stopped at once; the others ran 4 steps
+    with pytest.raises(ValueError, match="max_new_tokens=0 must be > 0"):
+        generate(model, TINY, PROMPTS, 0)
+
+
+def test_streaming_sees_every_step_in_order():
+    model = _sharp(build(TINY, 256, seed=4))
+    seen = []
+    out = generate(model, TINY, PROMPTS, 9, on_step=lambda tokens_B: seen.append(tokens_B.tolist()))
+    assert np.asarray(seen).T.tolist() == out.tokens
+    stop = out.tokens[0][3]
+    seen.clear()
+    out = generate(model, TINY, [PROMPTS[0]], 9, stop_ids=[stop], on_step=lambda t: seen.append(int(t[0])))
+    assert seen == out.tokens[0] + [stop]  # the stream ends with the stop token, as the CLI expects
+
+
+def test_buckets():
+    assert buckets(7, 12, 128) == (32, 32)
+    assert buckets(33, 1, 128) == (64, 32)
+    assert buckets(100, 28, 128) == (100, 28)  # the bucket would pass max_seq_len: exactly what fits
+    assert buckets(90, 20, 128) == (96, 32) and sum(buckets(90, 20, 128)) <= 128
+    with pytest.raises(ValueError, match="is 129 positions, more than model.max_seq_len=128"):
+        buckets(100, 29, 128)
+
+
+def test_calls_within_one_bucket_reuse_the_compiled_programs():
+    model = build(TINY, 256, seed=6)
+    generate(model, TINY, [[1, 2, 3], [4]], 12, stop_ids=[1, 2])
+    compiles = []
+    listener = lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        # Other prompts, lengths, new-token counts, stop ids and seed, all within the same buckets.
+        out = generate(model, TINY, [[9] * 20, [4, 4]], 30, stop_ids=[3, 5], seed=9)
+        out = generate(model, TINY, [[8], [7] * 31], 2, stop_ids=[6, 7], seed=1)
+        assert compiles == [] and len(out.tokens) == 2
+        generate(model, TINY, [[8], [7] * 31], 33)  # the next bucket of new tokens: compiled anew
+        assert compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

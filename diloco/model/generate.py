@@ -1,4 +1,6 @@
-"""Autoregressive generation with a KV cache: one prefill over the prompts, then one position a step.
+"""Autoregressive generation with a KV cache: one prefill over the prompts, then the whole decode
+loop on the device (a `lax.while_loop` over new tokens), so a call costs two dispatches, not one per
+token.
 
 Reference: nucleus sampling from Holtzman et al., "The Curious Case of Neural Text Degeneration"
 (2019), arXiv:1904.09751; the cache layout is described in docs/models.md.
@@ -6,6 +8,7 @@ Reference: nucleus sampling from Holtzman et al., "The Curious Case of Neural Te
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -13,10 +16,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from diloco.config import ModelConfig
 from diloco.model import Model, Params
 from diloco.model.transformer import Cache, head_dim
+
+
+# Prompt lengths and new-token counts round up to a multiple of this (within model.max_seq_len), so
+# calls of nearby sizes share one compiled prefill and loop; the extra slots are pads no one sees.
+BUCKET = 32
+NO_TOKEN = -1  # what a row's output holds after its stop token
 
 
 class Sampling(NamedTuple):
@@ -28,9 +38,9 @@ class Sampling(NamedTuple):
 class Generated(NamedTuple):
     tokens: list[list[int]]  # per prompt, the new tokens up to and without the stop token
     stopped: list[bool]  # per prompt, whether a stop token ended it
-    compile_s: float  # compiling the prefill and the step (once per prompt length and cache size)
-    prefill_s: float
-    decode_s: float  # the steps after the first new token
+    compile_s: float  # compiling the prefill and the decode loop (near 0 when these shapes were compiled)
+    prefill_s: float  # the prompts through the model, up to the first new token on the host
+    decode_s: float  # the loop over the tokens after the first (0 when max_new_tokens is 1)
     decode_tokens: int  # tokens produced in decode_s, over all rows still running
 
     @property
@@ -81,12 +91,13 @@ def sample(logits_BxV: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
     return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def left_pad(prompts: Sequence[Sequence[int]], pad: int = 0, width: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Prompts of different lengths as one [B, P] batch, right-aligned so every row's next token
-    lands in the same cache slot, with the mask of real tokens."""
+    lands in the same cache slot, with the mask of real tokens. P is the longest prompt, or `width`
+    if that is more."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    P = max(len(p) for p in prompts)
+    P = max(width, *(len(p) for p in prompts))
     tokens = np.full((len(prompts), P), pad, np.int32)
     mask = np.zeros((len(prompts), P), bool)
     for row, p in enumerate(prompts):
@@ -95,59 +106,99 @@ def left_pad(prompts: Sequence[Sequence[int]], pad: int = 0) -> tuple[np.ndarray
     return tokens, mask
 
 
+def buckets(prompt_len: int, new_tokens: int, max_seq_len: int) -> tuple[int, int]:
+    """(prompt width, new-token slots): each rounded up to a multiple of BUCKET, both together
+    within max_seq_len, and never below the sizes asked for."""
+    if prompt_len + new_tokens > max_seq_len:
+        raise ValueError(f"prompt plus new tokens is {prompt_len + new_tokens} positions, more than "
+                         f"model.max_seq_len={max_seq_len}")
+    up = lambda n: -(-n // BUCKET) * BUCKET  # noqa: E731
+    slots = min(up(new_tokens), max_seq_len - prompt_len)
+    return min(up(prompt_len), max_seq_len - slots), slots
+
+
+@functools.partial(jax.jit, static_argnames=("decode", "cfg", "sampling", "length"))
+def _prefill(params, tokens_BxP, mask_BxP, key, *, decode, cfg, sampling, length):
+    """The first new token per row, and the cache of `length` slots holding the prompts."""
+    cache = init_cache(cfg, tokens_BxP.shape[0], length)
+    logits_BxPxV, cache = decode(params, tokens_BxP, mask_BxP, cache)
+    return sample(logits_BxPxV[:, -1], key, sampling), cache
+
+
+@functools.partial(jax.jit, static_argnames=("decode", "sampling", "on_step"), donate_argnames="cache")
+def _decode_loop(params, first_B, cache, keys_T, stop_S, n_new, *, decode, sampling, on_step):
+    """Tokens 1 .. n_new - 1 after `first_B` in one program: out_BxT (NO_TOKEN after a row's stop
+    token and past the last step), the steps taken, the tokens produced by rows still running, and
+    the cache (returned so the donated one is updated in place rather than copied into the loop).
+
+    keys_T[i] draws token i, as a host loop over jax.random.split(key, T) would. A row that has
+    stopped keeps being fed its own samples, as every row is computed alike; only its output is
+    masked. The loop ends when every row has stopped or n_new tokens are out."""
+    B, T = first_B.shape[0], keys_T.shape[0]
+    ones_Bx1 = jnp.ones((B, 1), bool)
+
+    def running(carry):
+        i, _, done_B, *_ = carry
+        return (i < n_new) & ~jnp.all(done_B)
+
+    def step(carry):
+        i, tokens_B, done_B, cache, out_BxT, decoded = carry
+        logits_Bx1xV, cache = decode(params, tokens_B[:, None], ones_Bx1, cache)
+        tokens_B = sample(logits_Bx1xV[:, 0], keys_T[i], sampling)
+        if on_step is not None:  # streaming: one host callback a token, in order
+            io_callback(lambda t: on_step(np.asarray(t)), None, tokens_B, ordered=True)
+        out_BxT = jax.lax.dynamic_update_slice(out_BxT, jnp.where(done_B, NO_TOKEN, tokens_B)[:, None], (0, i))
+        decoded = decoded + jnp.sum(~done_B, dtype=jnp.int32)
+        return i + 1, tokens_B, done_B | jnp.isin(tokens_B, stop_S), cache, out_BxT, decoded
+
+    out_BxT = jnp.full((B, T), NO_TOKEN, jnp.int32).at[:, 0].set(first_B)
+    carry = (jnp.int32(1), first_B, jnp.isin(first_B, stop_S), cache, out_BxT, jnp.int32(0))
+    steps, _, _, cache, out_BxT, decoded = jax.lax.while_loop(running, step, carry)
+    return out_BxT, steps, decoded, cache
+
+
 def generate(model: Model, cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (), seed: int = 0,
              params: Params | None = None, on_step: Callable[[np.ndarray], None] | None = None) -> Generated:
     """Continue each prompt by up to max_new_tokens, a row ending at its first stop token.
 
-    on_step(tokens_B) sees each step's new tokens (for streaming output).
+    on_step(tokens_B) sees each step's new tokens (for streaming output); it runs as a host
+    callback inside the loop, so it costs a device-to-host round trip a token.
     """
     errors = sampling_errors(sampling) + ([] if max_new_tokens > 0 else
                                           [f"max_new_tokens={max_new_tokens} must be > 0"])
     if errors:
         raise ValueError("; ".join(errors))
     params = model.params if params is None else params
-    tokens_BxP, mask_BxP = left_pad(prompts)
-    B = len(prompts)
-    cache = init_cache(cfg, B, tokens_BxP.shape[1] + max_new_tokens)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width, slots = buckets(max(map(len, prompts)), max_new_tokens, cfg.max_seq_len)
+    tokens_BxP, mask_BxP = left_pad(prompts, width=width)
     stop_set = set(stop_ids)
-    stop = np.asarray(sorted(stop_set) or [-1])
+    stop_S = np.asarray(sorted(stop_set) or [NO_TOKEN], np.int32)
+    keys_T = jax.random.split(jax.random.key(seed), slots)
 
-    def prefill(params, tokens_BxP, mask_BxP, cache, key):
-        logits_BxPxV, cache = model.decode(params, tokens_BxP, mask_BxP, cache)
-        return sample(logits_BxPxV[:, -1], key, sampling), cache
-
-    def step(params, tokens_B, cache, key):
-        logits_Bx1xV, cache = model.decode(params, tokens_B[:, None], jnp.ones((B, 1), bool), cache)
-        return sample(logits_Bx1xV[:, 0], key, sampling), cache
-
-    keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     t0 = time.perf_counter()
-    prefill_c = jax.jit(prefill).lower(params, tokens_BxP, mask_BxP, cache, keys[0]).compile()
-    step_c = jax.jit(step, donate_argnums=2).lower(
-        params, jnp.zeros((B,), jnp.int32), cache, keys[0]).compile()
+    prefill = _prefill.lower(params, tokens_BxP, mask_BxP, keys_T[0], decode=model.decode, cfg=cfg,
+                             sampling=sampling, length=width + slots).compile()
     t1 = time.perf_counter()
-    next_B, cache = prefill_c(params, tokens_BxP, mask_BxP, cache, keys[0])
-    out = [np.asarray(next_B)]
+    first_B, cache = prefill(params, tokens_BxP, mask_BxP, keys_T[0])
+    first = np.asarray(first_B)
     t2 = time.perf_counter()
-    done_B = np.isin(out[0], stop)
-    decoded = 0
     if on_step:
-        on_step(out[0])
-    for i in range(1, max_new_tokens):
-        if done_B.all():
-            break
-        decoded += int((~done_B).sum())
-        next_B, cache = step_c(params, next_B, cache, keys[i])
-        out.append(np.asarray(next_B))
-        done_B |= np.isin(out[-1], stop)
-        if on_step:
-            on_step(out[-1])
-    t3 = time.perf_counter()
-    steps_BxT = np.stack(out, axis=1)
+        on_step(first)
+    steps_BxT, decoded, compile_s, decode_s = first[:, None], 0, t1 - t0, 0.0
+    if max_new_tokens > 1:
+        args = (params, first_B, cache, keys_T, stop_S, np.int32(max_new_tokens))
+        t3 = time.perf_counter()
+        loop = _decode_loop.lower(*args, decode=model.decode, sampling=sampling, on_step=on_step).compile()
+        t4 = time.perf_counter()
+        out_BxT, steps, decoded = jax.device_get(loop(*args)[:3])
+        decode_s, compile_s = time.perf_counter() - t4, compile_s + t4 - t3
+        steps_BxT = out_BxT[:, :steps]
     rows, stopped = [], []
     for row in steps_BxT.tolist():
         hits = [j for j, t in enumerate(row) if t in stop_set]
         rows.append(row[:hits[0]] if hits else row)
         stopped.append(bool(hits))
-    return Generated(rows, stopped, t1 - t0, t2 - t1, t3 - t2, decoded)
+    return Generated(rows, stopped, compile_s, t2 - t1, decode_s, int(decoded))
