@@ -9,6 +9,7 @@ different summation order; measured differences are ~1e-7 of the step)."""
 import numpy as np
 import pytest
 
+from diloco.algo import close as closing
 from diloco.algo import merge as merging
 from diloco.algo import messages, outer, quorum, roundsum
 from diloco.algo import syncer as sync
@@ -182,7 +183,7 @@ def test_one_compiled_close_per_fragment_shape_whatever_the_contributor_count():
     grace = quorum.GraceConfig(K=1, gamma=0.8, cap_steps=10.0, tau=2)
     pol = _policy(1)._replace(grace=grace)
     st = _start(pol, 5, rng)
-    compiled = sync._close_leaves._cache_size()
+    compiled = closing._close_leaves._cache_size()
     for m in range(5):
         st = sync.observe_step_time(st, m, 1.0)
     seq = 0
@@ -194,7 +195,7 @@ def test_one_compiled_close_per_fragment_shape_whatever_the_contributor_count():
         if st.fragments[0].version == version:
             st, actions = sync.on_deadline(pol, st, 0, t0 + 100.0)
         assert st.fragments[0].version == version + 1 and merges(st)[-1]["learners"] == list(range(n))
-    assert sync._close_leaves._cache_size() == compiled
+    assert closing._close_leaves._cache_size() == compiled
 
 
 def test_fragments_of_equal_shapes_share_one_compiled_close_and_merge_as_they_did_alone():
@@ -208,9 +209,9 @@ def test_fragments_of_equal_shapes_share_one_compiled_close_and_merge_as_they_di
         paths = ((f"block_{i}", "w"), (f"block_{i}", "b"))
         thetas.append({paths[0]: rng.standard_normal(a, np.float32), paths[1]: rng.standard_normal(b, np.float32)})
         frags.append(Fragment(i, paths, sum(x.size for x in thetas[-1].values()), False))
-    before = sync._close_leaves._cache_size()
+    before = closing._close_leaves._cache_size()
     st = sync.init(pol, tuple(frags), tuple(thetas), {0: 0})
-    assert sync._close_leaves._cache_size() - before == 2
+    assert closing._close_leaves._cache_size() - before == 2
     for i in range(len(frags)):
         alone = sync.init(pol, (frags[i]._replace(index=0),), (thetas[i],), {0: 0})
         diff = {p: rng.standard_normal(x.shape, np.float32) * np.float32(1e-2) for p, x in thetas[i].items()}

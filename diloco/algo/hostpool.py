@@ -15,6 +15,8 @@ child makes its own.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import itertools
 import os
 import sys
@@ -34,7 +36,10 @@ CHUNK = 1 << 18
 T = TypeVar("T")
 _LOCK = threading.Lock()
 _POOL: list = [None, 0]  # the executor and its worker count, made on first use
-_IDLE = 2  # unreferenced buffers of one size kept for reuse by aligned_empty (the rest are freed)
+# Unreferenced buffers of one size kept for reuse by aligned_empty (the rest are freed): a round's
+# close frees Theta, the optimizer state and the broadcast delta of each tensor and takes as many
+# new ones, and a fragment often holds several tensors of one shape.
+_IDLE = 12
 _BUFFERS_LOCK = threading.Lock()
 _BUFFERS: dict[int, list[np.ndarray]] = {}  # aligned_empty's owners by value count, in use or idle
 _PROBE = [object()]
@@ -55,6 +60,24 @@ def threads() -> int:
 def pieces(n: int, size: int = CHUNK) -> list[tuple[int, int]]:
     """[lo, hi) ranges of `size` cutting range(n), the last one shorter."""
     return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+
+
+# glibc's malloc settings once a pass runs in pieces: blocks up to 32 MB come from the heap, and up to 64 MB
+# freed at the top of each thread's heap stay there. By default glibc hands a freed block of a few
+# MB back to the kernel and takes fresh zeroed pages for the next one: a close in pieces allocates
+# some MB per piece for XLA's outputs, and those page faults cost a third of its time
+# (docs/experiments.md#closing-a-round). Larger blocks (whole tensors) go through aligned_empty.
+_MALLOPT = ((-3, 32 << 20), (-1, 64 << 20))  # (M_MMAP_THRESHOLD, bytes), (M_TRIM_THRESHOLD, bytes)
+
+
+@functools.cache  # once per process
+def _keep_freed_blocks() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): its allocator's defaults stand
+        return
+    for option, value in _MALLOPT:
+        libc.mallopt(option, value)
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
@@ -83,6 +106,8 @@ def run(tasks: Sequence[Callable[[], T]], parallel: bool = True) -> list[T]:
     unless `parallel`: small work is not worth a hand-off); the first task's exception (in task
     order) is raised after all have ended."""
     n = len(tasks)
+    if n > 1:
+        _keep_freed_blocks()
     helpers = min(threads(), n) - 1 if parallel else 0
     if helpers <= 0:
         return [t() for t in tasks]

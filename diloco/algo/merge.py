@@ -234,23 +234,32 @@ def merge(deltas: Sequence[Tree], weights: Sequence[float], method: str) -> Tree
     return rule(method).reference(deltas, weights)
 
 
-def merge_sums(sums: Tree, gains: Tree, per: str | None) -> Tree:
+def merge_sums(sums: Tree, gains: Tree, per: str | None, units: Tree) -> Tree:
     """The merged delta of a round from its running sums (diloco/algo/roundsum.py) and the gains
     of its rule (MergeRule): gain x sum (per=None; averaging: gain = the sum's scale / total
     weight), or gain x unit(sum) (RDA: gain = the radius), unit per tensor (per="tensor") or over
-    the fragment (per="fragment"), unit(0) = 0.
-    Traced inside the syncer's jitted close, one compile per fragment shape whatever the count."""
+    the fragment (per="fragment"), unit(0) = 0. `units` holds each sum's (f, safe) of unit_scale,
+    from the norm of its group taken beforehand (the close may see a piece of a tensor only).
+    Traced inside the syncer's jitted close (diloco/algo/close.py)."""
     sums = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), sums)
     if per is None:
         return jax.tree.map(lambda g, x: g * x, gains, sums)
+    # safe is 0 for a zero sum (unit 0) and NaN for a sum that overflowed (a non-finite merge)
+    # (a pair per leaf of gains: units has gains' structure as a prefix)
+    return jax.tree.map(lambda g, x, u: g * jnp.where(u[1] == 0, 0.0, (x * u[0]) / u[1]), gains, sums, units)
 
-    def unit(xs):  # x f / sqrt(ss): the scaled norm without ever forming the (overflowing) norm
-        ss, f = _scaled_sumsq(jax.tree.leaves(xs))
-        safe = jnp.where(ss > 0, jnp.sqrt(ss), 1.0)
-        return jax.tree.map(lambda x: jnp.where(ss > 0, (x * f) / safe, 0.0), xs)
 
-    units = unit(sums) if per == "fragment" else jax.tree.map(lambda x: unit([x])[0], sums)
-    return jax.tree.map(lambda g, u: g * u, gains, units)
+def unit_scale(norm: float) -> tuple[np.float32, np.float32]:
+    """(f, safe) with unit(x) = (x f) / safe for a group of float64 norm `norm`: f a power of two
+    that brings the norm into [1, 2) (so x f cannot overflow and safe = norm f is a normal float32),
+    kept within float32's normal powers; (1, 0) for a zero norm, (1, NaN) for a non-finite one.
+    Scaling by a power of two is exact, so (x f) / safe rounds as x / norm would."""
+    if norm == 0.0:
+        return np.float32(1.0), np.float32(0.0)
+    if not math.isfinite(norm):
+        return np.float32(1.0), np.float32(np.nan)
+    k = min(max(1 - math.frexp(norm)[1], -126), 126)  # norm = m 2^e, m in [0.5, 1)
+    return np.float32(2.0 ** k), np.float32(norm * 2.0 ** k)
 
 
 def global_norm(tree: Tree) -> float:

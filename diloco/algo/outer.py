@@ -84,6 +84,12 @@ OUTER: dict[str, Callable[..., optax.GradientTransformation]] = {
     "average": averaging,
     "delayed_nesterov": delayed_nesterov,
 }
+# Those of OUTER whose every output value (of Theta' and of the state) depends only on the same value
+# of Theta, the delta and the state, and on scalars: the syncer closes a round of these in pieces on
+# every core (docs/design.md#closing-a-round). An entry that couples values (a norm, a matrix
+# orthogonalisation) stays out and gets one pass over the whole fragment.
+ELEMENTWISE = frozenset({"nesterov", "sgd", "average", "delayed_nesterov"})
+_MADE_ELEMENTWISE: set = set()  # what make_outer built from ELEMENTWISE entries (cached, so kept alive)
 
 
 def make_outer(name: str, **options: Any) -> optax.GradientTransformation:
@@ -100,7 +106,15 @@ def make_outer(name: str, **options: Any) -> optax.GradientTransformation:
 
 @functools.lru_cache(maxsize=256)
 def _make(name: str, options: tuple) -> optax.GradientTransformation:
-    return OUTER[name](**dict(options))
+    opt = OUTER[name](**dict(options))
+    if name in ELEMENTWISE:
+        _MADE_ELEMENTWISE.add(opt)
+    return opt
+
+
+def elementwise(opt: optax.GradientTransformation) -> bool:
+    """Whether opt came from make_outer for an ELEMENTWISE entry (anything else is not assumed to be)."""
+    return opt in _MADE_ELEMENTWISE
 
 
 def outer_step(opt: optax.GradientTransformation, theta: Tree, opt_state: Any,

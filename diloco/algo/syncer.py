@@ -15,20 +15,20 @@ the next delta instead of accumulating.
 
 A round keeps no fp32 copy per contribution: each admitted one is decoded straight into the round's
 running sum (diloco/algo/roundsum.py) and keeps only its payload, so closing a round is one jitted
-pass (merge, outer step, broadcast delta, finiteness) compiled per fragment shape at `init`.
+pass (merge, outer step, broadcast delta, finiteness; diloco/algo/close.py), run in pieces on every
+core and compiled at `init`.
 """
 
 from __future__ import annotations
 
 import math
-from functools import lru_cache, partial
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
+from diloco.algo import close as closing
 from diloco.algo import merge as merging
 from diloco.algo import auth, bounds, hostpool, messages, outer, quorum, roundsum
 from diloco.algo.codecs import Codec, NonFiniteError
@@ -180,8 +180,7 @@ def compile_merges(cfg: Policy, st: SyncerState) -> None:
         seen.add(sig)
         zeros = {p: np.zeros(x.shape, np.float32) for p, x in fs.theta.items()}
         gains = {p: np.float32(0.0) for p in fs.theta}
-        jax.block_until_ready(_close(cfg.outer, per, zeros, gains, fs.theta, fs.outer_state,
-                                     fs.refs[-1][1]))
+        closing.close(cfg.outer, per, zeros, gains, fs.theta, fs.outer_state, fs.refs[-1][1])
 
 
 def _ref(fs: FragmentState, version: int) -> Values | None:
@@ -466,62 +465,22 @@ def _step(cfg: Policy, st: SyncerState, fs: FragmentState, p: int, rs: roundsum.
             for (path, x), s in zip(fs.theta.items(), rs.sums)}
     with np.errstate(over="ignore"):  # a gain past float32 is inf: non-finite, refused below
         gains = {path: np.float32(g) for path, g in zip(fs.theta, gains)}
-    theta, outer_state, diff, finite, (dss, df), (tss, tf) = _close(
-        cfg.outer, rule.per, sums, gains, fs.theta, fs.outer_state, fs.refs[-1][1])
-    if not bool(finite):
+    done = closing.close(cfg.outer, rule.per, sums, gains, fs.theta, fs.outer_state, fs.refs[-1][1])
+    if not done.finite:
         return None
-    theta = {path: np.asarray(theta[path]) for path in fs.theta}
-    outer_state = jax.tree.map(np.asarray, outer_state)
-    fs = fs._replace(theta=theta, outer_state=outer_state, version=fs.version + 1,
-                     theta_norm=math.sqrt(float(tss)) / float(tf))
+    fs = fs._replace(theta=done.theta, outer_state=jax.tree.map(np.asarray, done.outer_state),
+                     version=fs.version + 1, theta_norm=done.theta_norm)
     try:
-        st, publish = _publish(cfg, st, fs, p, keys, {path: np.asarray(x) for path, x in diff.items()})
+        st, publish = _publish(cfg, st, fs, p, keys, done.diff)
     except (NonFiniteError, messages.MessageError):  # the broadcast codec's rounding overflowed
         return None
-    return st, publish, math.sqrt(float(dss)) / float(df)
+    return st, publish, done.delta_norm
 
 
 def _in_order(tree: Values) -> list[tuple[Path, Any]]:
     """A fragment's {path: array} in sorted path order, the order jax flattens a dict in, so the
     leaves of an optimizer state over the dict line up with those over the tuple of arrays."""
     return sorted(tree.items(), key=lambda kv: kv[0])
-
-
-def _close(opt: optax.GradientTransformation, per: str | None, sums: Values, gains: Values, theta: Values,
-           outer_state: Any, prev: Values):
-    """One pass closing a round: the merged delta from the sums, the outer step, the broadcast
-    delta Theta' - ref (what every broadcast encodes), whether all of those and the optimizer state
-    are finite, and the scaled square sums (ss, f) of the merged delta and of Theta' (their norms
-    are sqrt(ss) / f, evaluated in float64 by the caller). Keyed by path in and out; the jitted
-    pass sees only leaves, so its cache key is the fragment's shapes (compile_merges)."""
-    paths = [path for path, _ in _in_order(theta)]
-    leaves, state_def = jax.tree.flatten(outer_state)
-    tuple_def = _tuple_state_def(opt, tuple(theta[path].shape for path in paths))
-    if tuple_def.num_leaves != state_def.num_leaves:
-        raise ValueError(f"outer state of {state_def.num_leaves} leaves, {tuple_def.num_leaves} expected")
-    new_theta, new_leaves, diff, finite, dsq, tsq = _close_leaves(
-        opt, per, tuple_def, *(tuple(tree[path] for path in paths) for tree in (sums, gains, theta, prev)),
-        tuple(leaves))
-    return (dict(zip(paths, new_theta)), jax.tree.unflatten(state_def, new_leaves), dict(zip(paths, diff)),
-            finite, dsq, tsq)
-
-
-@lru_cache(maxsize=1024)
-def _tuple_state_def(opt: optax.GradientTransformation, shapes: tuple[tuple[int, ...], ...]):
-    """The structure of opt's state over a tuple of arrays of these shapes (no values built)."""
-    return jax.tree.structure(jax.eval_shape(opt.init, tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes)))
-
-
-@partial(jax.jit, static_argnums=(0, 1, 2))
-def _close_leaves(opt, per, state_def, sums, gains, theta, prev, state_leaves):
-    outer_state = jax.tree.unflatten(state_def, state_leaves)
-    delta = merging.merge_sums(sums, gains, per)
-    new_theta, new_state = outer.outer_step(opt, theta, outer_state, delta)
-    diff = tuple(t - r for t, r in zip(new_theta, prev))
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
-                                for x in jax.tree.leaves((delta, new_theta, new_state, diff))]))
-    return (new_theta, tuple(jax.tree.leaves(new_state)), diff, finite,
-            merging._scaled_sumsq(jax.tree.leaves(delta)), merging._scaled_sumsq(jax.tree.leaves(new_theta)))
 
 
 def _anchor(cfg: Policy, fs: FragmentState, base_version: int) -> Values:
