@@ -300,7 +300,11 @@ def test_calls_within_one_bucket_reuse_the_compiled_programs():
     model = build(TINY, 256, seed=6)
     generate(model, TINY, [[1, 2, 3], [4]], 12, stop_ids=[1, 2])
     compiles = []
-    listener = lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None  # noqa: E731
+
+    def listener(event, duration, **kw):
+        if "backend_compile" in event:
+            compiles.append(event)
+
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         # Other prompts, lengths, new-token counts, stop ids and seed, all within the same buckets.
