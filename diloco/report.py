@@ -18,19 +18,25 @@ def due(step: int, every: int, total: int) -> bool:
 
 class MetricsWriter:
     """Appends one JSON object per line to metrics.jsonl; flushed per record so a crash loses nothing.
-    `watch` (diloco/watch.py RunWatch) sees every record too: the status line and TensorBoard."""
+    `rates` (Rates) adds each train record's throughput first; `watch` (diloco/watch.py RunWatch)
+    sees every record too: the status line and TensorBoard."""
 
-    def __init__(self, path: Path, watch: Callable[[dict], None] | None = None):
+    def __init__(self, path: Path, watch: Callable[[dict], None] | None = None,
+                 rates: Callable[[dict], dict] | None = None):
         self.path = Path(path)
         self._file = self.path.open("a", encoding="utf-8")
-        self.watch = watch
+        self.watch, self.rates = watch, rates
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any]) -> dict:
+        """Write `record`; returns it as written (with its throughput)."""
         record = _plain(record)
+        if self.rates is not None:
+            record = self.rates(record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self.watch is not None:
             self.watch(record)
+        return record
 
     def summary(self, summary: dict) -> None:
         """The run's final numbers, for the watch (TensorBoard) only: summary.json holds them."""
@@ -41,6 +47,38 @@ class MetricsWriter:
         self._file.close()
         if self.watch is not None and hasattr(self.watch, "close"):
             self.watch.close()
+
+
+class Rates:
+    """The throughput of each train record (docs/design.md#model-flops-and-mfu): tokens_per_s,
+    tokens_per_s_per_device and mfu (train/flops.py throughput) of its learner (0 without one)
+    since that learner's previous train record. A record that brings its own tokens_per_s (the
+    data-parallel trainer's, compilation left out) keeps it. `clock`: seconds read as each record
+    arrives, for runs whose record times are virtual (sim); None: the record's own time (a wall
+    clock run's). A learner's first record, and one after its count went back (a rejoin), only
+    start its interval."""
+
+    def __init__(self, per_token: float, hardware, clock: Callable[[], float] | None = None):
+        from diloco.train import flops  # the training stack, loaded only by runs that train
+
+        self.per_token, self.hardware, self.clock = per_token, hardware, clock
+        self._throughput = flops.throughput
+        self.last: dict[int, tuple[float, float]] = {}  # learner -> (time, tokens) of its last record
+
+    def __call__(self, record: dict) -> dict:
+        if record.get("kind") != "train":
+            return record
+        if "tokens_per_s" not in record:
+            now = self.clock() if self.clock is not None else record.get("time")
+            tokens, m = record.get("tokens"), int(record.get("learner", 0))
+            if not (isinstance(now, (int, float)) and isinstance(tokens, (int, float))):
+                return record
+            before = self.last.get(m)
+            self.last[m] = (now, tokens)
+            if before is None or now <= before[0] or tokens <= before[1]:
+                return record
+            record = {**record, "tokens_per_s": (tokens - before[1]) / (now - before[0])}
+        return {**record, **self._throughput(record["tokens_per_s"], self.per_token, self.hardware)}
 
 
 def _plain(x: Any) -> Any:
@@ -116,6 +154,9 @@ def render_summary(summary: dict[str, Any], title: str) -> str:
         times.append(f"{g('tokens_per_s'):,.0f} tokens/s")
     if times:
         lines.append(("time", ", ".join(times)))
+    throughput = _throughput_line(summary)
+    if throughput:
+        lines.append(("throughput", throughput))
     tokens = g("tokens_processed", g("tokens"))
     if tokens is not None:
         text = f"{tokens:,}" + (f", {_pct(g('tokens_merged_share'))} merged" if g("tokens_merged_share") is not None else "")
@@ -156,6 +197,20 @@ def render_summary(summary: dict[str, Any], title: str) -> str:
                    f"{g('unigram_loss'):.4f}: the model predicts worse than token frequencies alone "
                    "(too few steps, or a learning rate too high?)")
     return "\n".join(out)
+
+
+def _throughput_line(summary: dict[str, Any]) -> str:
+    """Tokens/s per device and MFU (docs/design.md#model-flops-and-mfu); where the device's peak
+    is unknown, says so rather than print an MFU."""
+    g = summary.get
+    if not g("tokens_per_s_per_device") or g("flops_per_token") is None:
+        return ""
+    text = f"{g('tokens_per_s_per_device'):,.0f} tokens/s per device ({g('run_devices')} x {g('device_kind')})"
+    if g("mfu") is not None:
+        text += f", MFU {100 * g('mfu'):.3g}% of {g('peak_tflops'):,.1f} TFLOP/s"
+    else:
+        text += f", no MFU: no known peak for {g('device_kind')!r} (set run.peak_tflops)"
+    return text + f"; {g('flops_per_token') / 1e6:,.2f} MFLOP/token"
 
 
 def _syncer_line(summary: dict[str, Any]) -> str:

@@ -22,15 +22,17 @@ from diloco.inputs import full_params, load_inputs
 from diloco.model import Model, count_params
 from diloco.runtime import build as build_setup
 from diloco.runtime import procs, sim, threads
+from diloco.train import flops
 from diloco.train.mesh import make_mesh
 from diloco.train.trainer import evaluate, train_dp
 
 # A resumed run may change how it is watched, never what it computes.
-_RESUMABLE_CHANGES = {("run", "resume"), ("run", "progress"), ("run", "plot"), ("run", "tensorboard")}
+_RESUMABLE_CHANGES = {("run", "resume"), ("run", "progress"), ("run", "plot"), ("run", "tensorboard"),
+                      ("run", "peak_tflops"), ("run", "profile")}
 # What a run leaves in its directory (docs/design.md#outputs-of-a-run); any of them means "used".
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "loss.png", "model", "checkpoints",
                "decisions.jsonl", "syncer_inputs.bin", "chaos_tape.json", "learners", "sim", "store",
-               "syncer", "syncer_journal.jsonl", "tensorboard", "auth_secret")
+               "syncer", "syncer_journal.jsonl", "tensorboard", "auth_secret", "profile")
 
 
 def used_by_a_run(run_dir: Path) -> list[str]:
@@ -193,8 +195,15 @@ def run(cfg: TrainConfig) -> dict:
         summary = {**head, "devices": f"{mesh.devices.size} x {jax.devices()[0].platform}", **result,
                    "model_dir": str(export_model(run_dir, cfg, corpus, full(state.params)))}
     summary.setdefault("wall_s", time.perf_counter() - t0)
-    if cfg.algo == "diloco" and summary["wall_s"] > 0:
-        summary["tokens_per_s"] = summary["tokens_processed"] / summary["wall_s"]
+    if cfg.algo == "diloco":
+        if summary["wall_s"] > 0:
+            summary["tokens_per_s"] = summary["tokens_processed"] / summary["wall_s"]
+        # sim's learners take turns on one mesh; the wall-clock runtimes' each step on their own
+        devices = cfg.runtime.devices_per_learner * (1 if build_setup.shares_mesh(cfg) else cfg.runtime.learners)
+    else:
+        devices = mesh.devices.size
+    summary.update(flops.run_figures(summary.get("tokens_per_s", 0.0), flops.of_run(cfg, model.apply, model.params),
+                                     flops.hardware(devices, cfg.run.peak_tflops)))
     summary.update(_from_records(run_dir))
     per_token = val_bytes_per_token(corpus)
     if per_token is not None and summary.get("eval_loss") is not None:

@@ -38,18 +38,23 @@ def _num(x: Any) -> bool:
 class RunWatch:
     """A status line for a run of `learners` x `steps` learner steps (DiLoCo) or `steps` steps (data
     parallel: learners = 1), with merges, the latest eval loss, tokens per second of the run's clock,
-    learners back after a failure, and tqdm's ETA; a line per log interval with every learner's
-    loss; TensorBoard event files in `tensorboard_dir` (None: none)."""
+    tokens per second per device and MFU (from the train records' throughput), learners back after
+    a failure, and tqdm's ETA; a line per log interval with every learner's loss; TensorBoard event
+    files in `tensorboard_dir` (None: none). `share`: one learner's devices as a share of the run's,
+    1 where every learner steps on the one mesh (sim), 1 / learners where each has its own; the
+    run's figures are the learners' latest summed, times it (docs/design.md#model-flops-and-mfu)."""
 
     def __init__(self, *, steps: int, learners: int, progress: bool, tensorboard_dir: Path | None = None,
-                 clock: str = "wall", log_every: int = 10, initial: int = 0):
+                 clock: str = "wall", log_every: int = 10, initial: int = 0, share: float = 1.0):
         self.steps, self.learners, self.clock, self.log_every = steps, learners, clock, log_every
+        self.share = share
         self.show = live_output(progress)
         self.bar = tqdm(total=steps * learners, initial=initial, disable=not self.show, dynamic_ncols=True,
                         unit="step", file=sys.stderr, smoothing=0.1, leave=True)
         self.step: dict[int, int] = {}  # learner -> its latest logged step
         self.tokens = GlobalTokens()
         self.loss: dict[int, float] = {}
+        self.rate: dict[str, dict[int, float]] = {"tokens_per_s_per_device": {}, "mfu": {}}  # key -> learner -> latest
         self.eval_loss = math.nan
         self.merges: int | None = None
         self.rejoins = 0
@@ -87,7 +92,12 @@ class RunWatch:
         if _num(r.get("loss")):
             self.loss[m] = float(r["loss"])
             self._scalar(f"train/loss/learner{m}" if "learner" in r else "train/loss", r["loss"])
-        for key in ("tokens_per_s", "grad_norm", "lr"):
+        for key in ("tokens_per_s", "tokens_per_s_per_device", "mfu"):
+            if _num(r.get(key)):
+                self._scalar(f"train/{key}/learner{m}" if "learner" in r else f"train/{key}", r[key])
+                if key in self.rate:
+                    self.rate[key][m] = float(r[key])
+        for key in ("grad_norm", "lr"):
             if _num(r.get(key)):
                 self._scalar(f"train/{key}", r[key])
         self.bar.update(max(sum(self.step.values()) - before, 0))
@@ -123,9 +133,19 @@ class RunWatch:
             parts.append(f"loss {sum(self.loss.values()) / len(self.loss):.3f}")
         if self._rate():
             parts.append(f"{self._rate():,.0f} tok/s")
+        parts += self._device_rate()
         if self.rejoins:
             parts.append(f"rejoins {self.rejoins}")
         self.bar.set_postfix_str("  ".join(parts), refresh=False)
+
+    def _device_rate(self) -> list[str]:
+        """The run's tokens/s per device and MFU: on the wall clock, also where the run's clock is
+        virtual (sim); no MFU where the device's peak is unknown."""
+        per_device, mfu = (sum(self.rate[k].values()) * self.share for k in ("tokens_per_s_per_device", "mfu"))
+        if not per_device:
+            return []
+        wall = " (wall)" if self.clock == "virtual" else ""
+        return [f"{per_device:,.0f} tok/s/device{wall}"] + ([f"MFU {100 * mfu:.1f}%"] if self.rate["mfu"] else [])
 
     def _detail(self) -> None:
         if not self.show:
@@ -156,5 +176,10 @@ def for_run(cfg, run_dir: Path | None, clock: str, progress: bool | None = None)
     run.tensorboard, event files in <run>/tensorboard."""
     learners = cfg.runtime.learners if cfg.algo == "diloco" else 1
     tb = run_dir / "tensorboard" if run_dir is not None and cfg.run.tensorboard else None
-    return RunWatch(steps=cfg.run.steps, learners=learners, tensorboard_dir=tb, clock=clock,
+    share = 1.0
+    if cfg.algo == "diloco":
+        from diloco.runtime.build import shares_mesh  # the runtimes' own rule, loaded with them
+
+        share = 1.0 if shares_mesh(cfg) else 1.0 / learners
+    return RunWatch(steps=cfg.run.steps, learners=learners, tensorboard_dir=tb, clock=clock, share=share,
                     progress=cfg.run.progress if progress is None else progress, log_every=cfg.run.log_every)

@@ -9,7 +9,7 @@ touched. The schema (schema.py) imports nothing of the rest, so there is no impo
 from __future__ import annotations
 
 from diloco.config.checks import (check, chaos_errors, data_errors, diloco_errors, finetune_errors,
-                                  inner_errors, model_errors, start_errors)
+                                  inner_errors, model_errors, run_errors, start_errors)
 from diloco.config.convert import from_dict, to_dict
 from diloco.config.schema import (ChaosConfig, CodecConfig, ConfigError, DataConfig, FinetuneConfig,
                                   FragmentsConfig, InnerConfig, LoraConfig, MeshConfig, ModelConfig,
@@ -28,6 +28,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     check(errors, r.steps > 0, f"run.steps={r.steps} must be > 0")
     for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "keep_checkpoints"):
         check(errors, getattr(r, name) >= 0, f"run.{name}={getattr(r, name)} must be >= 0")
+    errors += run_errors(r)
     # With model.init_from the checkpoint's max_seq_len decides, once it is read (diloco/inputs.py).
     check(errors, cfg.model.init_from != "" or cfg.data.seq_len <= cfg.model.max_seq_len,
            f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")

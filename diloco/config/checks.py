@@ -15,7 +15,7 @@ from diloco.algo.fragments import FRAGMENTERS
 from diloco.algo.merge import MERGES
 from diloco.algo.outer import OUTER
 from diloco.config.schema import (ChaosConfig, DataConfig, FinetuneConfig, InnerConfig, MeshConfig, ModelConfig,
-                                  RuntimeConfig, TrainConfig)
+                                  RunConfig, RuntimeConfig, TrainConfig)
 from diloco.runtime import store_s3
 
 # finetune.lora.targets: each name and the projection of every block it adapts (the params path
@@ -102,6 +102,18 @@ def finetune_errors(f: FinetuneConfig) -> list[str]:
           f"finetune.lora.targets={list(lo.targets)}: unknown {unknown}; known: {'|'.join(LORA_TARGETS)}")
     check(e, len(set(lo.targets)) == len(lo.targets), f"finetune.lora.targets={list(lo.targets)} names one twice")
     check(e, lo.rank == 0 or len(lo.targets) > 0, f"finetune.lora.rank={lo.rank} needs finetune.lora.targets")
+    return e
+
+
+def run_errors(r: RunConfig) -> list[str]:
+    """run.peak_tflops and run.profile (docs/design.md#model-flops-and-mfu, #profiling-a-run)."""
+    e: list[str] = []
+    check(e, r.peak_tflops >= 0, f"run.peak_tflops={r.peak_tflops} must be >= 0 (0: the device's known peak)")
+    if r.profile:
+        window = list(r.profile)
+        check(e, len(window) == 2 and 0 <= window[0] < window[1] <= r.steps,
+              f"run.profile={window} must be [start_step, stop_step] with 0 <= start_step < stop_step <= "
+              f"run.steps={r.steps} ([] or null: no trace)")
     return e
 
 

@@ -120,6 +120,14 @@ class RunConfig:
     progress: bool = True
     tensorboard: bool = True  # TensorBoard event files in <run>/tensorboard (`tensorboard --logdir runs/`)
     plot: bool = True
+    # bf16 dense peak TFLOP/s of one device, which MFU is measured against; 0 = the known peak of
+    # the device kind (H100/H200 989.4, A100 312, TPU v5e 197, v5p 459, v6e 918: diloco/train/flops.py),
+    # none on a CPU, so no MFU there (docs/design.md#model-flops-and-mfu)
+    peak_tflops: float = 0.0
+    # [start_step, stop_step]: a jax.profiler trace of the steps after start_step up to stop_step
+    # (the data-parallel trainer's, or learner 0's) in <run>/profile; [] or null = none
+    # (docs/design.md#profiling-a-run)
+    profile: tuple[int, ...] | None = ()
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from diloco.data import Corpus
 from diloco.model import Model, is_embedding
 from diloco.runtime import placement, world
 from diloco.runtime.unit import LearnerUnit, UnitSpec
+from diloco.train import flops
 from diloco.train.mesh import make_mesh
 from diloco.train.trainer import Compiled, compile_steps
 
@@ -35,6 +36,7 @@ class Setup(NamedTuple):
     spec: UnitSpec
     compiled: tuple[Compiled, ...]  # one per learner sub-mesh (one for all learners in sim)
     theta0: tuple[dict, ...]  # per fragment, host FP32: the global model every learner starts from
+    flops_per_token: int = 0  # model FLOPs of one trained token (train/flops.py): the records' MFU
 
 
 def outer_optimizer(cfg: TrainConfig):
@@ -162,7 +164,7 @@ def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
     compiled = tuple(compile_steps(model, cfg, mesh) for mesh in learner_meshes(cfg))
     host = jax.device_get(model.params)
     theta0 = tuple({p: np.asarray(v, np.float32) for p, v in extract(host, frag).items()} for frag in fragments)
-    return Setup(fragments, policy(cfg), spec, compiled, theta0)
+    return Setup(fragments, policy(cfg), spec, compiled, theta0, flops.of_run(cfg, model.apply, model.params))
 
 
 def new_unit(setup: Setup, learner: int, incarnation: int, syncer_state: sync.SyncerState,

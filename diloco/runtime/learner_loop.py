@@ -27,6 +27,7 @@ from diloco.runtime.rejoin import LearnerCheckpoints
 from diloco.runtime.pace import Pace, StallWatch
 from diloco.runtime.unit import LearnerUnit
 from diloco.runtime.walltape import WallTape
+from diloco.train.profile import Trace
 
 
 class LearnerPort(Protocol):
@@ -59,8 +60,10 @@ class LearnerPort(Protocol):
 
 
 def run_incarnation(port: LearnerPort, unit: LearnerUnit, cfg: TrainConfig, speed: float, jitter: float,
-                    tape: WallTape | None, checkpoints: LearnerCheckpoints) -> bool:
-    """Train `unit` to run.steps, then the final sync and Done; False if `port.check` stopped it."""
+                    tape: WallTape | None, checkpoints: LearnerCheckpoints, trace: Trace | None = None) -> bool:
+    """Train `unit` to run.steps, then the final sync and Done; False if `port.check` stopped it.
+    `trace` (run.profile, learner 0's: train/profile.py) is told the steps done before each step."""
+    trace = trace or Trace(None, None)
     r, steps = cfg.runtime, cfg.run.steps
     m, inc = unit.learner, unit.ls.incarnation
     rng = np.random.default_rng([r.seed, 7, m, inc])
@@ -134,6 +137,7 @@ def run_incarnation(port: LearnerPort, unit: LearnerUnit, cfg: TrainConfig, spee
                 continue
             rows = taped["rows"]
         log = report.due(unit.ls.step + 1, cfg.run.log_every, steps)
+        trace.at(unit.ls.step, unit.state)
         result = unit.step(fetch_loss=log, rows=rows, defer=True)
         release(overlapped=True)  # the previous step's frames, while this one runs
         # Broadcasts that came during the step are taken while it runs too: their checksums,
@@ -154,6 +158,7 @@ def run_incarnation(port: LearnerPort, unit: LearnerUnit, cfg: TrainConfig, spee
         # leaves as soon as its (asynchronous) save starts, after the pacing wait, not before it.
         if checkpoints.maybe_save(unit):
             release()
+    trace.at(unit.ls.step, unit.state)
     release()
     if cfg.fragments.final_sync:
         result = unit.flush()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -100,11 +101,23 @@ def read_inputs(path: Path) -> Iterator[Input]:
         yield Input(header["kind"], header["at"], data)
 
 
+def learner_rates(cfg, setup, clock: str) -> report.Rates:
+    """The throughput of each learner's train records (docs/design.md#model-flops-and-mfu), on
+    runtime.devices_per_learner devices; on a virtual `clock` (sim) over the wall seconds between
+    its records, during which every learner stepped on the one mesh."""
+    from diloco.train import flops
+
+    hw = flops.hardware(cfg.runtime.devices_per_learner, cfg.run.peak_tflops)
+    return report.Rates(setup.flops_per_token, hw, time.perf_counter if clock == "virtual" else None)
+
+
 @contextlib.contextmanager
-def run_outputs(run_dir: Path | None, watch=None) -> Iterator[tuple[report.MetricsWriter | None, InputLog | None]]:
-    """The metrics writer (with `watch`, diloco/watch.py, seeing its records) and syncer input log
-    of a DiLoCo run (None, None without a run dir), closed however the run ends."""
-    writer = report.MetricsWriter(run_dir / "metrics.jsonl", watch) if run_dir is not None else None
+def run_outputs(run_dir: Path | None, watch=None,
+                rates=None) -> Iterator[tuple[report.MetricsWriter | None, InputLog | None]]:
+    """The metrics writer (with `rates`, report.Rates, adding throughput to its train records, and
+    `watch`, diloco/watch.py, seeing them) and syncer input log of a DiLoCo run (None, None without
+    a run dir), closed however the run ends."""
+    writer = report.MetricsWriter(run_dir / "metrics.jsonl", watch, rates) if run_dir is not None else None
     inputs = InputLog(run_dir / "syncer_inputs.bin") if run_dir is not None else None
     try:
         yield writer, inputs

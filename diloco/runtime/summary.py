@@ -8,7 +8,8 @@ from diloco.algo import ledger, timeline, traffic
 from diloco.algo import syncer as sync
 
 # Keys measured in real seconds on this host: a replayed or resumed run reproduces every other one.
-REAL_TIME_KEYS = ("syncer_busy_s", "syncer_busy_share", "syncer_pace_share", "syncer_round_s")
+REAL_TIME_KEYS = ("syncer_busy_s", "syncer_busy_share", "syncer_pace_share", "syncer_round_s",
+                  "wall_s", "tokens_per_s", "tokens_per_s_per_device", "mfu")
 
 
 def replayable(summary: dict) -> dict:

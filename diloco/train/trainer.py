@@ -21,6 +21,7 @@ from diloco import watch as run_watch
 from diloco.config import TrainConfig
 from diloco.data import Corpus, held_out, train_batch, trained_tokens
 from diloco.model import Model
+from diloco.train import flops, profile
 from diloco.train.mesh import batch_sharding, replicated, tree_shardings
 from diloco.train.optim import lr_schedule, make_optimizer
 from diloco.train.step import TrainState, init_state, make_eval_step, make_loss, make_train_step
@@ -98,7 +99,12 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir
     compiled = compile_steps(model, cfg, mesh)
     val = held_out(corpus.val, batch_size=data.batch_size, seq_len=data.seq_len, n=run.eval_batches)
     manager = checkpoint.open_manager(run_dir / "checkpoints", run.keep_checkpoints)
-    writer = report.MetricsWriter(run_dir / "metrics.jsonl", run_watch.for_run(cfg, run_dir, "wall", progress=False))
+    # tokens/s per device and MFU over the trainer's mesh (docs/design.md#model-flops-and-mfu)
+    rates = report.Rates(flops.of_run(cfg, model.apply, model.params),
+                         flops.hardware(mesh.devices.size, cfg.run.peak_tflops))
+    writer = report.MetricsWriter(run_dir / "metrics.jsonl", run_watch.for_run(cfg, run_dir, "wall", progress=False),
+                                  rates)
+    trace = profile.for_run(cfg, run_dir)
     try:
         # Placed first: an imported checkpoint's params are committed to the device they were read onto.
         params = jax.device_put(model.params, compiled.state_sharding.params)
@@ -111,18 +117,20 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir
             if found is not None:
                 start, state, meta = found
                 tokens = int(meta.get("tokens", start * data.batch_size * data.seq_len))
-        state, summary = _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, stop)
+        state, summary = _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, stop, trace)
         manager.wait_until_finished()
         writer.summary(summary)
         return state, summary
     finally:
+        trace.close()
         writer.close()
         manager.close()
 
 
-def _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, stop):
+def _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, stop, trace):
     """`tokens`: trained tokens before `start` (all of a window's; of fine-tuning rows, the
-    assistant's), counted on from there into the records, checkpoints and the summary."""
+    assistant's), counted on from there into the records, checkpoints and the summary. `trace`
+    (train/profile.py) is told the steps done before each step and after the last."""
     run, data = cfg.run, cfg.data
     bar = report.progress(run.steps, start, run.progress)
     t0 = t_log = time.perf_counter()
@@ -132,6 +140,7 @@ def _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, sto
                             batch_size=data.batch_size, seq_len=data.seq_len)
         n = trained_tokens(batch)
         tokens += n
+        trace.at(step - 1, state)
         state, metrics = compiled.train_step(state, jax.device_put(batch, compiled.batch_sharding))
         since_log += n
         after_compile += n
@@ -144,8 +153,8 @@ def _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, sto
             now = time.perf_counter()
             tok_s = since_log / max(now - t_log, 1e-9)
             t_log, since_log = now, 0
-            writer.write({"kind": "train", "step": step, "tokens": tokens, **last, "tokens_per_s": tok_s})
-            bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
+            record = writer.write({"kind": "train", "step": step, "tokens": tokens, **last, "tokens_per_s": tok_s})
+            bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{tok_s:,.0f}", **_device_rate(record))
         if report.due(step, run.eval_every, run.steps):
             eval_loss = evaluate(compiled, state.params, val)
             writer.write({"kind": "eval", "step": step, "tokens": tokens, "eval_loss": eval_loss})
@@ -154,6 +163,7 @@ def _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, sto
             checkpoint.save(manager, step, state, {"tokens": tokens})
         if stopping:
             break
+    trace.at(int(state.step), state)
     bar.close()
     wall = time.perf_counter() - t0
     done = int(state.step) - start
@@ -166,3 +176,11 @@ def _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, sto
         "compile_s": compile_s or 0.0,
         "tokens_per_s": after_compile / max(wall - (compile_s or 0.0), 1e-9) if done > 1 else 0.0,
     }
+
+
+def _device_rate(record: dict) -> dict:
+    """The status line's tokens/s per device and MFU (none where the device's peak is unknown)."""
+    out = {"tok_s_device": f"{record['tokens_per_s_per_device']:,.0f}"}
+    if "mfu" in record:
+        out["mfu"] = f"{100 * record['mfu']:.1f}%"
+    return out

@@ -52,6 +52,7 @@ from diloco.runtime.learner_loop import run_incarnation
 from diloco.runtime.pace import Pace
 from diloco.runtime.unit import LearnerUnit
 from diloco.runtime.walltape import WallTape, chaos_tape
+from diloco.train import profile
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,7 @@ class ProcLearner:
         this process's place in the learner's world when the learner spans several processes
         (docs/multihost.md#learner-process); None for a learner of one process."""
         self.store, self.cfg, self.m, self.inc, self.parent = store, cfg, m, incarnation, parent
+        self.run_dir = run_dir
         self.resumed, self.superseded, self.fenced_at = resumed, superseded, time.monotonic()
         # Only the leader talks to the syncer: it reads the store's broadcasts and writes events
         # and contributions; followers take its frames and decisions at each step boundary.
@@ -327,7 +329,10 @@ class ProcLearner:
         unit = self.start()
         if unit is None:
             return
-        finished = run_incarnation(self, unit, self.cfg, self.speed, self.jitter, self.tape, self.checkpoints)
+        # learner 0's trace, by its world's leader (docs/design.md#profiling-a-run)
+        with profile.for_run(self.cfg, self.run_dir, self.m, self.leader) as trace:
+            finished = run_incarnation(self, unit, self.cfg, self.speed, self.jitter, self.tape, self.checkpoints,
+                                       trace)
         if not finished:  # SIGTERM: a final checkpoint between steps; what is unsent is lost
             self.checkpoints.maybe_save(unit, final=True)
             self.checkpoints.close()

@@ -57,6 +57,7 @@ from diloco.runtime.procs.child import EXIT_DOWN, died, fingerprint
 from diloco.runtime.procs.learner import learner_main
 from diloco.runtime.procs.recovery import restartable
 from diloco.runtime.procs.syncer import rep_key, syncer_main, unpack_theta
+from diloco.runtime.runlog import learner_rates
 from diloco.runtime import build as build_setup
 from diloco.runtime.build import Setup
 from diloco.runtime.stop import RunStopped, sigint_ignored, signals_as_interrupt
@@ -468,7 +469,8 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
         url = store_s3.run_store_url(cfg.runtime, f"file://{root / 'store'}")  # options ride in the URL
         writer = None
         if run_dir is not None:
-            writer = report.MetricsWriter(run_dir / "metrics.jsonl", run_watch.for_run(cfg, run_dir, "wall"))
+            writer = report.MetricsWriter(run_dir / "metrics.jsonl", run_watch.for_run(cfg, run_dir, "wall"),
+                                         learner_rates(cfg, setup, "wall"))
             stack.callback(writer.close)
         run_tape(cfg, run_dir)  # for the record: every learner process derives the same tape
         rt = supervisor(cfg, setup, run_dir, evaluate, writer, url, str(root / "xla_cache"))

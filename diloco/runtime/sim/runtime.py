@@ -44,8 +44,9 @@ from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.build import Setup, new_unit
 from diloco.runtime.sim import batched
 from diloco.runtime.sim.snapshots import SimSnapshots, restore
-from diloco.runtime.runlog import InputLog, read_inputs, run_outputs, write_decisions
+from diloco.runtime.runlog import InputLog, learner_rates, read_inputs, run_outputs, write_decisions
 from diloco.runtime.walltape import run_tape
+from diloco.train.profile import Trace, for_run as trace_for
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,10 @@ class Sim(HostedRuntime):
 
     def __init__(self, cfg: TrainConfig, setup: Setup, writer: report.MetricsWriter | None,
                  evaluate: Callable[[dict], float] | None, inputs: InputLog | None = None,
-                 tape: tapes.Tape | None = None, checkpoints: LearnerCheckpoints | None = None):
+                 tape: tapes.Tape | None = None, checkpoints: LearnerCheckpoints | None = None,
+                 trace: Trace | None = None):
         self.cfg, self.writer, self.evaluate = cfg, writer, evaluate
+        self.trace = trace or Trace(None, None)  # run.profile: every learner's steps in learner 0's window
         self.tape = tape
         self.checkpoints = checkpoints or LearnerCheckpoints(None, 0)
         r = cfg.runtime
@@ -112,6 +115,8 @@ class Sim(HostedRuntime):
         run now and then; `stop(sim)` after any event ends it early, as a crash would (None)."""
         while self.heap and not (self.heap[0][2] == "chaos" and self._finished()):
             self.now, _, kind, data = heapq.heappop(self.heap)
+            if kind == "step":
+                self.trace.at(self.units[0].ls.step, [u.state for u in self.units if u is not None])
             getattr(self, f"_on_{kind}")(*data)
             if kind == "step" and snapshots is not None:
                 snapshots.maybe_save(self, final=self.interrupted)
@@ -371,7 +376,9 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable
     # The input log restarts from the snapshot: inputs after it are delivered again.
     kept = list(read_inputs(run_dir / "syncer_inputs.bin"))[:found[1]["inputs_seen"]] if found else []
     try:
-        with run_outputs(run_dir, run_watch.for_run(cfg, run_dir, "virtual")) as (writer, inputs):
+        with run_outputs(run_dir, run_watch.for_run(cfg, run_dir, "virtual"),
+                         learner_rates(cfg, setup, "virtual")) as (writer, inputs), \
+                trace_for(cfg, run_dir) as trace:
             for event in kept:
                 inputs.append(event)
             tape = run_tape(cfg, run_dir)
@@ -380,7 +387,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable
             every = cfg.runtime.learner_checkpoint_every if tape is not None else 0
             ckpts = LearnerCheckpoints(None if run_dir is None else run_dir / "learners", every,
                                        cfg.run.keep_checkpoints)
-            sim = Sim(cfg, setup, writer, evaluate, inputs, tape, ckpts)
+            sim = Sim(cfg, setup, writer, evaluate, inputs, tape, ckpts, trace)
             with _interruptible(sim):
                 if found is None:
                     summary = sim.run(snapshots, stop)

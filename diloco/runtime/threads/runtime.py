@@ -54,11 +54,12 @@ from diloco.runtime.syncer_ckpt import SYNCER_DIR, SyncerCheckpoints, host_in, h
 from diloco.runtime.threads.mailbox import Mailbox
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.build import Setup, new_unit
-from diloco.runtime.runlog import InputLog, read_inputs, run_outputs, write_decisions
+from diloco.runtime.runlog import InputLog, learner_rates, read_inputs, run_outputs, write_decisions
 from diloco.runtime.learner_loop import run_incarnation
 from diloco.runtime.pace import Pace, StallWatch
 from diloco.runtime.unit import LearnerUnit
 from diloco.runtime.walltape import WallTape, run_tape
+from diloco.train import profile
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +304,9 @@ class Threads(HostedRuntime):
 
     def _incarnation(self, m: int, unit: LearnerUnit, ckpts: LearnerCheckpoints) -> None:
         try:
-            run_incarnation(_ThreadPort(self, m), unit, self.cfg, self.speeds[m], self.jitter, self.tape, ckpts)
+            with profile.for_run(self.cfg, self.run_dir, m) as trace:  # learner 0's, docs/design.md#profiling-a-run
+                run_incarnation(_ThreadPort(self, m), unit, self.cfg, self.speeds[m], self.jitter, self.tape, ckpts,
+                                trace)
         finally:  # an incarnation that ends early (an error, a kill) leaves no frame thread running
             unit.drain()
         while self._receive(m, POLL):  # broadcasts keep coming until the syncer closes the inbox
@@ -494,7 +497,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
             found = latest_stop(cfg, setup, ckpts, run_dir)
             # The input log continues from the checkpoint: inputs after it (a forced stop) are dropped.
             kept = list(read_inputs(run_dir / "syncer_inputs.bin"))[:found[2]["inputs_seen"]]
-        with run_outputs(run_dir, run_watch.for_run(cfg, run_dir, "wall")) as (writer, inputs):
+        with run_outputs(run_dir, run_watch.for_run(cfg, run_dir, "wall"), learner_rates(cfg, setup, "wall")) as (writer, inputs):
             for event in kept:
                 inputs.append(event)
             rt = Threads(cfg, setup, writer, evaluate, inputs,
