@@ -76,6 +76,7 @@ def merge_versions(run_dir) -> dict[int, list[int]]:
 def test_two_learner_processes_train_merge_and_balance(world, tmp_path):
     _, _, evaluate_global, initial = world
     cfg, setup, run_dir = variant(world, tmp_path)
+    cfg = replace(cfg, run=replace(cfg.run, profile=(1, 3)))  # learner 0's process traces steps 2 and 3
     rt, summary = procs.run(cfg, setup, run_dir, evaluate_global)
 
     assert sorted(rt.exits) == [("learner-0", 0, 0), ("learner-1", 0, 0)]  # nobody restarted
@@ -93,7 +94,11 @@ def test_two_learner_processes_train_merge_and_balance(world, tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for m in range(M):
         assert [r["step"] for r in records if r["kind"] == "train" and r["learner"] == m] == [5, 10, 15, 20]
+        # each learner's tokens/s between its records (docs/design.md#model-flops-and-mfu)
+        assert [r["step"] for r in records if r.get("learner") == m and r.get("tokens_per_s_per_device", 0) > 0] \
+            == [10, 15, 20]
     assert [r["step"] for r in records if r["kind"] == "eval"] == [10, 20, 20]  # periodic, last, final
+    assert len(list((run_dir / "profile").rglob("*.xplane.pb"))) == 1
 
     # The syncer's inputs log replays to its decisions: the same code as sim and threads.
     events = list(read_inputs(run_dir / "syncer_inputs.bin"))

@@ -86,7 +86,10 @@ def flops_per_token(m: ModelConfig, vocab: int, seq_len: int, lora: LoraConfig |
 
 def vocab_of(apply, params) -> int:
     """The vocabulary a model's logits span (its embedding's rows, a checkpoint's padding
-    included), by abstract evaluation: nothing is computed."""
+    included): read off the table, or where the params hold none (LoRA's are the adapters) by
+    abstract evaluation of `apply`, which computes nothing."""
+    if "embed" in params:
+        return int(params["embed"]["embedding"].shape[0])
     return int(jax.eval_shape(apply, params, jax.ShapeDtypeStruct((1, 1), jnp.int32)).shape[-1])
 
 
