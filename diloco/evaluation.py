@@ -71,8 +71,8 @@ def mean_loss(pre: Pretrained, batches: list) -> float:
     """Token-weighted mean next-token loss over `batches` (nats/token): of windows, every next
     token; of packed fine-tuning rows (dicts), the assistant's tokens only, as training counts
     them (make_loss, the trainer's own rule)."""
-    packed = pre.model.packed if batches and isinstance(batches[0], dict) else None
-    loss = jax.jit(make_loss(pre.model.apply, packed))
+    sft = bool(batches) and isinstance(batches[0], dict)
+    loss = jax.jit(make_loss(pre.model, sft, pre.config.loss_chunk))
     total = count = 0.0
     for b in batches:
         value, n = loss(pre.model.params, b)

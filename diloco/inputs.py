@@ -11,7 +11,7 @@ import jax
 
 from diloco.config import ConfigError, TrainConfig, start_errors
 from diloco.data import Corpus, load_corpus
-from diloco.model import Model, build, lora
+from diloco.model import Model, build, lora, with_params
 
 
 class Inputs(NamedTuple):
@@ -38,6 +38,11 @@ def load_checkpoint(cfg: TrainConfig):
         pre = hf.load(path, dtype=cfg.model.dtype)
     except (hf.CheckpointError, OSError) as e:
         raise ConfigError(f"model.init_from={path!r} cannot be read as a checkpoint: {e}") from None
+    # So are how the inner step computes: attention kernel, remat, loss chunk (docs/models.md).
+    knobs = {k: getattr(cfg.model, k) for k in ("attention", "remat", "loss_chunk")}
+    if any(getattr(pre.config, k) != v for k, v in knobs.items()):
+        own = dataclasses.replace(pre.config, **knobs)
+        pre = pre._replace(config=own, model=with_params(own, pre.vocab_size, pre.model.params))
     model = dataclasses.replace(pre.config, init_from=path)
     if pre.tokenizer is None:
         raise ConfigError(f"model.init_from={path!r} has no tokenizer (tokenizer.json), so no text can be "

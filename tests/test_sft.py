@@ -112,7 +112,7 @@ def test_each_example_in_a_packed_row_has_the_logits_it_has_alone_and_the_loss_c
         alone = model.apply(model.params, rows.tokens[:, idx])
         np.testing.assert_allclose(np.asarray(logits[0, idx]), np.asarray(alone[0]), rtol=2e-5, atol=2e-5)
     batch = {"tokens": rows.tokens, "segments": rows.segments, "positions": rows.positions, "targets": rows.targets}
-    loss, count = masked_next_token_loss(model.packed, model.params, batch)
+    loss, count = masked_next_token_loss(model, model.params, batch)
     assert int(count) == int(rows.targets.sum())
     logp = jax.nn.log_softmax(np.asarray(logits[0]))
     want = -np.mean([logp[t, rows.tokens[0, t + 1]] for t in np.flatnonzero(rows.targets[0])])

@@ -22,6 +22,10 @@ from diloco.runtime import store_s3
 # below blocks/<i>/ of diloco/model/transformer.py).
 LORA_TARGETS = {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),
                 "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down")}
+# model.attention: the kernels diloco/model/attention.py runs; model.remat: the policies of
+# diloco/model/transformer.py's REMAT_POLICIES (a test holds the two lists equal).
+ATTENTION_KERNELS = ("auto", "xla", "cudnn", "reference")
+REMAT_NAMES = ("none", "full", "dots")
 # runtime.world_address: "", host, :port, host:port or [v6]:port (groups: host, port).
 WORLD_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]*)(?::([0-9]{1,5}))?")
 
@@ -54,6 +58,16 @@ def model_errors(m: ModelConfig) -> list[str]:
     check(e, m.positions in ("rope", "learned"), f"model.positions={m.positions!r} not in rope|learned")
     check(e, m.rope_scaling in ("none", "llama3"), f"model.rope_scaling={m.rope_scaling!r} not in none|llama3")
     check(e, m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0")
+    check(e, m.attention in ATTENTION_KERNELS, f"model.attention={m.attention!r} not in {'|'.join(ATTENTION_KERNELS)}")
+    check(e, m.remat in REMAT_NAMES, f"model.remat={m.remat!r} not in {'|'.join(REMAT_NAMES)}")
+    check(e, m.loss_chunk >= 0, f"model.loss_chunk={m.loss_chunk} must be >= 0 (0: the whole sequence at once)")
+    if m.attention == "cudnn":
+        # cuDNN's fused attention takes half-precision inputs only, head dims up to 256 in steps of 8.
+        check(e, m.dtype == "bfloat16", f"model.attention=cudnn needs model.dtype=bfloat16, got {m.dtype!r}")
+        if m.n_heads > 0 and (m.head_dim or m.d_model % m.n_heads == 0):
+            hd = m.head_dim or m.d_model // m.n_heads
+            check(e, hd % 8 == 0 and hd <= 256,
+                  f"model.attention=cudnn needs a head dim that is a multiple of 8 and <= 256, got {hd}")
     if m.rope_scaling == "llama3":
         check(e, m.rope_factor >= 1, f"model.rope_factor={m.rope_factor} must be >= 1")
         check(e, m.rope_high_freq_factor > m.rope_low_freq_factor > 0,

@@ -46,6 +46,16 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192  # the context length the frequencies were trained for
+    # How the inner step computes, not what (docs/models.md#attention-remat-and-the-chunked-loss); a
+    # checkpoint from model.init_from keeps the run's choices.
+    # auto: cuDNN's fused kernel on a GPU where the dtype and head dim allow, XLA's on other
+    # accelerators, the reference on a CPU (same numbers as before) | xla (jax.nn.dot_product_attention) |
+    # cudnn (needs a GPU and bfloat16) | reference (the explicit B x H x L x S float32 scores)
+    attention: str = "auto"
+    remat: str = "none"  # none | full | dots: what each block keeps for the backward pass
+    # Sequence positions per chunk of the loss: the head's logits are computed B x loss_chunk x V
+    # at a time, each chunk recomputed in the backward pass; 0 = all B x L x V at once
+    loss_chunk: int = 0
 
 
 @dataclass(frozen=True)

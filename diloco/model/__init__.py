@@ -31,6 +31,10 @@ class Model(NamedTuple):
     # (params, tokens_BxL, segments_BxL, positions_BxL) -> logits_BxLxV: rows packing several
     # examples, attention kept inside each (fine-tuning, diloco/data/sft.py)
     packed: Callable | None = None
+    # (params, tokens_BxL, segments_BxL | None, positions_BxL | None) -> (hidden_BxLxD, head): the
+    # final-norm hidden states and the head h_NxD -> logits_NxV float32 that apply and packed end
+    # with, for a loss that computes the logits a chunk at a time (diloco/train/step.py)
+    features: Callable | None = None
 
 
 def _split(cfg: ModelConfig, vocab_size: int, seed: int) -> tuple[nnx.GraphDef, Params]:
@@ -40,6 +44,10 @@ def _split(cfg: ModelConfig, vocab_size: int, seed: int) -> tuple[nnx.GraphDef, 
 
 def _check(cfg: ModelConfig, vocab_size: int) -> None:
     errors = model_errors(cfg)
+    if cfg.attention == "cudnn" and jax.default_backend() != "gpu":
+        # Here, not in model_errors: whether a GPU is present is known only where jax runs.
+        errors.append(f"model.attention=cudnn needs a GPU, but jax runs on {jax.default_backend()!r} here "
+                      "(auto takes cuDNN wherever a GPU can run it, xla runs anywhere)")
     if vocab_size <= 0:
         errors.append(f"vocab_size={vocab_size} must be > 0")
     if errors:
@@ -60,13 +68,17 @@ def _model(graphdef: nnx.GraphDef, params: Params) -> Model:
         # A fresh module per call: nothing is mutated, so apply is pure under jit, grad and sharding.
         return nnx.merge(graphdef, params)(tokens_BxL)
 
+    def features(params: Params, tokens_BxL: jax.Array, segments_BxL: jax.Array | None = None,
+                 positions_BxL: jax.Array | None = None):
+        return nnx.merge(graphdef, params).features(tokens_BxL, segments_BxL, positions_BxL)
+
     def decode(params: Params, tokens_BxL: jax.Array, mask_BxL: jax.Array, cache: dict):
         return nnx.merge(graphdef, params).decode(tokens_BxL, mask_BxL, cache)
 
     def packed(params: Params, tokens_BxL: jax.Array, segments_BxL: jax.Array, positions_BxL: jax.Array):
         return nnx.merge(graphdef, params).packed(tokens_BxL, segments_BxL, positions_BxL)
 
-    return Model(apply=apply, params=params, decode=decode, packed=packed)
+    return Model(apply=apply, params=params, decode=decode, packed=packed, features=features)
 
 
 def with_params(cfg: ModelConfig, vocab_size: int, params: Params) -> Model:

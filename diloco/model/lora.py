@@ -85,9 +85,10 @@ def merge(cfg: LoraConfig, base: Params, adapters: Params, a: dict[Path, jax.Arr
 
 
 def adapt(cfg: LoraConfig, base: Model) -> Model:
-    """`base` with its weights frozen: params are the adapters, and apply, packed and decode run the
-    base model on the merged weights. Under jit the frozen weights and the As are constants of the
-    compiled step, so no optimizer state, fragment, merge or wire byte is ever spent on them."""
+    """`base` with its weights frozen: params are the adapters, and apply, packed, features and
+    decode run the base model on the merged weights. Under jit the frozen weights and the As are
+    constants of the compiled step, so no optimizer state, fragment, merge or wire byte is ever
+    spent on them."""
     if cfg.rank <= 0:
         raise ValueError(f"finetune.lora.rank={cfg.rank}: adapt needs rank > 0 (0 is a full fine-tune)")
     frozen, a = base.params, frozen_a(cfg, base.params)
@@ -104,6 +105,10 @@ def adapt(cfg: LoraConfig, base: Model) -> Model:
     def packed(adapters, tokens_BxL, segments_BxL, positions_BxL):
         return base.packed(full(adapters), tokens_BxL, segments_BxL, positions_BxL)
 
+    def features(adapters, tokens_BxL, segments_BxL=None, positions_BxL=None):
+        return base.features(full(adapters), tokens_BxL, segments_BxL, positions_BxL)
+
     return Model(apply=apply, params=init_adapters(cfg, frozen),
                  decode=None if base.decode is None else decode,
-                 packed=None if base.packed is None else packed)
+                 packed=None if base.packed is None else packed,
+                 features=None if base.features is None else features)

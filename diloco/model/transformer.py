@@ -18,9 +18,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from diloco.config import ModelConfig
+from diloco.model.attention import attend
 
 INIT_STD = 0.02  # GPT-2 / Llama convention for embeddings and hidden projections
-_MASKED = -1e30  # large negative rather than -inf, so fully masked rows cannot produce NaN
+
+# model.remat: what each block keeps from its forward pass for the backward one
+# (docs/models.md#remat). "dots" keeps the projections' outputs (matmuls without batch dimensions)
+# and recomputes the attention scores, norms and activations; "full" keeps only the block's input.
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 # A KV cache (diloco/model/generate.py) is a dict: "layers" {str(i): {"k", "v": BxSxKxE}}, "valid_BxS"
 # (which slots hold a real token), "pos_B" (real tokens so far per row) and "end" (next free slot).
@@ -69,31 +75,6 @@ def rotary(x_BxLxHxE: jax.Array, positions: jax.Array, theta: float = 10000.0,
     return out.astype(x_BxLxHxE.dtype)
 
 
-def causal_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: jax.Array,
-                     allowed_BxLxS: jax.Array | None = None) -> jax.Array:
-    """Softmax attention where query head h reads key/value head h // G; position l sees s <= l,
-    or, with a KV cache, exactly the key slots `allowed_BxLxS` marks."""
-    B, L, H, E = q_BxLxHxE.shape
-    K = k_BxSxKxE.shape[2]
-    S = k_BxSxKxE.shape[1]
-    G = H // K
-    # Grouping query heads instead of repeating K/V keeps memory at K heads (the point of GQA).
-    q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, G, E)
-    # Scores and softmax in float32 whatever the compute dtype: bf16 logits lose the small
-    # differences that decide attention at long range.
-    scores_BxKxGxLxS = jnp.einsum("blkge,bske->bkgls", q_BxLxKxGxE, k_BxSxKxE,
-                                  preferred_element_type=jnp.float32) / math.sqrt(E)
-    if allowed_BxLxS is None:
-        # Query l sits at key position l + S - L, so with S == L this is the plain lower triangle.
-        allowed = jnp.tril(jnp.ones((L, S), dtype=bool), k=S - L)
-    else:
-        allowed = allowed_BxLxS[:, None, None, :, :]
-    scores_BxKxGxLxS = jnp.where(allowed, scores_BxKxGxLxS, _MASKED)
-    probs_BxKxGxLxS = jax.nn.softmax(scores_BxKxGxLxS, axis=-1).astype(v_BxSxKxE.dtype)
-    out_BxLxKxGxE = jnp.einsum("bkgls,bske->blkge", probs_BxKxGxLxS, v_BxSxKxE)
-    return out_BxLxKxGxE.reshape(B, L, H, E)
-
-
 def _linear(d_in: int, d_out: int, std: float, dtype, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
     return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=jnp.float32,
                       kernel_init=nnx.initializers.normal(std), rngs=rngs)
@@ -117,6 +98,7 @@ class Attention(nnx.Module):
         self.use_rope = cfg.positions == "rope"
         self.scaled_rope = cfg.rope_scaling != "none"
         self.cfg = cfg  # static: rope_inv_freq reads the scaling fields at trace time
+        self.kernel = cfg.attention  # static: model.attention, resolved per call (diloco/model/attention.py)
         # Residual-branch outputs are scaled down so the residual stream's variance does not grow
         # with depth (GPT-2, Radford et al. 2019, section 2.3).
         out_std = INIT_STD / math.sqrt(2 * cfg.n_layers)
@@ -130,9 +112,10 @@ class Attention(nnx.Module):
             self.k_norm = _norm(cfg, E, rngs)
 
     def __call__(self, x_BxLxD: jax.Array, positions: jax.Array, cache: Cache | None = None,
-                 allowed_BxLxS: jax.Array | None = None) -> tuple[jax.Array, Cache | None]:
-        """positions: [L] or [B, L]. With `cache` ({"k", "v"} of this layer, written at slot
-        `cache["end"]`), the new keys join the cached ones and `allowed_BxLxS` says who sees whom."""
+                 mask_BxLxS: jax.Array | None = None, causal: bool = True) -> tuple[jax.Array, Cache | None]:
+        """positions: [L] or [B, L]. Position l sees s <= l (`causal`) where `mask_BxLxS` allows.
+        With `cache` ({"k", "v"} of this layer, written at slot `cache["end"]`), the new keys join
+        the cached ones and `mask_BxLxS` alone says who sees whom."""
         B, L, _ = x_BxLxD.shape
         E = self.head_dim
         q_BxLxHxE = self.wq(x_BxLxD).reshape(B, L, self.n_heads, E)
@@ -150,7 +133,8 @@ class Attention(nnx.Module):
                      "v": jax.lax.dynamic_update_slice(cache["v"], v_BxLxKxE.astype(cache["v"].dtype), start),
                      "end": cache["end"]}
             k_BxLxKxE, v_BxLxKxE = cache["k"], cache["v"]
-        out_BxLxHxE = causal_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, allowed_BxLxS)
+        out_BxLxHxE = attend(self.kernel, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_BxLxS, causal,
+                             decoding=cache is not None)
         return self.wo(out_BxLxHxE.reshape(B, L, self.n_heads * E)), cache
 
 
@@ -181,10 +165,18 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x_BxLxD: jax.Array, positions: jax.Array, cache: Cache | None = None,
-                 allowed_BxLxS: jax.Array | None = None) -> tuple[jax.Array, Cache | None]:
-        h_BxLxD, cache = self.attn(self.attn_norm(x_BxLxD), positions, cache, allowed_BxLxS)
+                 mask_BxLxS: jax.Array | None = None, causal: bool = True) -> tuple[jax.Array, Cache | None]:
+        h_BxLxD, cache = self.attn(self.attn_norm(x_BxLxD), positions, cache, mask_BxLxS, causal)
         x_BxLxD = x_BxLxD + h_BxLxD
         return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD)), cache
+
+
+def project(h_NxD: jax.Array, table: jax.Array, tied: bool, dtype) -> jax.Array:
+    """Logits [..., V] float32 of hidden states against the output head: the tied embedding
+    [V, D] or lm_head's kernel [D, V], multiplied in the compute dtype and accumulated in float32.
+    The one head of apply, packed, decode and the chunked loss (diloco/train/step.py)."""
+    h_NxD, table = h_NxD.astype(dtype), table.astype(dtype)
+    return jnp.dot(h_NxD, table.T if tied else table, preferred_element_type=jnp.float32)
 
 
 class Transformer(nnx.Module):
@@ -192,6 +184,7 @@ class Transformer(nnx.Module):
         dtype = jnp.dtype(cfg.dtype)
         self.max_seq_len = cfg.max_seq_len
         self.n_layers = cfg.n_layers
+        self.remat = cfg.remat  # static: model.remat, the policy of each block under jax.grad
         self.embed = nnx.Embed(vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                                embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
         # String keys "0", "1", ... make the params a plain dict of str keys with no conversion at
@@ -203,40 +196,61 @@ class Transformer(nnx.Module):
             self.pos_embed = nnx.Embed(cfg.max_seq_len, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                                        embedding_init=nnx.initializers.normal(INIT_STD / 2), rngs=rngs)
 
-    def _forward(self, tokens_BxL: jax.Array, positions: jax.Array, cache: Cache | None,
-                 allowed_BxLxS: jax.Array | None) -> tuple[jax.Array, dict | None]:
+    def _hidden(self, tokens_BxL: jax.Array, positions: jax.Array, cache: Cache | None = None,
+                mask_BxLxS: jax.Array | None = None, causal: bool = True) -> tuple[jax.Array, dict]:
+        """Final-norm hidden states [B, L, D] in the compute dtype, and with `cache` its new layers."""
         x_BxLxD = self.embed(tokens_BxL)
         if hasattr(self, "pos_embed"):
             x_BxLxD = x_BxLxD + self.pos_embed(positions)
+
+        def block_out(block: Block, x_BxLxD, positions, mask_BxLxS):
+            return block(x_BxLxD, positions, None, mask_BxLxS, causal)[0]
+
+        if cache is None and REMAT_POLICIES[self.remat] is not None:
+            block_out = nnx.remat(block_out, policy=REMAT_POLICIES[self.remat])
         layers = {}
         for i in range(self.n_layers):
-            layer = None if cache is None else {**cache["layers"][str(i)], "end": cache["end"]}
-            x_BxLxD, layer = self.blocks[str(i)](x_BxLxD, positions, layer, allowed_BxLxS)
-            if layer is not None:
-                layers[str(i)] = {"k": layer["k"], "v": layer["v"]}
-        x_BxLxD = self.final_norm(x_BxLxD)
-        if self.lm_head is None:
-            logits_BxLxV = self.embed.attend(x_BxLxD)
-        else:
-            logits_BxLxV = self.lm_head(x_BxLxD)
-        return logits_BxLxV.astype(jnp.float32), layers
+            if cache is None:
+                x_BxLxD = block_out(self.blocks[str(i)], x_BxLxD, positions, mask_BxLxS)
+                continue
+            layer = {**cache["layers"][str(i)], "end": cache["end"]}
+            x_BxLxD, layer = self.blocks[str(i)](x_BxLxD, positions, layer, mask_BxLxS, causal)
+            layers[str(i)] = {"k": layer["k"], "v": layer["v"]}
+        return self.final_norm(x_BxLxD), layers
+
+    def head(self):
+        """h_NxD -> logits_NxV float32 over this model's output head (`project`), closed over the
+        head's weight array only, so it can run inside jax.lax.map and jax.checkpoint."""
+        tied = self.lm_head is None
+        table = self.embed.embedding[...] if tied else self.lm_head.kernel[...]
+        dtype = self.embed.dtype
+        return lambda h_NxD: project(h_NxD, table, tied, dtype)
+
+    def features(self, tokens_BxL: jax.Array, segments_BxL: jax.Array | None = None,
+                 positions_BxL: jax.Array | None = None):
+        """(hidden states [B, L, D] before the head, the head `h -> logits`): what a loss that
+        never holds all B x L x V logits at once needs (diloco/train/step.py).
+
+        With `segments_BxL` the rows pack several examples (diloco/data/sft.py): position l
+        attends to s <= l of its own segment only (segment 0 is padding, seen by no one), and
+        each example's positions (positions_BxL) restart at 0, so every example's logits are those
+        it would have alone."""
+        L = tokens_BxL.shape[1]
+        if L > self.max_seq_len:
+            raise ValueError(f"sequence length {L} exceeds model.max_seq_len={self.max_seq_len}")
+        if segments_BxL is None:
+            return self._hidden(tokens_BxL, jnp.arange(L))[0], self.head()
+        same_BxLxL = (segments_BxL[:, :, None] == segments_BxL[:, None, :]) & (segments_BxL[:, None, :] > 0)
+        return self._hidden(tokens_BxL, positions_BxL, None, same_BxLxL)[0], self.head()
 
     def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-        L = tokens_BxL.shape[1]
-        if L > self.max_seq_len:
-            raise ValueError(f"sequence length {L} exceeds model.max_seq_len={self.max_seq_len}")
-        return self._forward(tokens_BxL, jnp.arange(L), None, None)[0]
+        h_BxLxD, head = self.features(tokens_BxL)
+        return head(h_BxLxD)
 
     def packed(self, tokens_BxL: jax.Array, segments_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
-        """Logits of rows packing several examples (diloco/data/sft.py): position l attends to s <= l
-        of its own segment only (segment 0 is padding, seen by no one), and each example's
-        positions restart at 0, so every example's logits are those it would have alone."""
-        L = tokens_BxL.shape[1]
-        if L > self.max_seq_len:
-            raise ValueError(f"sequence length {L} exceeds model.max_seq_len={self.max_seq_len}")
-        same_BxLxL = (segments_BxL[:, :, None] == segments_BxL[:, None, :]) & (segments_BxL[:, None, :] > 0)
-        allowed_BxLxL = jnp.tril(jnp.ones((L, L), dtype=bool))[None] & same_BxLxL
-        return self._forward(tokens_BxL, positions_BxL, None, allowed_BxLxL)[0]
+        """Logits of rows packing several examples (`features` says how they attend)."""
+        h_BxLxD, head = self.features(tokens_BxL, segments_BxL, positions_BxL)
+        return head(h_BxLxD)
 
     def decode(self, tokens_BxL: jax.Array, mask_BxL: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
         """Logits of L new tokens per row given everything in `cache`, and the cache with them.
@@ -252,7 +266,7 @@ class Transformer(nnx.Module):
         valid_BxS = jax.lax.dynamic_update_slice(cache["valid_BxS"], mask_BxL, (0, end))
         slot_L = end + jnp.arange(L)
         allowed_BxLxS = (jnp.arange(S)[None, None, :] <= slot_L[None, :, None]) & valid_BxS[:, None, :]
-        logits_BxLxV, layers = self._forward(tokens_BxL, positions_BxL, cache, allowed_BxLxS)
+        h_BxLxD, layers = self._hidden(tokens_BxL, positions_BxL, cache, allowed_BxLxS, causal=False)
         new = {"layers": layers, "valid_BxS": valid_BxS,
                "pos_B": cache["pos_B"] + jnp.sum(mask_BxL, axis=1, dtype=jnp.int32), "end": end + L}
-        return logits_BxLxV, new
+        return self.head()(h_BxLxD), new

@@ -47,7 +47,7 @@ def compile_steps(model: Model, cfg: TrainConfig, mesh: Mesh) -> Compiled:
     abstract = jax.eval_shape(lambda p: init_state(p, optimizer), model.params)
     state_sh = tree_shardings(mesh, abstract)
     sft = cfg.data.source == "sft"
-    loss = make_loss(model.apply, model.packed if sft else None)
+    loss = make_loss(model, sft, cfg.model.loss_chunk)
     # Every array of a fine-tuning batch (diloco/data/sft.py) is [B, ...], split over B like windows.
     batch_sh = batch_sharding(mesh)
     if sft:
