@@ -3,6 +3,7 @@
     python scripts/train.py model=tiny run.steps=200
     python scripts/train.py run.out_dir=runs/x run.resume=true
     python scripts/train.py --describe          # every option, its default and meaning
+    python scripts/train.py --describe preset=llama3_8b   # ... and that run's memory per device
     python scripts/train.py -m hydra/launcher=submitit_local outer.lr=0.5,0.7   # a sweep (docs/sweeps.md)
 
 A user's mistake (config, data, devices, checkpoints, a used run directory) prints one `error:`
@@ -61,11 +62,32 @@ def _preflight(argv: list[str]) -> list[str]:
     if "--describe" in argv or "--help" in argv or "-h" in argv:
         presets = "\n".join(f"  {g}: {' | '.join(names)}" for g, names in _groups().items())
         print(__doc__.strip() + "\n\nPresets (group=name):\n" + presets + "\n\n" + describe())
+        overrides = [a for a in argv if not a.startswith("-")]
+        if overrides:  # a configuration to size: its memory per device
+            print("\n" + _estimate(overrides))
         sys.exit(0)
     errors = unknown_keys([a for a in argv if not a.startswith("-")], set(_groups()))
     if errors:
         fail("\n  ".join(["the command line names options that do not exist:", *errors]))
     return [a for a in argv if a != "--debug"]
+
+
+def _estimate(overrides: list[str]) -> str:
+    """The memory estimate (diloco/train/footprint.py) of configs/train.yaml with `overrides`."""
+    from hydra import compose, initialize_config_dir
+
+    from diloco.train import footprint
+
+    errors = unknown_keys(overrides, set(_groups()))
+    if errors:
+        fail("\n  ".join(["the command line names options that do not exist:", *errors]))
+    try:
+        with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+            raw = compose("train", overrides=overrides)
+        cfg = load(OmegaConf.to_container(raw, resolve=True))
+    except (ConfigError, CompactHydraException) as err:
+        fail(err)
+    return "\n".join(footprint.describe(cfg))
 
 
 def _job_tasks() -> int:

@@ -86,7 +86,7 @@ def _group_options(group: str) -> list[str]:
 
 
 def _all_compositions():
-    groups = ["model", "data", "inner", "mesh", "fragments", "outer", "codec", "syncer", "runtime", "chaos"]
+    groups = ["model", "data", "inner", "mesh", "fragments", "outer", "codec", "syncer", "runtime", "chaos", "preset"]
     for group in groups:
         for option in _group_options(group):
             yield f"{group}={option}"

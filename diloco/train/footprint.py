@@ -1,0 +1,123 @@
+"""An estimate of one device's memory in a run, from its config alone: parameters, gradients,
+optimizer state, a learner's extra copies, activations and logits (docs/models.md#presets).
+
+Reference: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
+(arXiv 2205.05198), section 4, for what a block keeps for its backward pass.
+
+An estimate, not a measurement: it counts the arrays a step must hold at once, not XLA's buffer
+assignment or an allocator's fragmentation. tests/test_footprint.py holds it to XLA's own memory
+analysis of the compiled step on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from diloco.config import ModelConfig, TrainConfig
+from diloco.model.attention import cudnn_fits
+
+GIB = 1 << 30
+
+
+class Footprint(NamedTuple):
+    params: int  # parameters of the model (all of them, trained or frozen)
+    trained: int  # of those, what the optimizer steps (the adapters under LoRA)
+    devices: int  # devices of one trainer or one learner
+    batch: int  # sequences per device per step
+    parts: dict[str, float]  # bytes per device, by what holds them
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def lines(self) -> list[str]:
+        who = "learner" if "learner copies" in self.parts else "trainer"
+        out = [f"{self.params / 1e6:,.1f}M parameters ({self.trained / 1e6:,.1f}M trained), one {who} on "
+               f"{self.devices} device(s), {self.batch} sequence(s) per device per step:"]
+        out += [f"  {name:16s} {size / GIB:9.2f} GiB" for name, size in self.parts.items()]
+        out.append(f"  {'total':16s} {self.total / GIB:9.2f} GiB per device (an estimate; XLA's buffers differ)")
+        return out
+
+
+def fused_attention(m: ModelConfig, platform: str) -> bool:
+    """Whether model.attention runs a fused kernel (no scores in memory) on `platform` (gpu | tpu |
+    cpu), as diloco/model/attention.py chooses it for a training step."""
+    E = m.head_dim or m.d_model // m.n_heads
+    return m.attention == "cudnn" or (m.attention == "auto" and platform == "gpu" and cudnn_fits(m.dtype, E))
+
+
+def activation_bytes(m: ModelConfig, batch: int, seq: int, vocab: int, platform: str) -> dict[str, float]:
+    """Per device, what the forward pass keeps for the backward one: the blocks' activations under
+    m.remat, and the loss's logits under m.loss_chunk (floats of m.dtype; logits in float32)."""
+    width = 2 if m.dtype == "bfloat16" else 4
+    E = m.head_dim or m.d_model // m.n_heads
+    D, F, L, tokens = m.d_model, m.d_ff, m.n_layers, batch * seq
+    q, kv = m.n_heads * E, m.n_kv_heads * E
+    mlp_in = 2 * F if m.mlp == "swiglu" else F
+    # One block without remat: the residual input and two norm outputs; q, k, v and the attention
+    # output; the MLP's pre-activations (gate and up), its product and the down input.
+    whole = (3 * D + 2 * q + 2 * kv + mlp_in + F + D) * tokens * width
+    # The scores: B x H x L x S float32 and their softmax, unless a fused kernel keeps them on chip
+    scores = 0 if fused_attention(m, platform) else 2 * batch * m.n_heads * seq * seq * 4
+    # dots: the outputs of the matmuls (q, k, v, o, the MLP's up/gate and down)
+    dots = (q + 2 * kv + D + mlp_in + D) * tokens * width
+    kept = {"none": L * (whole + scores), "full": L * D * tokens * width + whole + scores,
+            "dots": L * dots + whole + scores}[m.remat]
+    chunk = m.loss_chunk or seq
+    # The logits of a chunk, their softmax and its gradient, in float32
+    logits = 3 * batch * min(chunk, seq) * vocab * 4
+    return {"activations": float(kept), "logits": float(logits)}
+
+
+def vocab_of(cfg: TrainConfig) -> int:
+    """The vocabulary a run of cfg trains on, from its data config alone (a checkpoint's own,
+    under model.init_from, is not read here)."""
+    d = cfg.data
+    if d.source == "synthetic":
+        return d.synthetic_vocab
+    return d.bpe_vocab_size if d.tokenizer == "bpe" else 256  # bytes
+
+
+def describe(cfg: TrainConfig, platform: str = "gpu") -> list[str]:
+    """The lines `scripts/train.py --describe <overrides>` prints for cfg: the estimate, per device."""
+    from diloco.model import abstract_params, count_params  # builds the model's shapes (jax)
+
+    vocab = vocab_of(cfg)
+    params = abstract_params(cfg.model, vocab)
+    trained = None
+    if cfg.finetune.lora.rank > 0:
+        from diloco.model import lora
+
+        trained = count_params(lora.init_adapters(cfg.finetune.lora, params))  # the Bs (rank x d_out each)
+    f = estimate(cfg, count_params(params), vocab, trained, platform)
+    head = [f"Memory estimate for {platform.upper()} (model={cfg.model.name}, vocabulary {vocab:,}, "
+            f"batch {cfg.data.batch_size} x {cfg.data.seq_len}, remat {cfg.model.remat}, "
+            f"loss_chunk {cfg.model.loss_chunk}, mesh fsdp {cfg.mesh.fsdp}):"]
+    if cfg.model.init_from:
+        head.append(f"  (model.init_from={cfg.model.init_from!r}: its shape and vocabulary replace these at start-up)")
+    return head + f.lines()
+
+
+def estimate(cfg: TrainConfig, params: int, vocab: int, trained: int | None = None,
+             platform: str = "gpu") -> Footprint:
+    """One device's memory for cfg's trainer (algo=dp, over cfg.mesh.devices or 1) or one of its
+    learners (runtime.devices_per_learner) on `platform`, with `params` parameters of which
+    `trained` are stepped (all by default), parameters in float32 sharded over mesh.fsdp."""
+    m = cfg.model
+    learner = cfg.algo == "diloco"
+    devices = max(cfg.runtime.devices_per_learner if learner else cfg.mesh.devices, 1)
+    fsdp = max(min(cfg.mesh.fsdp, devices), 1)
+    data = max(devices // fsdp, 1)
+    batch = max(math.ceil(cfg.data.batch_size / devices), 1) if data > 1 or fsdp > 1 else cfg.data.batch_size
+    trained = params if trained is None else trained
+    slots = 2 if cfg.inner.optimizer == "adamw" else 0  # Adam's two moments; plain SGD keeps none
+    parts = {
+        "parameters": 4.0 * params / fsdp,
+        "gradients": 4.0 * trained / fsdp,
+        "optimizer": 4.0 * slots * trained / fsdp,
+    }
+    if learner:  # the anchor Theta of the last merge, and the fragment being encoded on the devices
+        parts["learner copies"] = 4.0 * trained / fsdp + 4.0 * trained / max(cfg.fragments.count, 1) / fsdp
+    parts.update(activation_bytes(m, batch, cfg.data.seq_len, vocab, platform))
+    return Footprint(params, trained, devices, batch, parts)
