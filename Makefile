@@ -66,7 +66,7 @@ bench: $(STAMP)
 
 # An accelerator machine without network (docs/experiments.md#accelerator-benchmark): first, where
 # there is network, the wheels its image lacks into wheels/ (git-ignored); there, with the image's
-# python3, `make bench-accelerator` (about 7 minutes on one GPU; ARGS=--quick for a smoke run).
+# python3, `make bench-accelerator` (about 9.5 minutes on one GPU; ARGS=--quick for a smoke run).
 accelerator-wheels:
 	PYTHON=$(PYTHON) scripts/accelerator_wheels.sh
 

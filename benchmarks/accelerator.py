@@ -1,6 +1,6 @@
 """The accelerator benchmark: learner against plain trainer, syncer rounds, sim against data parallel.
 
-    python benchmarks/accelerator.py              # one GPU, at most 7 minutes (scripts/accelerator_run.sh)
+    python benchmarks/accelerator.py              # one GPU, at most 9.5 minutes (scripts/accelerator_run.sh)
     python benchmarks/accelerator.py --quick      # tiny shapes, a few minutes on a CPU
 
 Each part runs as a subprocess under its own timeout (the parts after it keep a reserve of the
@@ -15,7 +15,11 @@ loses only the part it was in:
   at SmolLM2-135M's shape (`135m`, bf16, 16 x 1024), P = H = 24, tau 2, one device, with the
   encode on the device and on the host;
 * syncer: benchmarks/syncer_round.py at 4.64M and 38.8M values, M = 4 and 16;
-* sim_vs_dp: benchmarks/train_vs_dp.py, base10m, 4 learners of batch 8 against batch 32.
+* sim_vs_dp: benchmarks/train_vs_dp.py, base10m, 4 learners of batch 8 against batch 32;
+* inner_step: benchmarks/inner_step.py, the plain step's tokens/s, MFU and peak memory at
+  SmolLM2-135M's shape (16 x 1024, remat none and dots) and Llama-3.2-1B's (8 x 1024, dots),
+  bf16, chunked loss;
+* decode: benchmarks/decode.py, batch-1 and batch-8 decode of the 135M shape, 256 new tokens.
 
 The goals (docs/experiments.md#accelerator-benchmark) are checked at the end of the JSON. Compiled
 executables are shared between the parts through JAX's persistent cache, so a model's second
@@ -71,6 +75,19 @@ def parts(args) -> list[Part]:
                                   "--set", f"model={model}", "data=synthetic", "data.synthetic_vocab=256",
                                   "runtime.devices_per_learner=1", "inner.warmup_steps=10", "run.eval_every=50"],
                     120, 60))
+    if q:
+        grid = [("tiny", "256", "4", "64", ["none", "full"])]
+    else:
+        grid = [("135m", "49152", "16", "1024", ["none", "dots"]), ("llama3_1b", "128256", "8", "1024", ["dots"])]
+    for model, vocab, batch, seq, remat in grid:
+        out.append(Part(f"inner_step_{model}", [py, str(HERE / "inner_step.py"), "--models", model, "--vocab", vocab,
+                                                "--batch", batch, "--seq", seq, "--devices", "1",
+                                                "--steps", "5" if q else "10",
+                                                "--repeats", "2", "--remat", *remat,
+                                                "--loss-chunk", "0" if q else "256"], 90 if q else 100, 30))
+    out.append(Part("decode", [py, str(HERE / "decode.py"), "--models", "tiny" if q else "135m", "--vocab",
+                               "256" if q else "49152", "--new-tokens", "32" if q else "256", "--repeats", "2"],
+                    60 if q else 90, 30))
     return out
 
 
@@ -121,6 +138,14 @@ def goals(done: dict, quick: bool) -> list[dict]:
     ratio = get("sim_vs_dp", "ratio")
     rows.append({"goal": "sim within 1.3x of data parallel", "measured": ratio,
                  "met": None if ratio is None else ratio <= 1.3})
+    for model, floor in (("tiny", 0.0),) if quick else (("llama3_1b", 0.55), ("135m", 0.30)):
+        best = max((r.get("mfu") or 0.0 for r in get(f"inner_step_{model}", "results") or []), default=None)
+        rows.append({"goal": f"plain step MFU (6N) >= {floor:.0%}, {model}", "measured": best,
+                     "met": None if not best else best >= floor})
+    one = [r for r in get("decode", "results") or [] if r.get("batch") == 1]
+    rate = one[0]["new_tokens_per_s"] if one else None
+    rows.append({"goal": "batch-1 decode of the 135M shape >= 1,000 tokens/s", "measured": rate,
+                 "met": None if rate is None or quick else rate >= 1000})
     identical = get("probe", "codec_check", "identical")
     rows.append({"goal": "device encoder's payload byte-identical to the host codec", "measured": identical,
                  "met": identical})
@@ -136,7 +161,7 @@ def write(path: Path, payload: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke test on a CPU")
-    p.add_argument("--budget", type=float, default=410.0, help="seconds for every part together")
+    p.add_argument("--budget", type=float, default=560.0, help="seconds for every part together")
     p.add_argument("--steps", type=int, default=None, help="learner steps per block (24; quick 4)")
     p.add_argument("--repeats", type=int, default=None, help="learner blocks (2; quick 1)")
     p.add_argument("--only", nargs="*", default=None, help="run only these parts")
