@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,6 +30,11 @@ from diloco.train.trainer import evaluate, train_dp
 # A resumed run may change how it is watched, never what it computes.
 _RESUMABLE_CHANGES = {("run", "resume"), ("run", "progress"), ("run", "plot"), ("run", "tensorboard"),
                       ("run", "peak_tflops"), ("run", "profile")}
+# Options naming files or directories: the same on resume if they resolve to the same path, so
+# `runs/a` and `/home/me/runs/a` (what a stopped run's resume line may print) are one directory.
+_PATHS = {("run", "out_dir"), ("data", "paths"), ("data", "eval_paths"), ("data", "data_dir"),
+          ("model", "init_from"), ("runtime", "store_url"), ("runtime", "auth_secret_file"),
+          ("chaos", "tape_file")}
 # What a run leaves in its directory (docs/design.md#outputs-of-a-run); any of them means "used".
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "loss.png", "model", "checkpoints",
                "decisions.jsonl", "syncer_inputs.bin", "chaos_tape.json", "learners", "sim", "store",
@@ -43,8 +49,12 @@ def used_by_a_run(run_dir: Path) -> list[str]:
 
 def check_run_dir(cfg: TrainConfig) -> None:
     """Refuse a new run into a directory an earlier run used (docs/design.md#run-directory-reuse):
-    its learner checkpoints, metrics and snapshots would mix into the new run's."""
+    its learner checkpoints, metrics and snapshots would mix into the new run's; and a resume of
+    a directory that holds no run (a mistyped path would otherwise train a new run there)."""
     run_dir = Path(cfg.run.out_dir)
+    if cfg.run.resume and not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"run.resume=true but run.out_dir={run_dir} holds no run to resume (no "
+                          f"{run_dir / 'config.yaml'}); check the path, or drop run.resume=true to start one there")
     found = used_by_a_run(run_dir)
     if cfg.run.resume or not found:
         return
@@ -52,9 +62,34 @@ def check_run_dir(cfg: TrainConfig) -> None:
                       "run.resume=true to continue it, or choose another run.out_dir")
 
 
-def prepare_run_dir(cfg: TrainConfig) -> Path:
+def finished_steps(run_dir: Path) -> int | None:
+    """The run.steps of the run in `run_dir` if it finished, else None: the one test of "finished"
+    for every runtime (docs/design.md#resuming-a-finished-run). summary.json is written when a run
+    ends, never by a stop, and removed when a resume with more run.steps continues the run."""
+    if not (run_dir / "summary.json").is_file() or not (run_dir / "config.yaml").is_file():
+        return None
+    return int(yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["steps"])
+
+
+def _resolved(value):
+    """A path option's value with every path made absolute ('' stays: it means none)."""
+    if isinstance(value, (list, tuple)):
+        return [_resolved(v) for v in value]
+    return os.path.abspath(os.path.expanduser(value)) if isinstance(value, str) and value else value
+
+
+def same_setting(key: tuple[str, str], saved, new) -> bool:
+    """Whether option `key` is unchanged on resume: equal, or for a path option (_PATHS) equal
+    after resolving against the working directory (docs/design.md#resuming-a-run)."""
+    if isinstance(saved, (list, tuple)) and isinstance(new, (list, tuple)):
+        saved, new = list(saved), list(new)  # yaml gives lists where the config has tuples
+    return saved == new or (key in _PATHS and _resolved(saved) == _resolved(new))
+
+
+def prepare_run_dir(cfg: TrainConfig, continuing: bool = False) -> Path:
     """Create the run directory and write the resolved config; on resume, refuse a changed config.
-    `run` has already refused a directory an earlier run used (check_run_dir), before the data."""
+    `run` has already refused a directory an earlier run used (check_run_dir), before the data.
+    `continuing`: a finished run resumed with more run.steps, the one change that continues it."""
     run_dir = Path(cfg.run.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
@@ -63,10 +98,11 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
         saved = yaml.safe_load(path.read_text())
         # A section added since that run was made (finetune) held its library defaults then.
         saved = {**{g: v for g, v in to_dict(TrainConfig()).items() if g not in saved}, **saved}
+        allowed = _RESUMABLE_CHANGES | ({("run", "steps")} if continuing else set())
         changed = [f"{g}.{k}: {saved.get(g, {}).get(k)!r} -> {v!r}"
                    for g, section in resolved.items() if isinstance(section, dict)
                    for k, v in section.items()
-                   if saved.get(g, {}).get(k) != v and (g, k) not in _RESUMABLE_CHANGES]
+                   if not same_setting((g, k), saved.get(g, {}).get(k), v) and (g, k) not in allowed]
         if changed:
             raise ConfigError(f"run.resume=true but the config in {path} differs:\n  " + "\n  ".join(changed))
     path.write_text(yaml.safe_dump(resolved, sort_keys=False))
@@ -171,11 +207,24 @@ def run(cfg: TrainConfig) -> dict:
         if used_by_a_run(Path(cfg.run.out_dir)):
             cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
     check_run_dir(cfg)
+    done = finished_steps(Path(cfg.run.out_dir)) if cfg.run.resume else None
+    if done is not None and cfg.run.steps <= done:  # never retrained, never overwritten
+        summary_path = Path(cfg.run.out_dir) / "summary.json"
+        print(f"the run in {cfg.run.out_dir} has finished its {done} steps; nothing to do (raise run.steps "
+              f"above {done} to train on). Its summary: {summary_path}")
+        return json.loads(summary_path.read_text())
+    continuing = done is not None
+    if continuing and cfg.algo == "diloco" and cfg.runtime.kind != "sim":
+        raise ConfigError(f"run.steps={cfg.run.steps} would continue the finished {cfg.runtime.kind} run in "
+                          f"{cfg.run.out_dir} past its {done} steps, but a {cfg.runtime.kind} run resumes only "
+                          "from a stop's checkpoints; algo=dp and runtime=sim runs can train on")
     inputs = load_inputs(cfg)
     cfg, corpus, model, pre = inputs  # cfg.model: model.init_from's shape, if set
     if cfg.algo == "diloco":
         build_setup.check_devices(cfg)
-    run_dir = prepare_run_dir(cfg)
+    run_dir = prepare_run_dir(cfg, continuing)
+    if continuing:  # no longer finished: the summary is written again when the new steps are done
+        (run_dir / "summary.json").unlink()
     full = lambda params: full_params(inputs, params)  # noqa: E731
     head = {"corpus": corpus.name, "algo": cfg.algo, "params": count_params(model.params)}
     if cfg.finetune.lora.rank > 0:  # the adapters train and travel; the model is the checkpoint's

@@ -75,10 +75,14 @@ class Pace:
         return cls.on_grid(period, step, speed) if rejoin_at == "schedule" else cls(period)
 
     @classmethod
-    def rejoin_step(cls, period: float, rejoin_at: str, now: float, speed: float, steps: int) -> int:
+    def rejoin_step(cls, period: float, rejoin_at: str, now: float, speed: float, steps: int,
+                    resumed: bool = False) -> int:
         """The least step a learner restarting at `now` resumes at: the grid's with
-        rejoin_at=schedule, else 0 (its own checkpoint's or stopping step decides)."""
-        return min(cls.grid_step(period, now, speed), steps) if rejoin_at == "schedule" else 0
+        rejoin_at=schedule, else 0 (its own checkpoint's or stopping step decides). A learner
+        coming back in a resumed run missed no steps (the whole run stopped with it, and the
+        stopped interval is on no clock): 0, so it trains every token an uninterrupted run
+        would (docs/design.md#stopping-a-run)."""
+        return min(cls.grid_step(period, now, speed), steps) if rejoin_at == "schedule" and not resumed else 0
 
     def end(self, start: float, compute: float, factor: float) -> float:
         natural = start + factor * compute

@@ -341,7 +341,7 @@ class RayProcs(Procs):
                 max_concurrency=2, runtime_env=self._env(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(place.group, placement_group_bundle_index=i),
                 **actor_options(place.bundle)).remote() for i in range(P)]
-        args = (self.url, self.cfg, self.cache, self.run_dir, m, incarnation, self.resume is not None)
+        args = (self.url, self.cfg, self.cache, self.run_dir, m, incarnation, self.resumed(m, incarnation))
         if P == 1:
             [host] = self.hosts[m]
             child = RayChild(host, lambda: host.learner.remote(*args))

@@ -312,7 +312,8 @@ class ProcLearner:
                                         merges=self.merges)
         now = self.clock()
         self.fetched += [[now, p, n, "fp32"] for p, n in fetched]
-        at_least = Pace.rejoin_step(r.step_period_s, r.rejoin_at, now, self.speed, self.cfg.run.steps)
+        at_least = Pace.rejoin_step(r.step_period_s, r.rejoin_at, now, self.speed, self.cfg.run.steps,
+                                   self.resumed)
         return {"go": True, "t0": self.t0, "stop": False,
                 "rejoin": {"now": now, "down_until": down_until, "stopped_at": before["step"], "at_least": at_least}}
 

@@ -182,7 +182,8 @@ class Procs:
             self.store.delete(f"ctl/{name}")
         self.reports = int(stopped["reports"])
         back = [m for m in range(self.M) if m not in self.done]
-        self.resume = {"at": float(stopped["at"]), "learners": back}
+        self.resume = {"at": float(stopped["at"]), "learners": back,
+                       "incarnations": {m: self.incarnation[m] + 1 for m in back}}
         self._spawn_syncer(int(procs["syncer_incarnation"]) + 1)
         for m in back:
             self._spawn(m, self.incarnation[m] + 1)
@@ -197,12 +198,17 @@ class Procs:
         self.syncer, self.syncer_incarnation = p, incarnation  # only started processes are watched
         self._write_procs()
 
+    def resumed(self, m: int, incarnation: int) -> bool:
+        """Whether learner m's `incarnation` is its first of a resumed run (it comes back from the
+        stop, not from a crash: no restart time, no steps skipped)."""
+        return self.resume is not None and self.resume["incarnations"].get(m) == incarnation
+
     def _spawn(self, m: int, incarnation: int) -> None:
         """Learner m's next incarnation: one process, or with runtime.processes_per_learner > 1 a
         world of that many on a fresh coordinator port (docs/multihost.md#supervisor), which ends
         as a whole with one exit code and is restarted as a whole."""
         name = f"diloco-learner-{m}-{incarnation}"
-        args = (self.url, self.cfg, self.cache, self.run_dir, m, incarnation, os.getpid(), self.resume is not None)
+        args = (self.url, self.cfg, self.cache, self.run_dir, m, incarnation, os.getpid(), self.resumed(m, incarnation))
         P = self.cfg.runtime.processes_per_learner
         if P > 1:
             p = WorldGroup(learner_main, args, P, name=name, ctx=self.ctx)

@@ -260,7 +260,7 @@ class Threads(HostedRuntime):
         self.ready.wait()
         try:
             if plan is not None:  # no runtime.restart_s: the real restart happened off the clock
-                unit = self._come_back(m, plan.incarnation, plan.step, ckpts, plan.died_at, 0.0)
+                unit = self._come_back(m, plan.incarnation, plan.step, ckpts, plan.died_at, 0.0, resumed=True)
             while True:
                 try:
                     return self._incarnation(m, unit, ckpts)
@@ -279,7 +279,7 @@ class Threads(HostedRuntime):
         return self._come_back(m, dead.ls.incarnation + 1, dead.ls.step, ckpts, died_at, self.cfg.runtime.restart_s)
 
     def _come_back(self, m: int, incarnation: int, stopped_at: int, ckpts: LearnerCheckpoints, died_at: float,
-                   restart_s: float) -> LearnerUnit:
+                   restart_s: float, resumed: bool = False) -> LearnerUnit:
         """Learner m back as `incarnation` through the rejoin rule (after a crash, or in a resumed
         run): down until its tape gives a slice back, restarting for `restart_s`, then `rejoin`."""
         restart_at = died_at  # in a kill drill the devices are back at once: restarting, never down
@@ -287,7 +287,8 @@ class Threads(HostedRuntime):
             restart_at = self._sleep(self.tape.back_at(m, died_at))
         self._sleep(restart_at + restart_s)
         r = self.cfg.runtime
-        at_least = Pace.rejoin_step(r.step_period_s, r.rejoin_at, self.clock(), self.speeds[m], self.cfg.run.steps)
+        at_least = Pace.rejoin_step(r.step_period_s, r.rejoin_at, self.clock(), self.speeds[m], self.cfg.run.steps,
+                                    resumed)
         unit, how = rejoin_unit(self.setup, m, incarnation, self.host.state, ckpts,
                                 r.max_rejoin_staleness, stopped_at, at_least)
         self.units[m] = unit
