@@ -18,12 +18,11 @@ import numpy as np
 import yaml
 
 from diloco.config import ConfigError, DataConfig, from_dict
-from diloco.data import held_out, load_corpus, trained_tokens
+from diloco.data import held_out, load_corpus, target_tokens
 from diloco.data.corpus import val_bytes_per_token
 from diloco.data.errors import DataError
 from diloco.data.sources import files_text, resolve_paths
-from diloco.generation import resolve
-from diloco.hf import CheckpointError, Pretrained, load
+from diloco.hf import CheckpointError, Pretrained, load, resolve
 from diloco.train.step import make_loss
 
 
@@ -117,7 +116,7 @@ def _on_validation_split(pre: Pretrained, run_dir: Path, cfg: EvaluateConfig) ->
                        n=saved["run"]["eval_batches"])
     nats = mean_loss(pre, batches)
     per_token = val_bytes_per_token(corpus)
-    return {"text": f"{run_dir} validation split ({corpus.name})", "tokens": sum(map(trained_tokens, batches)),
+    return {"text": f"{run_dir} validation split ({corpus.name})", "tokens": sum(map(target_tokens, batches)),
             "nats_per_token": nats, "bits_per_byte": None if per_token is None else bits_per_byte(nats, per_token)}
 
 

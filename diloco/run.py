@@ -16,7 +16,7 @@ from diloco import report
 from diloco.algo import syncer as sync
 from diloco.bandwidth.analytic import dp_bytes_per_step
 from diloco.config import ConfigError, TrainConfig, to_dict
-from diloco.data import Corpus, held_out
+from diloco.data import Corpus, assistant_tokens, held_out
 from diloco.data.corpus import val_bytes_per_token
 from diloco.evaluation import bits_per_byte
 from diloco.inputs import full_params, load_inputs
@@ -187,6 +187,16 @@ def _from_records(run_dir: Path) -> dict:
     return out
 
 
+def _assistant_tokens(cfg: TrainConfig, corpus: Corpus, run_dir: Path) -> int:
+    """A DiLoCo fine-tune's assistant tokens (docs/design.md#fine-tuning): those of each learner's
+    batches up to its last logged step (every step of a finished run; a redone step once)."""
+    steps = [0] * cfg.runtime.learners
+    for r in report.read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []:
+        if r.get("kind") == "train" and isinstance(r.get("learner"), int) and r["learner"] < len(steps):
+            steps[r["learner"]] = max(steps[r["learner"]], int(r.get("step", 0)))
+    return assistant_tokens(corpus.train, seed=cfg.run.seed, steps=steps, batch_size=cfg.data.batch_size)
+
+
 def run(cfg: TrainConfig) -> dict:
     """Train as `cfg` says, write outputs into cfg.run.out_dir, print and return the summary.
     What can fail on the user's input (the run directory, the checkpoint to start from, the data,
@@ -254,6 +264,8 @@ def run(cfg: TrainConfig) -> dict:
     summary.update(flops.run_figures(summary.get("tokens_per_s", 0.0), flops.of_run(cfg, model.apply, model.params),
                                      flops.hardware(devices, cfg.run.peak_tflops)))
     summary.update(_from_records(run_dir))
+    if corpus.sft is not None and cfg.algo == "diloco":  # the trainer counts its own
+        summary["assistant_tokens"] = _assistant_tokens(cfg, corpus, run_dir)
     per_token = val_bytes_per_token(corpus)
     if per_token is not None and summary.get("eval_loss") is not None:
         summary["eval_bits_per_byte"] = bits_per_byte(summary["eval_loss"], per_token)

@@ -13,7 +13,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from diloco import hf
 from diloco.cli import fail
-from diloco.generation import resolve
 
 
 @hydra.main(config_path="../configs", config_name="convert", version_base="1.3")
@@ -22,7 +21,7 @@ def main(raw: DictConfig) -> None:
     try:
         if not cfg["out"]:
             raise ValueError("give the folder to write: out=<path>")
-        pre = hf.load(resolve(cfg["checkpoint"]))
+        pre = hf.load(hf.resolve(cfg["checkpoint"]))
         out = hf.save(Path(cfg["out"]), pre.config, pre.model.params, pre.tokenizer, dtype=cfg["dtype"],
                       max_shard_bytes=int(cfg["max_shard_bytes"]))
     except ValueError as err:  # ConfigError, CheckpointError: a user's mistake, no traceback

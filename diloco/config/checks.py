@@ -84,6 +84,9 @@ def data_errors(d: DataConfig) -> list[str]:
     check(e, d.too_long in ("truncate", "drop"), f"data.too_long={d.too_long!r} not in truncate|drop")
     check(e, d.on_bad in ("error", "skip"), f"data.on_bad={d.on_bad!r} not in error|skip")
     check(e, d.source != "files" or len(d.paths) > 0, "data.source=files needs data.paths")
+    check(e, not d.eval_paths or d.source == "sft",
+          f"data.eval_paths={list(d.eval_paths)} is for data.source=sft (a validation chat JSONL); "
+          f"data.source={d.source!r} holds out the last data.val_fraction")
     check(e, d.tokenizer in ("byte", "bpe"), f"data.tokenizer={d.tokenizer!r} not in byte|bpe")
     check(e, d.tokenizer != "bpe" or d.bpe_vocab_size >= 260,
            f"data.bpe_vocab_size={d.bpe_vocab_size} must be >= 260 (256 bytes + specials)")
@@ -136,17 +139,23 @@ def start_errors(cfg: TrainConfig) -> list[str]:
     preset composes and validates before the command line names the files and the checkpoint."""
     e: list[str] = []
     m, d = cfg.model, cfg.data
-    check(e, not m.init_from or Path(m.init_from).exists(),
-          f"model.init_from={m.init_from!r}: no such file or folder (working directory {Path.cwd()})")
+    if m.init_from:
+        from diloco.hf import CheckpointError, resolve  # the one name rule (generate, evaluate, convert)
+
+        try:
+            check(e, resolve(m.init_from).exists(),
+                  f"model.init_from={m.init_from!r}: no such file or folder (working directory {Path.cwd()})")
+        except CheckpointError as err:
+            e.append(f"model.init_from={m.init_from!r}: {err}")
     if d.source == "sft":
         # The conversations are rendered with a checkpoint's chat template; a random model has none.
-        check(e, m.init_from != "", "data.source=sft needs model.init_from=<hf folder | .gguf file>: "
+        check(e, m.init_from != "", "data.source=sft needs model.init_from=<hf folder | .gguf file | smollm2>: "
               "its chat template renders the conversations and its tokenizer encodes them")
         check(e, len(d.paths) > 0, "data.source=sft needs data.paths (JSONL files of conversations)")
     # A checkpoint's tokenizer encodes text; synthetic tokens are no text.
     # LoRA adapts a checkpoint's weights; a random init has nothing worth keeping frozen.
     check(e, cfg.finetune.lora.rank == 0 or m.init_from != "",
-          f"finetune.lora.rank={cfg.finetune.lora.rank} needs model.init_from=<hf folder | .gguf file>: "
+          f"finetune.lora.rank={cfg.finetune.lora.rank} needs model.init_from=<hf folder | .gguf file | smollm2>: "
           "LoRA trains adapters on a pretrained model's frozen weights")
     check(e, not (m.init_from and d.source == "synthetic"),
           f"model.init_from={m.init_from!r} with data.source=synthetic: the chain's states are not "

@@ -72,6 +72,9 @@ class DataConfig:
     seq_len: int = 128
     batch_size: int = 32  # sequences per step of one trainer (or one learner)
     val_fraction: float = 0.05  # held out for eval: the stream's tail, or (sft) a fixed random share of the examples
+    # sft: files/globs of validation conversations (chat JSONL) evaluated instead; () = hold out
+    # val_fraction of data.paths
+    eval_paths: tuple[str, ...] = ()
     # sft: an example longer than seq_len + 1 tokens is cut to it (truncate) or left out (drop)
     too_long: str = "truncate"
     # sft: a malformed line is an error naming its file and line (error) or skipped and counted (skip)

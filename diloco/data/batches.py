@@ -101,11 +101,29 @@ def train_batch(train, *, seed: int, learner: int, num_learners: int, step: int,
 
 
 def trained_tokens(batch) -> int:
-    """Tokens a batch trains on: every predicted token of a window; of packed rows, only the
-    assistant's tokens the masked loss counts. What the ledgers, the merge weights and tokens/s count."""
+    """Tokens a batch trains on: the positions the step computes, B x L, of windows and of packed
+    rows alike (prompt and padding included: the FLOPs are spent on every one). What the records,
+    the ledgers, the merge weights, tokens/s and MFU count (docs/design.md#fine-tuning)."""
+    if isinstance(batch, dict):
+        return int(batch["targets"].size)
+    return int(batch[:, 1:].size)
+
+
+def target_tokens(batch) -> int:
+    """Tokens whose loss counts: every predicted token of a window; of packed rows, only the
+    assistant's (the masked loss's weight, reported as assistant_tokens)."""
     if isinstance(batch, dict):
         return int(batch["targets"].sum())
     return int(batch[:, 1:].size)
+
+
+def assistant_tokens(train, *, seed: int, steps: list[int], batch_size: int) -> int:
+    """The assistant tokens (target_tokens) in the batches of learner m's first steps[m] steps,
+    for every learner m of len(steps): what a fine-tuning run's loss was taken over, a pure
+    function of the data and the step counts, so a resumed or replayed run reports it alike."""
+    return sum(target_tokens(train_batch(train, seed=seed, learner=m, num_learners=len(steps), step=s,
+                                         batch_size=batch_size, seq_len=0))
+               for m, n in enumerate(steps) for s in range(n))
 
 
 def held_out(val, *, batch_size: int, seq_len: int, n: int) -> list:

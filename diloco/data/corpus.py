@@ -33,7 +33,9 @@ class Corpus:
     name: str
     # int32 [n_train] token stream, or (data.source=sft) packed rows of conversations
     train: np.ndarray | sft.Rows
-    val: np.ndarray | sft.Rows  # the last val_fraction of the stream, or the held-out conversations
+    # the last val_fraction of the stream, or the held-out conversations (sft: data.eval_paths' or
+    # a share of data.paths')
+    val: np.ndarray | sft.Rows
     vocab_size: int
     tokenizer: Tokenizer | None  # None for synthetic, whose tokens are the chain's states
     entropy_floor: float | None  # nats/token: the lowest loss any model can reach (synthetic only)
@@ -68,7 +70,8 @@ def _sft_corpus(cfg: DataConfig, tokenizer: Any) -> Corpus:
     from diloco.hf.tokenizer import as_data_tokenizer
 
     train, val, counts = sft.load(sources.resolve_paths(cfg.paths), tokenizer, seq_len=cfg.seq_len,
-                                  val_fraction=cfg.val_fraction, too_long=cfg.too_long, on_bad=cfg.on_bad)
+                                  val_fraction=cfg.val_fraction, too_long=cfg.too_long, on_bad=cfg.on_bad,
+                                  eval_paths=sources.resolve_paths(cfg.eval_paths, "data.eval_paths"))
     vocab = tokenizer.vocab_size
     return Corpus(name="sft", train=train, val=val, vocab_size=vocab, tokenizer=as_data_tokenizer(tokenizer),
                   entropy_floor=None, hf_tokenizer=tokenizer, sft=counts,

@@ -237,15 +237,9 @@ def trained_ids(rows: Rows) -> np.ndarray:
     return rows.tokens[:, 1:][rows.targets]
 
 
-def load(paths: list[Path], tok, *, seq_len: int, val_fraction: float, too_long: str = "truncate",
-         on_bad: str = "error") -> tuple[Rows, Rows, dict[str, int]]:
-    """Every conversation of the JSONL files rendered with `tok`'s chat template, a fixed random
-    val_fraction of them (at least one) held out, each part packed: (train rows, val rows, counts).
-    The split and the packing depend on the data alone, not on run.seed, so runs with different
-    seeds evaluate on the same examples."""
-    if tok is None or tok.chat_template is None:
-        raise DataError("data.source=sft needs a tokenizer with a chat template to render the "
-                        "conversations; the checkpoint of model.init_from has none")
+def _rendered(paths: list[Path], tok, on_bad: str) -> tuple[list[Example], int]:
+    """Every conversation of the JSONL files rendered with `tok`'s chat template, and how many bad
+    lines were skipped."""
     examples, skipped = [], 0
     for path in paths:
         conversations, bad = read_conversations(path, on_bad)
@@ -258,15 +252,37 @@ def load(paths: list[Path], tok, *, seq_len: int, val_fraction: float, too_long:
             except Exception as e:  # the template's own raise_exception, a jinja error
                 raise DataError(f"{path}: conversation {i + 1}: the chat template refused it "
                                 f"({type(e).__name__}: {e})") from None
-    n_val = max(1, int(len(examples) * val_fraction))
-    if len(examples) - n_val < 1:
-        raise DataError(f"{len(examples)} conversations in data.paths leave none to train on after "
-                        f"holding out data.val_fraction={val_fraction}; add conversations")
-    held = np.zeros(len(examples), bool)
-    held[np.random.default_rng([0, 17]).permutation(len(examples))[:n_val]] = True
-    train, tc = pack([e for e, h in zip(examples, held) if not h], seq_len, too_long)
-    val, vc = pack([e for e, h in zip(examples, held) if h], seq_len, too_long)
-    counts = {"examples": len(examples), "val_examples": n_val, "skipped": skipped,
-              "truncated": tc.truncated + vc.truncated, "dropped": tc.dropped + vc.dropped,
+    return examples, skipped
+
+
+def load(paths: list[Path], tok, *, seq_len: int, val_fraction: float, too_long: str = "truncate",
+         on_bad: str = "error", eval_paths: list[Path] = ()) -> tuple[Rows, Rows, dict[str, int]]:
+    """Every conversation of the JSONL files rendered with `tok`'s chat template and packed, with
+    held-out rows to evaluate on: those of `eval_paths` (data.eval_paths) when given, else a fixed
+    random val_fraction of the conversations (at least one): (train rows, val rows, counts). The
+    split and the packing depend on the data alone, not on run.seed, so runs with different seeds
+    evaluate on the same examples."""
+    if tok is None or tok.chat_template is None:
+        raise DataError("data.source=sft needs a tokenizer with a chat template to render the "
+                        "conversations; the checkpoint of model.init_from has none")
+    examples, skipped = _rendered(paths, tok, on_bad)
+    if eval_paths:
+        train_examples = examples
+        val_examples, bad = _rendered(eval_paths, tok, on_bad)
+        skipped += bad
+    else:
+        n_val = max(1, int(len(examples) * val_fraction))
+        if len(examples) - n_val < 1:
+            raise DataError(f"{len(examples)} conversations in data.paths leave none to train on after "
+                            f"holding out data.val_fraction={val_fraction}; add conversations or give "
+                            "data.eval_paths")
+        held = np.zeros(len(examples), bool)
+        held[np.random.default_rng([0, 17]).permutation(len(examples))[:n_val]] = True
+        train_examples = [e for e, h in zip(examples, held) if not h]
+        val_examples = [e for e, h in zip(examples, held) if h]
+    train, tc = pack(train_examples, seq_len, too_long)
+    val, vc = pack(val_examples, seq_len, too_long)
+    counts = {"examples": len(train_examples) + len(val_examples), "val_examples": len(val_examples),
+              "skipped": skipped, "truncated": tc.truncated + vc.truncated, "dropped": tc.dropped + vc.dropped,
               "train_rows": len(train.tokens), "val_rows": len(val.tokens)}
     return train, val, counts

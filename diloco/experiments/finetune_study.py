@@ -168,7 +168,7 @@ def table(base: dict, rows: list[dict]) -> str:
 
 def run(cfg: StudyConfig) -> list[Path]:
     """Train and score every variant; write <out_dir>/finetune.{md,json}."""
-    from diloco.generation import resolve
+    from diloco.hf import resolve
     from diloco.run import dp_bytes_same_steps
 
     checkpoint = resolve(cfg.checkpoint)

