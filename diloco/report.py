@@ -50,24 +50,29 @@ class MetricsWriter:
 
 
 class Rates:
-    """The throughput of each train record (docs/design.md#model-flops-and-mfu): tokens_per_s,
-    tokens_per_s_per_device and mfu (train/flops.py throughput) of its learner (0 without one)
-    since that learner's previous train record. A record that brings its own tokens_per_s (the
-    data-parallel trainer's, compilation left out) keeps it. `clock`: seconds read as each record
-    arrives, for runs whose record times are virtual (sim); None: the record's own time (a wall
-    clock run's). A learner's first record, and one after its count went back (a rejoin), only
-    start its interval."""
+    """The learner-side series of each train record (docs/design.md#metrics-series): its inner
+    learning rate, `lr(step)`, and its throughput (docs/design.md#model-flops-and-mfu):
+    tokens_per_s, tokens_per_s_per_device and mfu (train/flops.py throughput) of its learner (0
+    without one) since that learner's previous train record. A record that brings its own lr or
+    tokens_per_s (the data-parallel trainer's, compilation left out) keeps it. `clock`: seconds
+    read as each record arrives, for runs whose record times are virtual (sim); None: the record's
+    own time (a wall clock run's). A learner's first record, and one after its count went back (a
+    rejoin), only start its interval; so do a resumed run's first ones: its rates are its own."""
 
-    def __init__(self, per_token: float, hardware, clock: Callable[[], float] | None = None):
+    def __init__(self, per_token: float, hardware, clock: Callable[[], float] | None = None,
+                 lr: Callable[[int], float] | None = None):
         from diloco.train import flops  # the training stack, loaded only by runs that train
 
-        self.per_token, self.hardware, self.clock = per_token, hardware, clock
+        self.per_token, self.hardware, self.clock, self.lr = per_token, hardware, clock, lr
         self._throughput = flops.throughput
         self.last: dict[int, tuple[float, float]] = {}  # learner -> (time, tokens) of its last record
 
     def __call__(self, record: dict) -> dict:
         if record.get("kind") != "train":
             return record
+        step = record.get("step")
+        if self.lr is not None and "lr" not in record and isinstance(step, int) and step > 0:
+            record = {**record, "lr": self.lr(step)}
         if "tokens_per_s" not in record:
             now = self.clock() if self.clock is not None else record.get("time")
             tokens, m = record.get("tokens"), int(record.get("learner", 0))
@@ -186,6 +191,9 @@ def render_summary(summary: dict[str, Any], title: str) -> str:
     failures = [f"{g(k):,} {label}" for k, label in (("learner_deaths", "learner deaths"), ("rejoins", "rejoins"),
                                                      ("stalls", "stalls"), ("quarantined", "quarantined frames"))
                 if g(k) is not None]
+    if g("slice_failures") is not None:  # a chaos tape: what it injected, then what that caused
+        failures.insert(0, f"{g('slice_failures'):,} slice failures injected ({g('learner_outages'):,} took a "
+                           "learner's last slice)")
     if failures:
         imbalance = g("token_ledger_imbalance")
         lines.append(("failures", ", ".join(failures) + ("" if imbalance is None else
@@ -244,8 +252,9 @@ def _fmt(v: Any) -> str:
 
 class GlobalTokens:
     """The run's total tokens as its records arrive in order. A DiLoCo learner's train record counts
-    its own tokens and an eval record the total, so the total is the sum of every learner's latest
-    count (at least the last eval's): the x-axis every curve shares (loss.png, TensorBoard)."""
+    its own tokens and an eval or merge record the total, so the total is the sum of every
+    learner's latest count (at least the last eval's or merge's): the x-axis every curve shares
+    (loss.png, TensorBoard, W&B)."""
 
     def __init__(self):
         self.latest: dict[int, int] = {}
@@ -256,7 +265,7 @@ class GlobalTokens:
         if isinstance(tokens, (int, float)) and not isinstance(tokens, bool):
             if record.get("kind") == "train":
                 self.latest[int(record.get("learner", 0))] = int(tokens)
-            elif record.get("kind") == "eval":
+            elif record.get("kind") in ("eval", "merge"):
                 self.evaluated = int(tokens)
         return self.total
 

@@ -29,7 +29,7 @@ from diloco.train.trainer import evaluate, train_dp
 
 # A resumed run may change how it is watched, never what it computes.
 _RESUMABLE_CHANGES = {("run", "resume"), ("run", "progress"), ("run", "plot"), ("run", "tensorboard"),
-                      ("run", "peak_tflops"), ("run", "profile")}
+                      ("run", "peak_tflops"), ("run", "profile"), ("run", "wandb"), ("run", "wandb_project")}
 # Options naming files or directories: the same on resume if they resolve to the same path, so
 # `runs/a` and `/home/me/runs/a` (what a stopped run's resume line may print) are one directory.
 _PATHS = {("run", "out_dir"), ("data", "paths"), ("data", "eval_paths"), ("data", "data_dir"),
@@ -38,7 +38,7 @@ _PATHS = {("run", "out_dir"), ("data", "paths"), ("data", "eval_paths"), ("data"
 # What a run leaves in its directory (docs/design.md#outputs-of-a-run); any of them means "used".
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "loss.png", "model", "checkpoints",
                "decisions.jsonl", "syncer_inputs.bin", "chaos_tape.json", "learners", "sim", "store",
-               "syncer", "syncer_journal.jsonl", "tensorboard", "auth_secret", "profile")
+               "syncer", "syncer_journal.jsonl", "tensorboard", "auth_secret", "profile", "wandb")
 
 
 def used_by_a_run(run_dir: Path) -> list[str]:
@@ -255,8 +255,9 @@ def run(cfg: TrainConfig) -> dict:
                    "model_dir": str(export_model(run_dir, cfg, corpus, full(state.params)))}
     summary.setdefault("wall_s", time.perf_counter() - t0)
     if cfg.algo == "diloco":
-        if summary["wall_s"] > 0:
-            summary["tokens_per_s"] = summary["tokens_processed"] / summary["wall_s"]
+        if summary["wall_s"] > 0:  # a resumed run's own tokens over its own wall time
+            trained = summary["tokens_processed"] - summary.get("tokens_at_start", 0)
+            summary["tokens_per_s"] = trained / summary["wall_s"]
         # sim's learners take turns on one mesh; the wall-clock runtimes' each step on their own
         devices = cfg.runtime.devices_per_learner * (1 if build_setup.shares_mesh(cfg) else cfg.runtime.learners)
     else:

@@ -23,12 +23,16 @@ from tqdm import tqdm
 # tqdm's monitor thread only tunes miniters; a run's thread accounting (threads runtime) needs none left.
 tqdm.monitor_interval = 0
 
-from diloco.report import GlobalTokens
+from diloco.report import GlobalTokens, read_metrics
 
 
 def live_output(enabled: bool) -> bool:
     """Whether to draw a status line: asked for, and not under CI (logs there read like a film strip)."""
     return enabled and not os.environ.get("CI")
+
+
+# A merge record's series (diloco/runtime/summary.py merge_record), as TensorBoard's syncer/<key>.
+MERGE_SERIES = ("merges", "quorum", "grace_s", "bytes_up", "bytes_down", "stalls", "quarantined", "goodput")
 
 
 def _num(x: Any) -> bool:
@@ -40,12 +44,13 @@ class RunWatch:
     parallel: learners = 1), with merges, the latest eval loss, tokens per second of the run's clock,
     tokens per second per device and MFU (from the train records' throughput), learners back after
     a failure, and tqdm's ETA; a line per log interval with every learner's loss; TensorBoard event
-    files in `tensorboard_dir` (None: none). `share`: one learner's devices as a share of the run's,
+    files in `tensorboard_dir` (None: none) and the same scalars to `wandb` (diloco/wandb_sink.py,
+    None: none). `share`: one learner's devices as a share of the run's,
     1 where every learner steps on the one mesh (sim), 1 / learners where each has its own; the
     run's figures are the learners' latest summed, times it (docs/design.md#model-flops-and-mfu)."""
 
     def __init__(self, *, steps: int, learners: int, progress: bool, tensorboard_dir: Path | None = None,
-                 clock: str = "wall", log_every: int = 10, initial: int = 0, share: float = 1.0):
+                 clock: str = "wall", log_every: int = 10, initial: int = 0, share: float = 1.0, wandb=None):
         self.steps, self.learners, self.clock, self.log_every = steps, learners, clock, log_every
         self.share = share
         self.show = live_output(progress)
@@ -63,6 +68,20 @@ class RunWatch:
         if tensorboard_dir is not None:
             from tensorboardX import SummaryWriter  # imported here: only runs that write event files need it
             self.tb = SummaryWriter(str(tensorboard_dir), flush_secs=10)
+        self.wandb = wandb
+
+    def resumed(self, records: list[dict]) -> None:
+        """Take up where a stopped run's records end: its global tokens (the x-axis continues past
+        the checkpoint, docs/design.md#metrics-series), steps, merges and rejoins; draws nothing."""
+        for r in records:
+            self.tokens.see(r)
+            if r.get("kind") == "train" and _num(r.get("step")):
+                self.step[int(r.get("learner", 0))] = int(r["step"])
+            elif r.get("kind") == "rejoin":
+                self.rejoins += 1
+            if _num(r.get("merges")):
+                self.merges = int(r["merges"])
+        self.bar.update(max(sum(self.step.values()) - self.bar.n, 0))
 
     @property
     def global_tokens(self) -> int:
@@ -79,6 +98,8 @@ class RunWatch:
             self._train(record)
         elif kind == "eval":
             self._eval(record)
+        elif kind == "merge":
+            self._merge(record)
         elif kind == "rejoin":
             self.rejoins += 1
             self._scalar("failures/rejoins", self.rejoins)
@@ -92,14 +113,11 @@ class RunWatch:
         if _num(r.get("loss")):
             self.loss[m] = float(r["loss"])
             self._scalar(f"train/loss/learner{m}" if "learner" in r else "train/loss", r["loss"])
-        for key in ("tokens_per_s", "tokens_per_s_per_device", "mfu"):
+        for key in ("tokens_per_s", "tokens_per_s_per_device", "mfu", "lr", "grad_norm"):
             if _num(r.get(key)):
                 self._scalar(f"train/{key}/learner{m}" if "learner" in r else f"train/{key}", r[key])
                 if key in self.rate:
                     self.rate[key][m] = float(r[key])
-        for key in ("grad_norm", "lr"):
-            if _num(r.get(key)):
-                self._scalar(f"train/{key}", r[key])
         self.bar.update(max(sum(self.step.values()) - before, 0))
         if m == 0 and self.learners > 1 and self.step.get(0, 0) % max(self.log_every, 1) == 0:
             self._detail()
@@ -108,13 +126,18 @@ class RunWatch:
         if _num(r.get("eval_loss")):
             self.eval_loss = float(r["eval_loss"])
             self._scalar("eval/loss", self.eval_loss)
-        for key in ("merges", "bytes_up", "bytes_down", "stalls", "quarantined"):
+
+    def _merge(self, r: dict) -> None:
+        """The syncer's series, one point per merge (docs/design.md#metrics-series)."""
+        for key in MERGE_SERIES:
             if _num(r.get(key)):
                 self._scalar(f"syncer/{key}", r[key])
 
     def _scalar(self, tag: str, value: float) -> None:
         if self.tb is not None:
             self.tb.add_scalar(tag, float(value), self.global_tokens)
+        if self.wandb is not None:
+            self.wandb.add_scalar(tag, float(value), self.global_tokens)
 
     def _rate(self) -> float:
         return self.global_tokens / self.time if self.time > 0 else 0.0
@@ -157,23 +180,23 @@ class RunWatch:
 
     def summary(self, summary: dict) -> None:
         """The run's final numbers into TensorBoard (goodput, bytes, stalls, ...), at the last step."""
-        if self.tb is None:
-            return
         for key, value in summary.items():
             if _num(value):
-                self.tb.add_scalar(f"summary/{key}", float(value), self.global_tokens)
+                self._scalar(f"summary/{key}", value)
 
     def close(self) -> None:
         self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+        for sink in (self.tb, self.wandb):
+            if sink is not None:
+                sink.close()
+        self.tb = self.wandb = None
 
 
 def for_run(cfg, run_dir: Path | None, clock: str, progress: bool | None = None) -> RunWatch:
     """The watch of a run of config `cfg`: its status line (run.progress, unless `progress` says
-    otherwise: the data-parallel trainer draws its own bar) and, with a run directory and
-    run.tensorboard, event files in <run>/tensorboard."""
+    otherwise: the data-parallel trainer draws its own bar) and, with a run directory, event files
+    in <run>/tensorboard (run.tensorboard) and W&B's in <run>/wandb (run.wandb). A resumed run's
+    watch takes up where the records in <run>/metrics.jsonl end (RunWatch.resumed)."""
     learners = cfg.runtime.learners if cfg.algo == "diloco" else 1
     tb = run_dir / "tensorboard" if run_dir is not None and cfg.run.tensorboard else None
     share = 1.0
@@ -181,5 +204,15 @@ def for_run(cfg, run_dir: Path | None, clock: str, progress: bool | None = None)
         from diloco.runtime.build import shares_mesh  # the runtimes' own rule, loaded with them
 
         share = 1.0 if shares_mesh(cfg) else 1.0 / learners
-    return RunWatch(steps=cfg.run.steps, learners=learners, tensorboard_dir=tb, clock=clock, share=share,
-                    progress=cfg.run.progress if progress is None else progress, log_every=cfg.run.log_every)
+    sink = None
+    if run_dir is not None and cfg.run.wandb:
+        from diloco.wandb_sink import WandbScalars  # an optional extra, imported only when asked for
+
+        sink = WandbScalars(cfg, run_dir)
+    watch = RunWatch(steps=cfg.run.steps, learners=learners, tensorboard_dir=tb, clock=clock, share=share,
+                     progress=cfg.run.progress if progress is None else progress, log_every=cfg.run.log_every,
+                     wandb=sink)
+    metrics = None if run_dir is None else run_dir / "metrics.jsonl"
+    if cfg.run.resume and metrics is not None and metrics.exists():
+        watch.resumed(read_metrics(metrics))
+    return watch

@@ -28,6 +28,8 @@ RECORDS = [
     {"kind": "train", "learner": 0, "step": 10, "time": 10.0, "tokens": 1280, "loss": 3.5},
     {"kind": "train", "learner": 1, "step": 10, "time": 10.5, "tokens": 1280, "loss": 3.4},
     {"kind": "eval", "step": 10, "time": 10.5, "tokens": 2560, "eval_loss": 3.3, "merges": 4},
+    {"kind": "merge", "time": 10.5, "fragment": 0, "version": 4, "merges": 4, "tokens": 2560, "quorum": 2,
+     "bytes_up": 1000, "bytes_down": 2000, "stalls": 0, "quarantined": 0, "goodput": 0.95, "grace_s": 0.5},
     {"kind": "rejoin", "time": 11.0, "learner": 1, "incarnation": 1, "step": 10},
     {"kind": "train", "learner": 0, "step": 20, "time": 20.0, "tokens": 2560, "loss": 3.1},
 ]
@@ -45,6 +47,8 @@ def test_event_files_hold_every_learners_loss_and_the_eval_against_global_tokens
     assert scalars["train/loss/learner0"] == [(1280, pytest.approx(3.5)), (3840, pytest.approx(3.1))]
     assert scalars["train/loss/learner1"] == [(2560, pytest.approx(3.4))]
     assert scalars["syncer/merges"] == [(2560, 4.0)] and scalars["failures/rejoins"] == [(2560, 1.0)]
+    assert scalars["syncer/quorum"] == [(2560, 2.0)] and scalars["syncer/bytes_down"] == [(2560, 2000.0)]
+    assert scalars["syncer/goodput"] == [(2560, pytest.approx(0.95))] and scalars["syncer/grace_s"] == [(2560, 0.5)]
     assert scalars["summary/goodput"] == [(3840, pytest.approx(0.9))] and "summary/clock" not in scalars
     assert report.read_metrics(tmp_path / "metrics.jsonl") == RECORDS  # metrics.jsonl is unchanged
 
@@ -98,7 +102,7 @@ def test_every_curve_shares_the_runs_total_tokens(tmp_path, monkeypatch):
     """Before: DiLoCo train points sat at each learner's own count and evals at the total, so the
     train curve covered a 1/M of the axis and every learner was one zigzag line."""
     clock = report.GlobalTokens()
-    assert [clock.see(r) for r in RECORDS] == [1280, 2560, 2560, 2560, 3840]
+    assert [clock.see(r) for r in RECORDS] == [1280, 2560, 2560, 2560, 2560, 3840]
     lines = []
     import matplotlib.axes
     plain = matplotlib.axes.Axes.plot

@@ -173,6 +173,32 @@ def _rows(live: int, slices: int, batch_size: int, devices: int) -> int:
     return max(devices, batch_size * live // slices // devices * devices)
 
 
+def injected(tape: Tape, until: float) -> dict[str, int]:
+    """What the tape did to the run up to tape time `until`: slice failures (slice_down events) and
+    learner outages (a slice failure that took a present learner's last live slice, which is what
+    ends an incarnation; a failure short of that shrinks the learner's batch instead)."""
+    slices = outages = 0
+    down: dict[int, set] = {}
+    present = set(range(tape.learners))
+    for e in tape.events:
+        if e.time > until:
+            break
+        if e.kind == "learner_add":
+            present.add(e.learner)
+            down[e.learner] = set()
+        elif e.kind == "learner_remove":
+            present.discard(e.learner)
+        elif e.kind == "slice_down":
+            slices += 1
+            lost = down.setdefault(e.learner, set())
+            before = len(lost)
+            lost.add(e.slice)
+            outages += e.learner in present and before < tape.slices_per_learner == len(lost)
+        else:
+            down.setdefault(e.learner, set()).discard(e.slice)
+    return {"slice_failures": slices, "learner_outages": outages}
+
+
 def back_at(tape: Tape, learner: int, t: float) -> float:
     """The first time >= t at which the learner is alive again (inf if never)."""
     while not is_alive(tape, learner, t):

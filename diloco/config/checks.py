@@ -157,6 +157,11 @@ def start_errors(cfg: TrainConfig) -> list[str]:
     check(e, cfg.finetune.lora.rank == 0 or m.init_from != "",
           f"finetune.lora.rank={cfg.finetune.lora.rank} needs model.init_from=<hf folder | .gguf file | smollm2>: "
           "LoRA trains adapters on a pretrained model's frozen weights")
+    if cfg.run.wandb:  # an optional extra: refused before any output rather than at the first scalar
+        import importlib.util
+
+        check(e, importlib.util.find_spec("wandb") is not None,
+              "run.wandb=true needs the wandb package: pip install -e .[wandb] (or run.wandb=false)")
     check(e, not (m.init_from and d.source == "synthetic"),
           f"model.init_from={m.init_from!r} with data.source=synthetic: the chain's states are not "
           "the checkpoint's tokens; use data.source=sft, files or shakespeare")

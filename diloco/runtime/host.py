@@ -17,10 +17,11 @@ from typing import Callable
 from diloco.algo import hostpool, ledger, roundsum, timeline, traffic
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input, apply as deliver
+from diloco.chaos import tapes
 from diloco.runtime import events as ev
 from diloco.runtime import keepup
 from diloco.runtime.build import Setup
-from diloco.runtime.summary import run_summary
+from diloco.runtime.summary import merge_record, run_summary
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +35,22 @@ class SyncerHost:
     def __init__(self, setup: Setup, learners: dict[int, int], inputs=None,
                  on_deadline: Callable[[int, float], None] | None = None, transport: Transport | None = None,
                  on_publish: Callable[[sync.Publish], None] | None = None, learners_fetch: bool = False,
-                 on_step: Callable[[ev.StepDone], None] | None = None, pace: keepup.Plan | None = None):
+                 on_step: Callable[[ev.StepDone], None] | None = None, pace: keepup.Plan | None = None,
+                 on_merge: Callable[[dict], None] | None = None):
         """learners_fetch: learners pull broadcasts themselves and report what they fetched (procs),
         so down bytes are booked from their events, not per Publish; their clocks are several
         processes' wall clocks, so an interval starting a hair before the previous one ended is
         clipped rather than an error. on_publish sees every whole Publish (procs stores it).
         on_step sees each step once it is booked and before its contributions are delivered: the
         global model as it stood when the learner finished the step (evals, reports).
+        on_merge sees each merge's metrics record (summary.merge_record), for the run's metrics.
         pace: check whether the syncer keeps up (docs/design.md#does-the-syncer-keep-up); its rounds
         are timed here, before any clock starts, on copies of the state."""
         self.setup, self.policy = setup, setup.policy
         self.learners_fetch = learners_fetch
         self.on_publish = on_publish or (lambda action: None)
         self.on_step = on_step or (lambda event: None)
+        self.on_merge = on_merge
         self.inputs = inputs  # every syncer input, in delivery order: the replayable tape
         self.state = sync.init(setup.policy, setup.fragments, setup.theta0, dict(learners))
         roundsum.warm()  # before any clock starts: a merge's first fold compiles nothing
@@ -223,6 +227,7 @@ class SyncerHost:
         self.inputs_seen += 1
         if self.inputs is not None:
             self.inputs.append(event)
+        decided = len(self.state.decisions)
         self.state, actions = deliver(self.policy, self.state, event)
         for a in actions:
             if isinstance(a, sync.SetDeadline):
@@ -238,15 +243,28 @@ class SyncerHost:
                     codec = "fp32" if full else self.policy.down_spec
                     self.bytes = traffic.add_bytes(self.bytes, event.at, len(frame), "down", m, a.fragment, codec)
                     self.transport(m, frame, a.fragment, full)
+        if self.on_merge is not None:  # after the actions: a merge's broadcast is in its bytes_down
+            self._merged(decided)
+
+    def _merged(self, decided: int) -> None:
+        """The metrics record of every merge among the decisions from index `decided` on."""
+        decisions = self.state.decisions
+        new = [decisions[i] for i in range(decided, len(decisions)) if decisions[i]["event"] == "merge"]
+        for k, d in enumerate(new):
+            self.on_merge(merge_record(self.state, d, self.state.merges - len(new) + 1 + k, self.tokens,
+                                       self.bytes, self.time, self.stalls))
 
     def extra_down(self, m: int, at: float, nbytes: int, fragment: int) -> None:
         """Bytes the transport added on its own (a catch-up copy replacing a backlog)."""
         self.bytes = traffic.add_bytes(self.bytes, at, nbytes, "down", m, fragment, "fp32")
 
-    def summary(self, *, clock: str, end: float, window: float) -> dict:
+    def summary(self, *, clock: str, end: float, window: float, tape=None, scale: float = 1.0) -> dict:
+        """`tape` (diloco/chaos/tapes.py): the run's failure tape, read at `scale` clock seconds per
+        tape second (chaos.wall_scale on a wall clock); what it injected by `end` is counted."""
         return run_summary(self.state, self.tokens, self.bytes, self.time, clock=clock, end=end,
                            window=window, stalls=self.stalls, busy_s=self.busy_s, pace_share=self.pace_share,
-                           round_s=None if self.rounds is None else max(self.rounds.seconds))
+                           round_s=None if self.rounds is None else max(self.rounds.seconds),
+                           injected=None if tape is None else tapes.injected(tape, end / scale))
 
 
 class HostedRuntime:

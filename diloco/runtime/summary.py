@@ -7,9 +7,10 @@ import numpy as np
 from diloco.algo import ledger, timeline, traffic
 from diloco.algo import syncer as sync
 
-# Keys measured in real seconds on this host: a replayed or resumed run reproduces every other one.
+# Keys measured in real seconds on this host, or of this process's share of a resumed run
+# (tokens_at_start: trained before it began): a replayed or resumed run reproduces every other one.
 REAL_TIME_KEYS = ("syncer_busy_s", "syncer_busy_share", "syncer_pace_share", "syncer_round_s",
-                  "wall_s", "tokens_per_s", "tokens_per_s_per_device", "mfu")
+                  "wall_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "tokens_at_start")
 
 
 def replayable(summary: dict) -> dict:
@@ -17,20 +18,40 @@ def replayable(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if k not in REAL_TIME_KEYS}
 
 
+def merge_record(st: sync.SyncerState, decision: dict, merges: int, tokens: ledger.TokenLedger,
+                 bytes_: traffic.ByteLedger, time: timeline.TimeLedger, stalls: int) -> dict:
+    """The metrics record of one merge (`decision`, the syncer's merge record, the `merges`-th of
+    the run): the syncer-side series the summary reports at the end, so far (docs/design.md#metrics-
+    series). Counters are the run's from its start, a resumed run's included (the ledgers are)."""
+    sent = traffic.byte_totals(bytes_, by=("direction",))
+    record = {"kind": "merge", "time": decision["at"], "fragment": decision["fragment"],
+              "version": decision["version"], "merges": merges, "tokens": int(tokens.processed[0]),
+              "quorum": len(decision["learners"]), "bytes_up": sent.get(("up",), 0),
+              "bytes_down": sent.get(("down",), 0), "stalls": stalls,
+              "quarantined": sum(st.quarantined.values()), "goodput": timeline.goodput(time)}
+    if decision["grace"] is not None:
+        record["grace_s"] = decision["grace"]
+    return record
+
+
 def run_summary(st: sync.SyncerState, tokens: ledger.TokenLedger, bytes_: traffic.ByteLedger,
                 time: timeline.TimeLedger, *, clock: str, end: float, window: float, stalls: int,
-                busy_s: float = 0.0, pace_share: float | None = None, round_s: float | None = None) -> dict:
+                busy_s: float = 0.0, pace_share: float | None = None, round_s: float | None = None,
+                injected: dict | None = None) -> dict:
     """Plain numbers; raises if the token ledger does not balance. `clock` names the clock the
     run's times are on: "virtual" (sim) or "wall" (threads); clock_s is the run's length on it.
     busy_s: real seconds the syncer spent on its inputs, a share of the run only on a wall clock
     (sim merges in zero virtual time); pace_share, round_s: the start-up check's prediction and its
-    largest fragment's round (docs/design.md#does-the-syncer-keep-up), None when it did not run."""
+    largest fragment's round (docs/design.md#does-the-syncer-keep-up), None when it did not run.
+    injected: what a chaos tape did by the end (tapes.injected: slice failures, learner outages),
+    beside the deaths and rejoins they caused (docs/design.md#the-summary)."""
     ledger.check_balance(tokens)
     merges = [r for r in st.decisions if r["event"] == "merge"]
     quorum_sizes = [len(r["learners"]) for r in merges]
     graces = [r["grace"] for r in merges if r["grace"] is not None]
     sums = ledger.summary(tokens, bytes_, time, start=0.0, end=max(end, 1e-9), window=window)
     return {
+        **(injected or {}),
         "clock": clock,
         "clock_s": end,
         "merges": st.merges,

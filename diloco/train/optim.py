@@ -27,6 +27,14 @@ def lr_schedule(cfg: InnerConfig, total_steps: int) -> optax.Schedule:
     )
 
 
+def step_lr(cfg: InnerConfig, total_steps: int):
+    """The learning rate a learner's `step`-th step (1-based, as its train records count) took: the
+    schedule at the optimizer count before it, which is the learner's step count (a rejoin sets
+    both). The metrics' lr series (docs/design.md#metrics-series)."""
+    schedule = lr_schedule(cfg, total_steps)
+    return lambda step: float(schedule(step - 1))
+
+
 def _decay_mask(params):
     # Norm scales and other vectors are not decayed: decay on them only fights the normalisation.
     return jax.tree.map(lambda p: p.ndim >= 2, params)

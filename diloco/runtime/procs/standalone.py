@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 # Keys that may differ between the processes of one run: where each keeps its own files and how it
 # is watched, and which learner it is. Everything else must be the syncer's (same model, data, rules).
 PER_PROCESS = {("run", "out_dir"), ("run", "resume"), ("run", "progress"), ("run", "tensorboard"),
-               ("run", "plot"), ("runtime", "learner_index"), ("runtime", "process_index"),
+               ("run", "wandb"), ("run", "wandb_project"), ("run", "plot"), ("runtime", "learner_index"),
+               ("runtime", "process_index"),
                ("runtime", "world_address")}
 
 

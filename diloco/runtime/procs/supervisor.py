@@ -81,6 +81,7 @@ _REPORT_FIELDS = {
     "train": {"learner", "step", "time", "tokens", "loss"},
     "rejoin": {"time", "learner", "incarnation", "step"},
     "eval": {"step", "time", "tokens", "merges", "paths"},
+    "merge": {"time", "merges", "tokens", "quorum", "bytes_up", "bytes_down", "stalls", "quarantined", "goodput"},
     "end": {"time", "summary", "steps", "tokens", "dead", "finished_at", "merges", "processed0", "complete",
             "paths"},
 }
@@ -115,6 +116,7 @@ class Procs:
         self.t0: float | None = None
         self.forced = False  # a second signal while stopping: every child was killed
         self.resume: dict | None = None  # a resumed run: the stop's clock and the learners restarted
+        self.tokens_at_start = 0  # a resumed run's: the tokens its stopped run had trained
 
     def clock(self) -> float:
         """The syncer's clock (0 until it has started it)."""
@@ -181,6 +183,7 @@ class Procs:
         for name in ("start", "stopped"):
             self.store.delete(f"ctl/{name}")
         self.reports = int(stopped["reports"])
+        self.tokens_at_start = int(stopped.get("tokens", 0))
         back = [m for m in range(self.M) if m not in self.done]
         self.resume = {"at": float(stopped["at"]), "learners": back,
                        "incarnations": {m: self.incarnation[m] + 1 for m in back}}
@@ -326,7 +329,7 @@ class Procs:
         if not (isinstance(kind, str) and _REPORT_FIELDS.get(kind, {None}) <= set(record)):
             raise ValueError(f"not a report: {str(record)[:200]}")
         numbers = [record[k] for k in _REPORT_FIELDS[kind] & {"time", "step", "merges", "processed0"}]
-        if kind in ("train", "eval"):
+        if kind in ("train", "eval", "merge"):
             numbers.append(record["tokens"])
         if not all(type(x) in (int, float) and math.isfinite(x) for x in numbers):
             raise ValueError(f"a {record['kind']} report with a field that is not a finite number")
@@ -358,7 +361,7 @@ class Procs:
         elif kind == "eval":
             if evaluate and self.evaluate is not None:
                 self._eval(record["time"], record["step"], theta, record["tokens"], record["merges"])
-        else:  # train, rejoin
+        else:  # train, rejoin, merge
             if kind == "rejoin":
                 self.rejoins.append(record)
             self._write(record)
@@ -414,7 +417,9 @@ class Procs:
                 bs.write_control(self.store, died(m, self.incarnation[m]),
                                  {"at": at, "exitcode": -signal.SIGTERM if p.exitcode is None else p.exitcode})
         reports = self.reports - (self.finished is not None)
-        bs.write_control(self.store, "stopped", {"at": at, "reports": reports, "forced": self.forced})
+        tokens = (self.summary or {}).get("tokens_processed", 0)  # none if the syncer died first
+        bs.write_control(self.store, "stopped", {"at": at, "reports": reports, "forced": self.forced,
+                                                 "tokens": tokens})
         return RunStopped(self.run_dir, self.summary, restartable(self.cfg, self.run_dir), self.forced,
                           "" if self.run_dir is None else "a procs run resumes from its syncer's checkpoints and "
                           f"journal, kept only with run.checkpoint_every > 0 (got {self.cfg.run.checkpoint_every})")
@@ -485,6 +490,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
             rt._eval(rt.finished["time"], rt.finished["steps"]["0"], rt.theta, rt.finished["processed0"],
                      rt.finished["merges"])
             summary["eval_loss"] = rt.evals[-1][2]
+        summary["tokens_at_start"] = rt.tokens_at_start  # a resumed run's rates are its own (run.py)
         if writer is not None:
             writer.summary(summary)
         return rt, summary

@@ -60,6 +60,7 @@ from diloco.runtime.procs.child import (POLL_MAX, POLL_MIN, buried, child_main, 
                                         in_main_thread, max_frame)
 from diloco.runtime.procs.recovery import Recovery
 from diloco.runtime.runlog import write_decisions
+from diloco.runtime.walltape import chaos_tape
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,8 @@ class ProcSyncer(HostedRuntime):
         # Learners fetch broadcasts from the store and report what they fetched (learners_fetch).
         self.host = SyncerHost(s, {m: 0 for m in range(self.M)}, on_deadline=self._arm,
                                on_publish=self._publish, learners_fetch=True, on_step=self._on_step,
-                               pace=None if restart else keepup.plan(cfg))  # a restart's learners are running
+                               pace=None if restart else keepup.plan(cfg),  # a restart's learners are running
+                               on_merge=self._report)
         self.current = dict.fromkeys(range(self.M), 0)  # incarnation booked now
         self.cursor = dict.fromkeys(range(self.M), 0)  # its next event number
         self.steps = dict.fromkeys(range(self.M), 0)  # last step booked per learner
@@ -460,7 +462,9 @@ class ProcSyncer(HostedRuntime):
     def finish(self) -> None:
         end = self.clock()
         window = quorum.slowest_step_time(self.syncer.step_times) or self.cfg.runtime.step_time
-        summary = self.host.summary(clock="wall", end=end, window=window)
+        tape = chaos_tape(self.cfg)  # as every learner process derives it (diloco/runtime/walltape.py)
+        summary = self.host.summary(clock="wall", end=end, window=window, tape=tape,
+                                    scale=self.cfg.chaos.wall_scale)
         if self.run_dir is not None:
             write_decisions(self.run_dir / "decisions.jsonl", self.syncer.decisions)
         self._report({"kind": "end", "time": end, "summary": summary, "steps": self.steps,

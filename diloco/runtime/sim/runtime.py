@@ -78,7 +78,7 @@ class Sim(HostedRuntime):
         base = range(r.learners)
         self.host = SyncerHost(setup, {m: 0 for m in base}, inputs,
                                on_deadline=lambda p, at: self.push(at, "deadline", p), transport=self._transmit,
-                               pace=keepup.plan(cfg))
+                               pace=keepup.plan(cfg), on_merge=writer.write if writer is not None else None)
         self.units = [new_unit(setup, m, 0, self.host.state) if m in base else None for m in range(self.M)]
         self.alive = {m: m in base for m in range(self.M)}
         self.died_at: dict[int, tuple[float, int]] = {}  # dead learner -> (time, step it stopped at)
@@ -322,7 +322,7 @@ class Sim(HostedRuntime):
                                "eval_loss": loss, "merges": self.syncer.merges})
 
     def summary(self) -> dict:
-        return self.host.summary(clock="virtual", end=self.now, window=self.cfg.runtime.step_time)
+        return self.host.summary(clock="virtual", end=self.now, window=self.cfg.runtime.step_time, tape=self.tape)
 
     def _stopped(self, snapshots) -> RunStopped:
         """What an interrupted sim raises: its partial summary, resumable if a final snapshot was
@@ -390,12 +390,13 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable
             sim = Sim(cfg, setup, writer, evaluate, inputs, tape, ckpts, trace)
             with _interruptible(sim):
                 if found is None:
-                    summary = sim.run(snapshots, stop)
+                    start, summary = 0, sim.run(snapshots, stop)
                 else:
                     restore(sim, *found)
-                    summary = sim.loop(snapshots, stop)
+                    start, summary = int(sim.tokens.processed[0]), sim.loop(snapshots, stop)
             if summary is None:
                 return sim, None
+            summary["tokens_at_start"] = start  # a resumed run's rates are its own (run.py)
             if evaluate is not None:
                 sim._eval(sim.now)
                 summary["eval_loss"] = sim.evals[-1][2]

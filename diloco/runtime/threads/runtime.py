@@ -109,7 +109,8 @@ class Threads(HostedRuntime):
         if tape is not None:
             self.speeds = list(tape.speeds[:self.M])
         self.host = SyncerHost(setup, {m: 0 for m in range(self.M)}, inputs, on_deadline=self._arm,
-                               transport=self._transmit, on_step=self._on_step, pace=keepup.plan(cfg))
+                               transport=self._transmit, on_step=self._on_step, pace=keepup.plan(cfg),
+                               on_merge=self._write)
         self.run_dir, self.syncer_ckpts = run_dir, syncer_ckpts
         # Each learner thread builds its own unit (device_put of its params) from this initial state.
         self.units: list[LearnerUnit | None] = [None] * self.M
@@ -436,7 +437,8 @@ class Threads(HostedRuntime):
     def summary(self) -> dict:
         # Peak rates over windows of one (slowest measured) step, as sim uses its modelled step time.
         window = quorum.slowest_step_time(self.syncer.step_times) or self.cfg.runtime.step_time
-        return self.host.summary(clock="wall", end=self.end, window=window)
+        tape = {} if self.tape is None else {"tape": self.tape.tape, "scale": self.tape.scale}
+        return self.host.summary(clock="wall", end=self.end, window=window, **tape)
 
 
 class _ThreadPort:
@@ -504,12 +506,14 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
             rt = Threads(cfg, setup, writer, evaluate, inputs,
                          None if run_dir is None else run_dir / "learners", run_tape(cfg, run_dir),
                          syncer_ckpts=ckpts, restored=found, run_dir=run_dir)
+            start = int(rt.tokens.processed[0])  # a resumed run's, from its checkpoint
             try:
                 summary = rt.run()  # every thread has been joined when it returns or raises
             except RunStopped:
                 if run_dir is not None:
                     write_decisions(run_dir / "decisions.jsonl", rt.syncer.decisions)
                 raise
+            summary["tokens_at_start"] = start  # a resumed run's rates are its own (run.py)
             if evaluate is not None:
                 rt._eval(rt.end, rt.steps[0], sync.theta(rt.syncer), int(rt.tokens.processed[0]),
                          rt.syncer.merges)
