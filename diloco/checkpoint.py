@@ -11,6 +11,7 @@ read or to verify is skipped with a warning naming it, and the next older one is
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -173,7 +174,44 @@ def newest(manager: ocp.CheckpointManager, read: Callable[[int], T], what: str =
         except Exception as err:  # noqa: BLE001 - any failure means "try the previous one"
             log.warning("%s %s step %d unusable (%s: %s); trying an older one", what, manager.directory,
                         step, type(err).__name__, err)
+            close_abandoned_reads(err)
     return None
+
+
+def close_abandoned_reads(err: BaseException) -> int:
+    """Close the reads Orbax left suspended when a restore failed with `err`; how many there were.
+
+    Orbax runs each restore on an event loop of its own and closes that loop as soon as one read
+    fails, leaving the other reads of the step suspended forever. Their coroutines catch
+    BaseException, so when the garbage collector later closes them each raises again, and Python
+    prints an `Exception ignored` traceback per shard wherever the program is by then
+    (docs/design.md#checkpoint-integrity). The closed loop is a local of a frame `err` passed
+    through; its pending tasks are closed here, where the failure is already reported."""
+    loops, seen, todo = [], set(), [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        todo += [e.__cause__, e.__context__]
+        tb = e.__traceback__
+        while tb is not None:
+            for value in tb.tb_frame.f_locals.values():
+                if isinstance(value, asyncio.AbstractEventLoop) and value.is_closed() and value not in loops:
+                    loops.append(value)
+            tb = tb.tb_next
+    closed = 0
+    for loop in loops:
+        for task in asyncio.all_tasks(loop):
+            # A closed loop cannot cancel a task; closing its coroutine is what cancelling would do,
+            # and the task itself is then garbage that must not report itself as destroyed pending.
+            task._log_destroy_pending = False
+            try:
+                task.get_coro().close()
+            except Exception:  # noqa: BLE001, S110 - Orbax re-raises the close as its read error
+                pass
+            closed += 1
+    return closed
 
 
 def restore_latest(manager: ocp.CheckpointManager, target: Any,
