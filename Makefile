@@ -44,17 +44,20 @@ parity-fixtures: $(PARITY)
 	.venv-parity/bin/python scripts/make_hf_fixtures.py
 
 test-parity: $(PARITY)
-	.venv-parity/bin/python -m pytest -q tests/test_hf_transformers.py $(ARGS)
+	.venv-parity/bin/python -m pytest $(QUIET) tests/test_hf_transformers.py $(ARGS)
 
 train: $(STAMP)
 	$(PY) scripts/train.py $(ARGS)
 
+# -q unless ARGS brings its own: pytest -q -q drops the final "N passed" line.
+QUIET = $(if $(filter -q --quiet -qq,$(ARGS)),,-q)
+
 # The suite exercises the real SmolLM2 checkpoint too, so it installs it first.
 test: $(STAMP) $(SMOLLM2)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest $(QUIET) $(ARGS)
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow $(ARGS)
+	$(PY) -m pytest $(QUIET) -m slow $(ARGS)
 
 # SmolLM2-135M-Instruct taught a task three ways (data parallel, Decoupled DiLoCo, DiLoCo + LoRA),
 # scored by its generated answers: about an hour on a 2-core CPU (docs/finetuning.md).
