@@ -29,7 +29,10 @@ class WandbScalars:
         id_file.write_text(run_id)
         self.run = wandb.init(project=cfg.run.wandb_project, dir=str(run_dir), id=run_id, name=Path(run_dir).name,
                               resume="allow", mode=os.environ.get("WANDB_MODE", "offline"), config=to_dict(cfg),
-                              reinit="create_new", settings=wandb.Settings(silent=True, console="off"))
+                              reinit="create_new",
+                              # requirements: a pip freeze at start (half a minute on a loaded
+                              # machine); requirements.lock pins the environment already
+                              settings=wandb.Settings(silent=True, console="off", x_save_requirements=False))
         self.run.define_metric(STEP)
         self.run.define_metric("*", step_metric=STEP)
         self.pending: dict[str, float] = {}

@@ -15,6 +15,7 @@ from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig
                            SyncerConfig, TrainConfig, validate)
 from diloco.runtime import procs, sim, threads
 from diloco.runtime.runlog import read_decisions, read_inputs
+from test_series import check_series
 
 TINY = ModelConfig(name="tiny", d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64)
 STEPS, M, P = 16, 2, 2
@@ -69,6 +70,7 @@ def test_every_runtime_balances_versions_and_replays(world, kind):
         ledger.check_balance(rt.tokens)
         assert rt.tokens.processed == (M * STEPS * tokens_per_step,) * P
     assert summary["merges"] > 0 and np.isfinite(summary["eval_loss"])
+    check_series(cfg, run_dir, summary)  # every runtime writes the same series through the one writer
 
     decisions = read_decisions(run_dir / "decisions.jsonl")
     for p in range(P):

@@ -138,3 +138,32 @@ def test_run_wandb_without_the_package_is_one_start_up_error(world, monkeypatch)
     assert [e for e in start_errors(cfg) if "wandb" in e] == [
         "run.wandb=true needs the wandb package: pip install -e .[wandb] (or run.wandb=false)"]
     assert not [e for e in start_errors(replace(cfg, run=replace(cfg.run, wandb=False))) if "wandb" in e]
+
+
+def test_wandb_gets_the_scalars_tensorboard_gets_offline(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    from test_watch import RECORDS
+
+    from diloco.config import TrainConfig
+    from diloco.wandb_sink import WandbScalars
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline unless the user says otherwise
+    sink = WandbScalars(TrainConfig(), tmp_path)
+    logged = []
+    log = sink.run.log
+    monkeypatch.setattr(sink.run, "log", lambda data, *a, **k: (logged.append(dict(data)), log(data, *a, **k)))
+    writer = report.MetricsWriter(tmp_path / "metrics.jsonl", RunWatch(steps=20, learners=2, progress=False,
+                                                                       tensorboard_dir=tmp_path / "tb", wandb=sink))
+    for r in RECORDS:
+        writer.write(r)
+    writer.summary({"goodput": 0.9, "bytes_up": 1234})
+    writer.close()
+    (tb,) = event_files(tmp_path / "tb")
+    assert sink.run.settings.mode == "offline"
+    assert {k for d in logged for k in d} == set(tb) | {"tokens"}
+    for tag, points in tb.items():  # the same points, against the same x-axis
+        assert [(d["tokens"], pytest.approx(d[tag])) for d in logged if tag in d] == points, tag
+    wandb.teardown()  # the service writes the run's file after finish returns; this waits for it
+    (blob,) = [p.read_bytes() for p in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")]
+    assert [tag for tag in tb if tag.encode() not in blob] == []  # written to the offline run's file
+    assert (tmp_path / "wandb" / "run_id").read_text() in blob.decode("latin-1")
