@@ -62,6 +62,7 @@ def test_every_kind_of_user_error_is_one_block_without_a_traceback_and_leaves_no
         (["algo=diloco", "runtime=threads", "runtime.learners=4", "runtime.devices_per_learner=2"], "only 2 are visible"),
         (["algo=diloco", "runtime.devices_per_learner=4"], "only 2 devices are visible"),
         (["runtime.stall_limit_stpes=2"], "did you mean runtime.stall_limit_steps?"),
+        (["run.resume=true"], "holds no run to resume"),
     ]
     for i, (overrides, message) in enumerate(cases):
         out = tmp_path / f"run{i}"
@@ -82,15 +83,26 @@ def test_describe_lists_every_option_and_the_presets(tmp_path):
     assert "  runtime.auth = 'auto'" in proc.stdout and "syncer.clip = 0.0" in proc.stdout
 
 
+def pasted(line: str) -> list[str]:
+    """The arguments scripts/train.py gets when a printed `resume with: make train ARGS="..."` line
+    is pasted into a shell: the shell unquotes ARGS, make hands $(ARGS) to a shell again."""
+    import shlex
+
+    make, target, args = shlex.split(line.removeprefix("resume with: "))
+    assert (make, target) == ("make", "train") and args.startswith("ARGS="), line
+    return shlex.split(args.removeprefix("ARGS="))
+
+
 def test_ctrl_c_prints_the_resume_line_and_the_resume_finishes(tmp_path):
     """A SIGINT mid-run (sim: the default runtime) ends with exit 130, no traceback and the one
-    command that resumes it; running that command finishes the run."""
+    command that resumes it; running that command, as printed, finishes the run. The run
+    directory is given relative to the working directory, as a user types it."""
     import signal
     import time
 
     out = tmp_path / "run"
     args = [*TINY_RUN, "algo=diloco", "runtime.learners=2", "runtime.devices_per_learner=1", "run.steps=80",
-            "run.checkpoint_every=5", "run.eval_every=40", f"run.out_dir={out}", f"data.data_dir={tmp_path / 'data'}"]
+            "run.checkpoint_every=5", "run.eval_every=40", "run.out_dir=run", "data.data_dir=data"]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -104,8 +116,9 @@ def test_ctrl_c_prints_the_resume_line_and_the_resume_finishes(tmp_path):
     assert "Traceback" not in stderr
     assert "stopped; partial summary" in stdout and "nats/token" not in stderr
     (line,) = [x for x in stdout.splitlines() if x.startswith("resume with: make train ARGS=")]
-    assert f"run.resume=true run.out_dir={out}" in line
-    proc = train(tmp_path, *args[:-2], "run.resume=true", f"run.out_dir={out}")
+    assert "run.resume=true" in pasted(line)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *pasted(line)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["token_ledger_imbalance"] == 0 and summary["tokens_processed"] == 2 * 80 * 8 * 32

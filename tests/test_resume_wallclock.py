@@ -1,6 +1,7 @@
 """Clean stops and resumes of the wall-clock runtimes (docs/design.md#stopping-a-run): a real SIGINT
 to a process running a tiny threads or procs run ends it without a traceback, with the partial
-summary and the resume line; `run.resume=true` then finishes the run with a balanced ledger, every
+summary and the resume line; that line, pasted as printed, then finishes the run with a balanced
+ledger, exactly the tokens of an uninterrupted run (under runtime.rejoin_at own and schedule), every
 fragment's versions 1..n once each, every learner back as its next incarnation, and a clock that
 never goes backwards. The resume line itself is checked without a run."""
 
@@ -24,42 +25,52 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
 STEPS, M, P = 40, 2, 2
 
-# diloco.run.run as scripts/train.py drives it, printing what a stop prints.
+# diloco.run.run as scripts/train.py drives it, printing what a stop prints. After the config file,
+# the command line's overrides: those of an option (a.b=value) are applied as Hydra would, a
+# group's (runtime=threads) the file already holds.
 PROGRAM = """
 import sys, yaml
 from diloco.config import load
 from diloco.run import run
 from diloco.runtime.stop import EXIT_STATUS, RunStopped, stop_message
-cfg = load(yaml.safe_load(open(sys.argv[1])))
+raw = yaml.safe_load(open(sys.argv[1]))
+for word in sys.argv[2:]:
+    key, value = word.split("=", 1)
+    if "." in key:
+        group, name = key.split(".")
+        raw[group][name] = yaml.safe_load(value)
 try:
-    run(cfg)
+    run(load(raw))
 except RunStopped as stopped:
     print(stop_message(stopped, sys.argv[2:]))
     sys.exit(EXIT_STATUS)
 """
 
 
-def make_cfg(tmp_path, kind: str, resume: bool = False, processes: int = 1) -> TrainConfig:
+def make_cfg(tmp_path, kind: str, resume: bool = False, processes: int = 1, rejoin_at: str = "own",
+             out: str | None = None) -> TrainConfig:
     """tests/test_threads.py's tiny model; paced at 0.1 s a step so the run lasts seconds whatever
     the machine, long enough for the SIGINT to land mid-run. processes > 1: each learner a world of
-    that many processes, one device each."""
+    that many processes, one device each. out: the run directory as the user gives it."""
     data = DataConfig(source="synthetic", seq_len=32, batch_size=16, data_dir=str(tmp_path / "data"),
                       synthetic_vocab=16, synthetic_tokens=40_000, synthetic_branching=2)
-    run = RunConfig(steps=STEPS, log_every=5, eval_every=20, eval_batches=2, out_dir=str(tmp_path / "run"),
+    run = RunConfig(steps=STEPS, log_every=5, eval_every=20, eval_batches=2, out_dir=out or str(tmp_path / "run"),
                     progress=False, plot=False, checkpoint_every=4, resume=resume)
     return validate(TrainConfig(
         model=TINY, data=data, inner=InnerConfig(lr=1e-2, warmup_steps=5), run=run, algo="diloco",
         fragments=FragmentsConfig(count=P, H=4, tau=1), syncer=SyncerConfig(quorum=1),
         runtime=RuntimeConfig(kind=kind, learners=M, devices_per_learner=processes, processes_per_learner=processes,
-                              step_period_s=0.1, restart_s=0.2)))
+                              step_period_s=0.1, restart_s=0.2, rejoin_at=rejoin_at)))
 
 
-def launch(tmp_path, cfg: TrainConfig, name: str) -> subprocess.Popen:
+def launch(tmp_path, cfg: TrainConfig, name: str, overrides: list[str] | None = None) -> subprocess.Popen:
+    """PROGRAM on `cfg` in tmp_path; `overrides`: its command line (the run's kind if not given)."""
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(to_dict(cfg)))
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={M}", "JAX_PLATFORMS": "cpu"}
     out, err = (tmp_path / f"{name}.out").open("w"), (tmp_path / f"{name}.err").open("w")
-    return subprocess.Popen([sys.executable, "-c", PROGRAM, str(path), f"runtime={cfg.runtime.kind}"],
+    words = overrides if overrides is not None else [f"runtime={cfg.runtime.kind}"]
+    return subprocess.Popen([sys.executable, "-c", PROGRAM, str(path), *words],
                             cwd=tmp_path, env=env, stdout=out, stderr=err, text=True)
 
 
@@ -68,10 +79,14 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def stop_and_resume(tmp_path, kind: str, processes: int = 1) -> tuple[str, dict, list[dict]]:
-    """SIGINT once both learners have logged a step, then resume; (stop's stdout, summary, records)."""
+def stop_and_resume(tmp_path, kind: str, processes: int = 1, rejoin_at: str = "own") -> tuple[str, dict, list[dict]]:
+    """SIGINT once both learners have logged a step, then resume with the printed line as it would
+    be pasted (the run directory given relative, as a user types it); (stop's stdout, summary, records)."""
+    from test_cli import pasted
+
     run_dir = tmp_path / "run"
-    proc = launch(tmp_path, make_cfg(tmp_path, kind, processes=processes), "stop")
+    cfg = make_cfg(tmp_path, kind, processes=processes, rejoin_at=rejoin_at, out="run")
+    proc = launch(tmp_path, cfg, "stop")
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
@@ -87,12 +102,14 @@ def stop_and_resume(tmp_path, kind: str, processes: int = 1) -> tuple[str, dict,
     assert code in (0, 130), (code, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
     assert "partial summary" in out and "token ledger balanced" in out, out
-    line = f'resume with: make train ARGS="runtime={kind} run.resume=true run.out_dir={run_dir}"'
-    assert line in out.splitlines(), out
+    (line,) = [x for x in out.splitlines() if x.startswith("resume with: ")]
+    words = pasted(line)
+    assert words[0] == f"runtime={kind}" and words[1] == "run.resume=true", line
+    assert Path(words[2].removeprefix("run.out_dir=")).resolve() == run_dir.resolve(), line
     assert not (run_dir / "summary.json").exists()
     stopped = max(r["time"] for r in records(run_dir))
 
-    proc = launch(tmp_path, make_cfg(tmp_path, kind, resume=True, processes=processes), "resume")
+    proc = launch(tmp_path, cfg, "resume", words)
     try:
         code = proc.wait(300)
     finally:
@@ -127,8 +144,10 @@ def replays_to_its_decisions(run_dir: Path, cfg: TrainConfig, monkeypatch) -> No
 def check_resumed(run_dir: Path, summary: dict, recs: list[dict]) -> None:
     assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
     tokens_per_step = 16 * 32
-    # every learner's steps 1..STEPS booked at least once: the stop lost at most the unsent tokens
-    assert summary["tokens_processed"] >= M * STEPS * tokens_per_step
+    # every learner's steps 1..STEPS trained exactly once, as in an uninterrupted run: none redone,
+    # none skipped (a resumed learner rejoins at its own step under every runtime.rejoin_at)
+    rejoins = [r for r in recs if r["kind"] == "rejoin"]
+    assert summary["tokens_processed"] == M * STEPS * tokens_per_step, (summary["tokens_processed"], rejoins)
     versions = defaultdict(list)
     for r in (json.loads(x) for x in (run_dir / "decisions.jsonl").read_text().splitlines()):
         if r["event"] == "merge":
@@ -137,7 +156,6 @@ def check_resumed(run_dir: Path, summary: dict, recs: list[dict]) -> None:
     for p, vs in versions.items():  # across the stop: no version skipped or made twice
         assert vs == list(range(1, len(vs) + 1)), (p, vs)
     # each learner came back once, as incarnation 1, at the step where it stopped or later
-    rejoins = [r for r in recs if r["kind"] == "rejoin"]
     assert sorted((r["learner"], r["incarnation"]) for r in rejoins) == [(m, 1) for m in range(M)], rejoins
     for m in range(M):
         train = [r for r in recs if r["kind"] == "train" and r["learner"] == m]
@@ -176,9 +194,10 @@ def test_sigint_stops_a_threads_run_cleanly_and_resume_finishes_it(tmp_path, mon
     replays_to_its_decisions(run_dir, make_cfg(tmp_path, "threads"), monkeypatch)
 
 
-def test_sigint_stops_a_procs_run_cleanly_and_resume_finishes_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rejoin_at", ["own", "schedule"])
+def test_sigint_stops_a_procs_run_cleanly_and_resume_finishes_it(tmp_path, monkeypatch, rejoin_at):
     run_dir = tmp_path / "run"
-    out, summary, recs = stop_and_resume(tmp_path, "procs")
+    out, summary, recs = stop_and_resume(tmp_path, "procs", rejoin_at=rejoin_at)
     check_resumed(run_dir, summary, recs)
     replays_to_its_decisions(run_dir, make_cfg(tmp_path, "procs"), monkeypatch)
 
