@@ -16,7 +16,7 @@ from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, LoraConfig,
                            RuntimeConfig, TrainConfig, validate)
 from diloco.model import build, lora
 from diloco.runtime.summary import replayable
-from diloco.train import flops
+from diloco.train import flops, optim
 from diloco.watch import RunWatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,3 +216,7 @@ def test_a_tiny_run_reports_consistent_throughput(tmp_path, algo, peak):
     for r in rated:
         check_consistent(r, cfg.runtime.devices_per_learner if algo == "diloco" else devices, per_token, peak)
         assert ("mfu" in r) == (peak is not None)
+    # every train record's lr is the schedule's at its step: DP's from its jitted step, DiLoCo's
+    # added by the writer (report.Rates), the same rule (docs/design.md#metrics-series)
+    step_lr = optim.step_lr(cfg.inner, cfg.run.steps)
+    assert train and all(r["lr"] == pytest.approx(step_lr(r["step"]), rel=1e-6) for r in train)
