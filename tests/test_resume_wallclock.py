@@ -162,6 +162,12 @@ def check_resumed(run_dir: Path, summary: dict, recs: list[dict]) -> None:
         times = [r["time"] for r in train]
         assert times == sorted(times), (m, times)  # the wall clock never went backwards
         assert train[-1]["step"] == STEPS
+    # the resumed run's tokens/s: its own tokens over its own wall time; the merge series goes on
+    assert 0 < summary["tokens_at_start"] < summary["tokens_processed"]
+    assert summary["tokens_per_s"] == pytest.approx(
+        (summary["tokens_processed"] - summary["tokens_at_start"]) / summary["wall_s"])
+    merges = [r["merges"] for r in recs if r["kind"] == "merge"]
+    assert merges == sorted(merges) and merges[-1] == summary["merges"], merges
 
 
 def test_resume_hint_keeps_the_overrides_and_sets_resume_and_out_dir():
