@@ -135,7 +135,7 @@ class RunConfig:
     # the same scalars to Weights & Biases, files in <run>/wandb; offline unless WANDB_MODE says
     # otherwise (needs the wandb extra: pip install -e .[wandb]; docs/design.md#metrics-series)
     wandb: bool = False
-    wandb_project: str = "diloco"
+    wandb_project: str = "diloco"  # the W&B project the run is logged under (run.wandb=true)
     plot: bool = True
     # bf16 dense peak TFLOP/s of one device, which MFU is measured against; 0 = the known peak of
     # the device kind (H100/H200 989.4, A100 312, TPU v5e 197, v5p 459, v6e 918: diloco/train/flops.py),
