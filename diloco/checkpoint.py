@@ -172,10 +172,14 @@ def newest(manager: ocp.CheckpointManager, read: Callable[[int], T], what: str =
         try:
             return step, read(step)
         except Exception as err:  # noqa: BLE001 - any failure means "try the previous one"
+            close_abandoned_reads(err)
             log.warning("%s %s step %d unusable (%s: %s); trying an older one", what, manager.directory,
                         step, type(err).__name__, err)
-            close_abandoned_reads(err)
     return None
+
+
+def _dropped(*args, **kwargs) -> None:
+    """What a read finishing after its loop closed calls back: nothing is waiting for it."""
 
 
 def close_abandoned_reads(err: BaseException) -> int:
@@ -184,9 +188,10 @@ def close_abandoned_reads(err: BaseException) -> int:
     Orbax runs each restore on an event loop of its own and closes that loop as soon as one read
     fails, leaving the other reads of the step suspended forever. Their coroutines catch
     BaseException, so when the garbage collector later closes them each raises again, and Python
-    prints an `Exception ignored` traceback per shard wherever the program is by then
-    (docs/design.md#checkpoint-integrity). The closed loop is a local of a frame `err` passed
-    through; its pending tasks are closed here, where the failure is already reported."""
+    prints an `Exception ignored` traceback per shard wherever the program is by then; and each
+    read tensorstore finishes after the close calls the loop back from its own thread, printing
+    "Event loop is closed" (docs/design.md#checkpoint-integrity). The closed loop is a local of a
+    frame `err` passed through: its pending tasks are closed here, and its call-backs dropped."""
     loops, seen, todo = [], set(), [err]
     while todo:
         e = todo.pop()
@@ -202,6 +207,7 @@ def close_abandoned_reads(err: BaseException) -> int:
             tb = tb.tb_next
     closed = 0
     for loop in loops:
+        loop.call_soon_threadsafe = _dropped  # this one closed loop's, not the class's
         for task in asyncio.all_tasks(loop):
             # A closed loop cannot cancel a task; closing its coroutine is what cancelling would do,
             # and the task itself is then garbage that must not report itself as destroyed pending.
