@@ -8,11 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
-from diloco.config import LoraConfig, ModelConfig
+from diloco.config import DataConfig, InnerConfig, LoraConfig, MeshConfig, ModelConfig, RunConfig, TrainConfig
 from diloco.config.checks import model_errors
 from diloco.model import build, lora
-from diloco.train.step import cross_entropy, make_loss, masked_next_token_loss, next_token_loss
+from diloco.train.mesh import make_mesh
+from diloco.train.step import cross_entropy, make_loss, masked_next_token_loss
+from diloco.train.trainer import compile_steps
 
 VOCAB = 211
 TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64)
@@ -126,6 +129,37 @@ def test_the_chunked_step_never_holds_the_whole_float32_logits():
     assert whole >= logits_bytes, whole
     # A chunk's logits are 1/8 of the whole: the step needs at least the other 7/8 less.
     assert chunked < whole - 0.75 * logits_bytes, (whole, chunked)
+
+
+def _trainer_step(chunk: int, remat: str, learners: int = 0):
+    """One step of the trainer's compiled step: batch over (data 4, fsdp 2), parameters split over
+    fsdp; with `learners`, sim's vmapped step of that many (Compiled.train_many), the last one's."""
+    model_cfg = dataclasses.replace(TINY, loss_chunk=chunk, remat=remat)
+    cfg = TrainConfig(model=model_cfg, data=DataConfig(batch_size=8, seq_len=20), inner=InnerConfig(),
+                      mesh=MeshConfig(data=4, fsdp=2, devices=8), run=RunConfig(steps=10))
+    model = build(model_cfg, VOCAB, seed=4)
+    compiled = compile_steps(model, cfg, make_mesh(cfg.mesh, 8))
+    batch = jax.device_put(np.asarray(_windows(6, B=8, L=20)), compiled.batch_sharding)
+    if learners:
+        states = tuple(compiled.init(model.params) for _ in range(learners))
+        return compiled.train_many(learners)(states, (batch,) * learners)[-1]
+    return compiled.train_step(compiled.init(model.params), batch)
+
+
+def _assert_steps_close(got, want):
+    (state, metrics), (want_state, want_metrics) = got, want
+    for name in ("loss", "grad_norm"):
+        np.testing.assert_allclose(metrics[name], want_metrics[name], rtol=2e-5)
+    _assert_trees_close(state.params, want_state.params, rtol=1e-5, atol=1e-6)
+
+
+def test_the_trainers_sharded_step_in_chunks_and_under_remat_equals_the_whole():
+    _assert_steps_close(_trainer_step(6, "dots"), _trainer_step(0, "none"))
+
+
+@pytest.mark.slow
+def test_sims_vmapped_step_in_chunks_and_under_remat_equals_the_whole():
+    _assert_steps_close(_trainer_step(6, "dots", learners=2), _trainer_step(0, "none", learners=2))
 
 
 def test_loss_chunk_must_not_be_negative():
