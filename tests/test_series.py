@@ -167,3 +167,22 @@ def test_wandb_gets_the_scalars_tensorboard_gets_offline(tmp_path, monkeypatch):
     (blob,) = [p.read_bytes() for p in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")]
     assert [tag for tag in tb if tag.encode() not in blob] == []  # written to the offline run's file
     assert (tmp_path / "wandb" / "run_id").read_text() in blob.decode("latin-1")
+
+
+def test_bytes_sent_so_far_sum_each_chunk_once_and_follow_a_restored_ledger():
+    from diloco.algo import traffic
+
+    def truth(led):
+        ev = traffic.byte_events(led)
+        return tuple(int(ev["nbytes"][ev["direction"] == d].sum()) for d in (0, 1))
+
+    led, counted = traffic.byte_ledger(), traffic.Sent()
+    for i in range(700):  # chunks of 256 rows, and a tail
+        led = traffic.add_bytes(led, float(i), 10 + i % 7, "up" if i % 3 else "down", i % 2, 0, "fp32")
+        if i % 50 == 0:
+            *got, counted = traffic.sent(led, counted)
+            assert tuple(got) == truth(led)
+    other = traffic.byte_ledger()  # a ledger restored from a checkpoint: other arrays, as many chunks
+    for i in range(700):
+        other = traffic.add_bytes(other, float(i), 1, "up", 0, 0, "fp32")
+    assert traffic.sent(other, counted)[:2] == (700, 0)

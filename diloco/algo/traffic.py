@@ -51,6 +51,31 @@ def byte_events(led: ByteLedger, direction: str | None = None, learner: int | No
     return ev[keep]
 
 
+class Sent(NamedTuple):
+    """Bytes per direction over the frozen chunks of a byte ledger counted so far (`sent`)."""
+
+    chunks: int = 0
+    last: Any = None  # the last chunk counted: a ledger restored since holds other arrays
+    up: int = 0
+    down: int = 0
+
+
+def sent(led: ByteLedger, counted: Sent = Sent()) -> tuple[int, int, Sent]:
+    """(bytes up, bytes down, what to pass next time): each frozen chunk is summed once, so a
+    total per merge costs the chunks since the last one, not the whole run's messages."""
+    chunks = led.log.chunks
+    if counted.chunks > len(chunks) or (counted.chunks and chunks[counted.chunks - 1] is not counted.last):
+        counted = Sent()
+    up, down = counted.up, counted.down
+    for c in chunks[counted.chunks:]:
+        upward = c["direction"] == DIRECTIONS.index("up")
+        up, down = up + int(c["nbytes"][upward].sum()), down + int(c["nbytes"][~upward].sum())
+    counted = Sent(len(chunks), chunks[-1] if chunks else None, up, down)
+    for row in led.log.tail:  # BYTE_ROW order: time, nbytes, direction, ...
+        up, down = (up + row[1], down) if row[2] == DIRECTIONS.index("up") else (up, down + row[1])
+    return up, down, counted
+
+
 def byte_totals(led: ByteLedger, by: Sequence[str] = ("learner", "direction")) -> dict[tuple, int]:
     """Total bytes grouped by any of "learner", "direction", "fragment", "codec"."""
     ev = rows(led.log, BYTE_ROW)

@@ -51,6 +51,7 @@ class SyncerHost:
         self.on_publish = on_publish or (lambda action: None)
         self.on_step = on_step or (lambda event: None)
         self.on_merge = on_merge
+        self.counted = traffic.Sent()  # the byte ledger's chunks summed so far (merge records)
         self.inputs = inputs  # every syncer input, in delivery order: the replayable tape
         self.state = sync.init(setup.policy, setup.fragments, setup.theta0, dict(learners))
         roundsum.warm()  # before any clock starts: a merge's first fold compiles nothing
@@ -250,9 +251,12 @@ class SyncerHost:
         """The metrics record of every merge among the decisions from index `decided` on."""
         decisions = self.state.decisions
         new = [decisions[i] for i in range(decided, len(decisions)) if decisions[i]["event"] == "merge"]
+        if not new:
+            return
+        up, down, self.counted = traffic.sent(self.bytes, self.counted)
         for k, d in enumerate(new):
             self.on_merge(merge_record(self.state, d, self.state.merges - len(new) + 1 + k, self.tokens,
-                                       self.bytes, self.time, self.stalls))
+                                       (up, down), self.time, self.stalls))
 
     def extra_down(self, m: int, at: float, nbytes: int, fragment: int) -> None:
         """Bytes the transport added on its own (a catch-up copy replacing a backlog)."""

@@ -19,15 +19,14 @@ def replayable(summary: dict) -> dict:
 
 
 def merge_record(st: sync.SyncerState, decision: dict, merges: int, tokens: ledger.TokenLedger,
-                 bytes_: traffic.ByteLedger, time: timeline.TimeLedger, stalls: int) -> dict:
+                 sent: tuple[int, int], time: timeline.TimeLedger, stalls: int) -> dict:
     """The metrics record of one merge (`decision`, the syncer's merge record, the `merges`-th of
-    the run): the syncer-side series the summary reports at the end, so far (docs/design.md#metrics-
-    series). Counters are the run's from its start, a resumed run's included (the ledgers are)."""
-    sent = traffic.byte_totals(bytes_, by=("direction",))
+    the run; `sent`: bytes up and down so far, traffic.sent): the syncer-side series the summary
+    reports at the end, so far (docs/design.md#metrics-series). Counters are the run's from its
+    start, a resumed run's included (the ledgers are)."""
     record = {"kind": "merge", "time": decision["at"], "fragment": decision["fragment"],
               "version": decision["version"], "merges": merges, "tokens": int(tokens.processed[0]),
-              "quorum": len(decision["learners"]), "bytes_up": sent.get(("up",), 0),
-              "bytes_down": sent.get(("down",), 0), "stalls": stalls,
+              "quorum": len(decision["learners"]), "bytes_up": sent[0], "bytes_down": sent[1], "stalls": stalls,
               "quarantined": sum(st.quarantined.values()), "goodput": timeline.goodput(time)}
     if decision["grace"] is not None:
         record["grace_s"] = decision["grace"]
