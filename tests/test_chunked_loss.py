@@ -165,3 +165,28 @@ def test_sims_vmapped_step_in_chunks_and_under_remat_equals_the_whole():
 def test_loss_chunk_must_not_be_negative():
     assert "model.loss_chunk=-1 must be >= 0 (0: the whole sequence at once)" in \
         model_errors(dataclasses.replace(TINY, loss_chunk=-1))
+
+
+def test_a_run_from_a_checkpoint_keeps_its_own_attention_remat_and_loss_chunk(tmp_path):
+    from test_finetune import make_cfg, write_files
+
+    from diloco.inputs import load_checkpoint, load_inputs
+
+    root = write_files(tmp_path)
+    base = make_cfg(root, "run")
+    knobs = dict(attention="xla", remat="full", loss_chunk=16)
+    cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, **knobs))
+    resolved, pre = load_checkpoint(cfg)
+    # The checkpoint decides the shape (d_model 32), the run how the step computes it.
+    assert resolved.model.d_model == 32 and resolved.model.init_from == str(root / "ckpt")
+    assert {k: getattr(resolved.model, k) for k in knobs} == knobs
+    assert {k: getattr(pre.config, k) for k in knobs} == knobs
+    # And the model built from it computes under them: the same logits as the checkpoint's defaults.
+    plain = load_inputs(base).model
+    inputs = load_inputs(cfg)
+    tokens = jnp.arange(24)[None] % 50
+    np.testing.assert_allclose(inputs.model.apply(inputs.model.params, tokens),
+                               plain.apply(plain.params, tokens), rtol=1e-5, atol=1e-5)
+    jaxpr = jax.make_jaxpr(lambda p: make_loss(inputs.model)(p, jnp.zeros((2, 9), jnp.int32))[0])(inputs.model.params)
+    # remat=full reached the blocks: jax.checkpoint's primitive around each (remat2 in jax 0.10)
+    assert sum("remat" in e.primitive.name or "checkpoint" in e.primitive.name for e in jaxpr.jaxpr.eqns) == 1
