@@ -98,7 +98,7 @@ def test_text_is_encoded_with_the_checkpoints_tokenizer(files, tmp_path):
 
 
 def test_data_parallel_sft_counts_every_position_and_the_assistant_tokens_and_exports_a_chat_model(files):
-    cfg = make_cfg(files, "dp")
+    cfg = make_cfg(files, "dp", run=dict(peak_tflops=1.0))  # a peak, so a CPU run has an MFU
     _, corpus, _, pre = load_inputs(cfg)
     summary = run(cfg)
     # every position of the packed rows is computed (prompt and padding too); the loss counts fewer
@@ -110,8 +110,9 @@ def test_data_parallel_sft_counts_every_position_and_the_assistant_tokens_and_ex
     train = [r for r in records if r["kind"] == "train"]
     assert [r["tokens"] for r in train] == [positions * (s + 1) for s in range(cfg.run.steps)]
     assert [r["assistant_tokens"] for r in train] == list(np.cumsum(assistant))
-    # tokens/s is of positions: the step over its wall time, never the few assistant tokens
+    # tokens/s, hence MFU, is of positions: the FLOPs are spent on each, not on the assistant's alone
     assert all(r["tokens_per_s"] > 0 for r in train[1:])
+    assert summary["mfu"] == pytest.approx(summary["flops_per_token"] * summary["tokens_per_s"] / (2 * 1e12))
     assert "assistant tokens, trained on" in report.render_summary(summary, "run")
     assert train[-1]["loss"] < train[0]["loss"]
     # the export reloads with the checkpoint's tokenizer and template, and evaluates to the run's eval loss

@@ -71,7 +71,7 @@ def test_miniature_study_trains_scores_and_reuses(tiny_ckpt, tmp_path, monkeypat
     assert before["exact"] == 0.0 and before["n"] == 3 and before["eval_loss"] > 3.0
     dp, diloco = rows
     assert dp["variant"] == "dp" and dp["bytes_over_dp"] == 1.0 and dp["learners"] == 1
-    assert diloco["learners"] == 2 and 0.0 < diloco["bytes"] and diloco["trained_tokens"] > 0
+    assert diloco["learners"] == 2 and 0.0 < diloco["bytes"] and diloco["assistant_tokens"] > 0
     assert all(0.0 <= r["exact"] <= r["format"] <= 1.0 and r["n"] == 3 for r in rows)
     assert all((tmp_path / "finetune" / v / "seed0" / "downstream.json").exists() for v in ("dp", "diloco"))
     table = paths[0].read_text()

@@ -138,10 +138,11 @@ def row(job: Job, summary: dict, score: dict, dp_bytes: float) -> dict:
         sent = dp_bytes
     else:
         sent = summary["bytes_up"] + summary["bytes_down"]
-    tokens = summary["tokens"] if cfg.algo == "dp" else summary["tokens_processed"]
+    # The tokens the loss counts: every variant's rows are the same, their assistant tokens what is learned from
+    tokens = summary["assistant_tokens"]
     return {"variant": job.variant, "algo": cfg.algo, "lora_rank": cfg.finetune.lora.rank,
             "learners": cfg.runtime.learners if cfg.algo == "diloco" else 1, "steps": cfg.run.steps,
-            "trained_tokens": tokens, "eval_loss": summary["eval_loss"],
+            "assistant_tokens": tokens, "eval_loss": summary["eval_loss"],
             "exact": score["exact"], "exact_ci": wilson(score["exact"], score["n"]),
             "format": score["format"], "fields": score["fields"], "n": score["n"],
             "bytes": sent, "bytes_over_dp": sent / dp_bytes if dp_bytes else math.nan,
@@ -153,7 +154,7 @@ def row(job: Job, summary: dict, score: dict, dp_bytes: float) -> dict:
 def table(base: dict, rows: list[dict]) -> str:
     lo, hi = wilson(base["exact"], base["n"])
     lines = ["| model | trained / all params | exact match [95% CI] | format ok | fields right | "
-             "held-out masked loss | bytes sent | / data parallel | wall s | trained tokens/s |",
+             "held-out masked loss | bytes sent | / data parallel | wall s | assistant tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|",
              f"| checkpoint, before | - | {base['exact']:.3f} [{lo:.3f}, {hi:.3f}] | {base['format']:.3f} | "
              f"{base['fields']:.3f} | {base.get('eval_loss', math.nan):.4f} | - | - | - | - |"]
