@@ -105,7 +105,7 @@ def stop_and_resume(tmp_path, kind: str, processes: int = 1, rejoin_at: str = "o
     (line,) = [x for x in out.splitlines() if x.startswith("resume with: ")]
     words = pasted(line)
     assert words[0] == f"runtime={kind}" and words[1] == "run.resume=true", line
-    assert Path(words[2].removeprefix("run.out_dir=")).resolve() == run_dir.resolve(), line
+    assert (tmp_path / words[2].removeprefix("run.out_dir=")).resolve() == run_dir.resolve(), line
     assert not (run_dir / "summary.json").exists()
     stopped = max(r["time"] for r in records(run_dir))
 
