@@ -293,10 +293,11 @@ def test_until_returns_the_first_truthy_result_and_stop_ends_it():
         Poller(0.0, 1.0)
 
 
-def _writer(store, seconds):
-    """Child process: 1 MiB frames under fresh keys and over one hot key, as fast as it can."""
+def _writer(store, enough, seconds):
+    """Child process: 1 MiB frames under fresh keys and over one hot key, as fast as it can, until
+    `enough` is set (or `seconds` pass: the parent is gone)."""
     end, seq = time.monotonic() + seconds, 0
-    while time.monotonic() < end:
+    while not enough.is_set() and time.monotonic() < end:
         f = frame(seq, n_floats=1 << 18)
         bs.send_contribution(store, 0, 0, seq, f)
         store.put("ctl/hot", f)  # overwritten in place: the harder case for a torn read
@@ -305,12 +306,17 @@ def _writer(store, seconds):
 
 def test_concurrent_writer_process_never_shows_a_torn_object(tmp_path):
     store = BlobStore(f"file://{tmp_path}", sync=False)  # fsync does not affect atomicity, only durability
-    child = mp.get_context("spawn").Process(target=_writer, args=(store, 1.0))
+    spawn = mp.get_context("spawn")
+    # set once the reader has read for 1 s while the child wrote, and seen 5 new frames and 5 hot ones
+    enough = spawn.Event()
+    child = spawn.Process(target=_writer, args=(store, enough, 600.0))
     child.start()
-    seen, fresh, hot, during = set(), 0, 0, 0
+    seen, fresh, hot, during, first = set(), 0, 0, 0, None
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 300  # however slow a busy machine makes the child's start
         while child.is_alive() and time.monotonic() < deadline:
+            if fresh >= 5 and during >= 5 and time.monotonic() - first >= 1.0:
+                enough.set()
             for key, f in bs.poll_contributions(store, seen):
                 msg = messages.decode(f)  # raises MessageError on a torn frame
                 assert msg.header["seq"] == bs.parse_contribution_key(key)[2]
@@ -321,8 +327,10 @@ def test_concurrent_writer_process_never_shows_a_torn_object(tmp_path):
                 messages.decode(f)
                 hot += 1
                 during += child.is_alive()
+                first = first or time.monotonic()
     finally:
-        child.join(10)
+        enough.set()
+        child.join(300)
     assert child.exitcode == 0
     fresh += len(bs.poll_contributions(store, seen))
     assert fresh == len(store.list("up/")) >= 5 and during >= 5

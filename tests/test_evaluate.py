@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def evaluate(tmp_path, *overrides):
     env = {**os.environ, "XLA_FLAGS": ""}
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), *overrides],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_windows_predict_every_token_but_the_first_once():

@@ -21,7 +21,7 @@ TINY = ModelConfig(name="tiny", d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
 def generate(tmp_path, *overrides):
     env = {**os.environ, "XLA_FLAGS": ""}
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), *overrides],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +76,11 @@ def test_convert_writes_a_folder_generate_reads(folder, tmp_path):
     out = tmp_path / "converted"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert.py"), f"checkpoint={folder}",
                            f"out={out}", "dtype=float32", "max_shard_bytes=20000"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "model.safetensors.index.json").exists() and (out / "chat_template.jinja").exists()
     proc = generate(tmp_path, f"checkpoint={out}", 'chat=["Hi"]', "max_new_tokens=3")
     assert proc.returncode == 0, proc.stderr[-2000:]
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert.py"), f"checkpoint={folder}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "out=<path>" in proc.stderr and "Traceback" not in proc.stderr

@@ -136,10 +136,10 @@ def test_fit_recovers_known_constants():
 
 
 def test_2_4m_chips_over_30_days_takes_seconds():
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds: what the study costs, however busy the machine
     study.timing(C, (2, 4, 8, 16), 2_400_000, 30 * DAY)
     # about 0.5 s on the shared 2-core machine (docs/experiments.md#benchmarks); loose for CI
-    assert time.perf_counter() - t0 < 15.0
+    assert time.process_time() - t0 < 15.0
 
 
 def test_bad_goodput_config_values_are_named():

@@ -397,7 +397,7 @@ def test_the_cli_reports_a_used_run_dir_in_one_line_and_exits_nonzero(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "model=tiny", "data=synthetic",
                            f"data.data_dir={tmp_path / 'data'}", f"run.out_dir={run_dir}", "run.progress=false"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert f"error: run.out_dir={run_dir} already holds a run" in proc.stderr

@@ -100,7 +100,7 @@ def trained(run_dir, m: int, step: int) -> bool:
                                  for r in map(json.loads, path.read_text().splitlines()))
 
 
-def actor_nodes(store, m: int, timeout: float = 10.0) -> list[str]:
+def actor_nodes(store, m: int, timeout: float = 120.0) -> list[str]:
     """The node of each of learner m's actors (a world's every one), asked of the actor itself:
     RayError while one is being restarted or placed again."""
     names = bs.read_control(store, "procs")["learners"][str(m)]["actors"]
@@ -245,7 +245,7 @@ def test_a_learner_world_across_two_nodes_loses_one_and_comes_back_on_a_new_node
             workers.remove(lost)
         elif len(nodes) == 1 and bs.read_control(store, "procs")["learners"]["0"]["incarnation"] == 1:
             try:
-                nodes.append(actor_nodes(store, 0))
+                nodes.append(actor_nodes(store, 0, timeout=10.0))  # polled again while it fails
             except ray.exceptions.RayError:  # still being placed
                 return None
             return "removed"

@@ -29,7 +29,7 @@ def _train_module():
 def _sweep(tmp_path, *overrides, env=None):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **(env or {})}
     return subprocess.run([sys.executable, str(TRAIN), "-m", *overrides], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=600)
 
 
 def test_preflight_passes_multirun_arguments_and_still_catches_a_mistyped_swept_key(capsys):
