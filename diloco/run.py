@@ -228,6 +228,9 @@ def run(cfg: TrainConfig) -> dict:
         raise ConfigError(f"run.steps={cfg.run.steps} would continue the finished {cfg.runtime.kind} run in "
                           f"{cfg.run.out_dir} past its {done} steps, but a {cfg.runtime.kind} run resumes only "
                           "from a stop's checkpoints; algo=dp and runtime=sim runs can train on")
+    if continuing and cfg.algo == "diloco" and cfg.run.checkpoint_every == 0:
+        raise ConfigError(f"run.steps={cfg.run.steps} would continue the finished sim run in {cfg.run.out_dir}, "
+                          "but with run.checkpoint_every=0 it saved no snapshot to continue from")
     inputs = load_inputs(cfg)
     cfg, corpus, model, pre = inputs  # cfg.model: model.init_from's shape, if set
     if cfg.algo == "diloco":
