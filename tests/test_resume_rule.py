@@ -96,6 +96,12 @@ def test_a_finished_run_is_left_as_it_is_and_more_steps_continue_it(tmp_path, al
     assert json.loads((out / "summary.json").read_text())["eval_loss"] == more["eval_loss"]
     # a resume with the steps it now has is again "finished"
     assert drun.run(make_cfg(tmp_path, algo=algo, out=out, steps=9, resume=True)) == more
+    if algo == "diloco":  # without snapshots a finished sim run has nothing to continue from
+        cfg = make_cfg(tmp_path, algo=algo, out=out, steps=12, resume=True)
+        before = _files(out)
+        with pytest.raises(ConfigError, match="run.checkpoint_every=0 it saved no snapshot"):
+            drun.run(replace(cfg, run=replace(cfg.run, checkpoint_every=0)))
+        assert _files(out) == before
 
 
 def test_a_finished_threads_run_is_left_as_it_is_and_more_steps_are_refused(tmp_path, capsys):
