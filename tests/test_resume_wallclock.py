@@ -200,7 +200,8 @@ def test_sigint_stops_a_threads_run_cleanly_and_resume_finishes_it(tmp_path, mon
     replays_to_its_decisions(run_dir, make_cfg(tmp_path, "threads"), monkeypatch)
 
 
-@pytest.mark.parametrize("rejoin_at", ["own", "schedule"])
+# schedule's rule is pinned without a run in tests/test_resume_rule.py; its whole run is slow
+@pytest.mark.parametrize("rejoin_at", ["own", pytest.param("schedule", marks=pytest.mark.slow)])
 def test_sigint_stops_a_procs_run_cleanly_and_resume_finishes_it(tmp_path, monkeypatch, rejoin_at):
     run_dir = tmp_path / "run"
     out, summary, recs = stop_and_resume(tmp_path, "procs", rejoin_at=rejoin_at)
