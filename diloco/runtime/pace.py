@@ -81,7 +81,7 @@ class Pace:
         rejoin_at=schedule, else 0 (its own checkpoint's or stopping step decides). A learner
         coming back in a resumed run missed no steps (the whole run stopped with it, and the
         stopped interval is on no clock): 0, so it trains every token an uninterrupted run
-        would (docs/design.md#stopping-a-run)."""
+        would (docs/design.md#rejoin)."""
         return min(cls.grid_step(period, now, speed), steps) if rejoin_at == "schedule" and not resumed else 0
 
     def end(self, start: float, compute: float, factor: float) -> float:
