@@ -287,7 +287,7 @@ def bad_inputs():
     yield {"shortval.txt": b"x" * 200}, ["shortval.txt"], ["shortval.txt", "validation split has 10"]
 
 
-def test_bad_input_raises_data_error_naming_the_file(tmp_path, monkeypatch):
+def test_bad_input_raises_data_error_naming_the_file_and_leaves_no_cache(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cases = list(bad_inputs())
     for i, (files, paths, words) in enumerate(cases):
@@ -299,6 +299,9 @@ def test_bad_input_raises_data_error_naming_the_file(tmp_path, monkeypatch):
             load_corpus(cfg)
         for word in words:
             assert word in str(err.value), (word, str(err.value))
+        # the failure leaves nothing behind: no token cache (a too-short file's was kept before),
+        # nor the cache directories made for one
+        assert not (tmp_path / "cache").exists(), (paths, sorted((tmp_path / "cache").rglob("*")))
 
 
 def test_bad_config_is_a_data_error(tmp_path):

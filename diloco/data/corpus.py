@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,9 +60,20 @@ def load_corpus(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
     name, key = _cache_key(cfg, files, tokenizer)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(cfg.data_dir) / "tokens" / f"{name}-{digest}"
-    if not root.is_dir():
+    if root.is_dir():
+        return _open(root, name, cfg, _describe(cfg, files), tokenizer)
+    made = [d for d in (root.parent.parent, root.parent) if not d.exists()]
+    try:
         build_atomically(root, lambda tmp: _prepare(cfg, files, key, tmp, tokenizer))
-    return _open(root, name, cfg, _describe(cfg, files), tokenizer)
+        return _open(root, name, cfg, _describe(cfg, files), tokenizer)
+    except DataError:
+        # A corpus this config cannot train on (too short for data.seq_len): the failed start
+        # leaves no cache behind, nor the directories it made for one (docs/design.md#data).
+        shutil.rmtree(root, ignore_errors=True)
+        for d in reversed(made):
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+        raise
 
 
 def _sft_corpus(cfg: DataConfig, tokenizer: Any) -> Corpus:
