@@ -23,13 +23,14 @@ from diloco.inputs import full_params, load_inputs
 from diloco.model import Model, count_params
 from diloco.runtime import build as build_setup
 from diloco.runtime import procs, sim, threads
-from diloco.train import flops
+from diloco.train import flops, footprint
 from diloco.train.mesh import make_mesh
 from diloco.train.trainer import evaluate, train_dp
 
 # A resumed run may change how it is watched, never what it computes.
 _RESUMABLE_CHANGES = {("run", "resume"), ("run", "progress"), ("run", "plot"), ("run", "tensorboard"),
-                      ("run", "peak_tflops"), ("run", "profile"), ("run", "wandb"), ("run", "wandb_project")}
+                      ("run", "peak_tflops"), ("run", "profile"),
+                      ("run", "memory_check"), ("run", "wandb"), ("run", "wandb_project")}
 # Options naming files or directories: the same on resume if they resolve to the same path, so
 # `runs/a` and `/home/me/runs/a` (what a stopped run's resume line may print) are one directory.
 _PATHS = {("run", "out_dir"), ("data", "paths"), ("data", "eval_paths"), ("data", "data_dir"),
@@ -197,6 +198,17 @@ def _assistant_tokens(cfg: TrainConfig, corpus: Corpus, run_dir: Path) -> int:
     return assistant_tokens(corpus.train, seed=cfg.run.seed, steps=steps, batch_size=cfg.data.batch_size)
 
 
+def check_memory(cfg: TrainConfig, corpus: Corpus, model: Model, pre) -> None:
+    """Print the run's memory estimate against the machine's; refuse one that cannot fit
+    (diloco/train/footprint.py, docs/design.md#memory-before-a-run)."""
+    lora = cfg.finetune.lora.rank > 0  # the adapters train; the checkpoint's weights are all there is
+    params = count_params(pre.model.params if lora else model.params)
+    trained = count_params(model.params) if lora else None
+    for line in footprint.preflight(cfg, params, corpus.vocab_size, trained, jax.default_backend(),
+                                    footprint.mem_available()):
+        print(line)
+
+
 def run(cfg: TrainConfig) -> dict:
     """Train as `cfg` says, write outputs into cfg.run.out_dir, print and return the summary.
     What can fail on the user's input (the run directory, the checkpoint to start from, the data,
@@ -235,6 +247,7 @@ def run(cfg: TrainConfig) -> dict:
     cfg, corpus, model, pre = inputs  # cfg.model: model.init_from's shape, if set
     if cfg.algo == "diloco":
         build_setup.check_devices(cfg)
+    check_memory(cfg, corpus, model, pre)
     run_dir = prepare_run_dir(cfg, continuing)
     if continuing:  # no longer finished: the summary is written again when the new steps are done
         (run_dir / "summary.json").unlink()

@@ -127,6 +127,10 @@ class SyncerState(NamedTuple):
     merges: int = 0
     quarantined: dict[str, int] = {}
     decisions: Records = Records()  # every decision as a plain dict, append-only (O(1) each)
+    # (learner, incarnation, fragment) -> the base version of its last admitted contribution: a
+    # learner applies versions in order, so its later contributions are based on no older one, and
+    # older refs that no live learner can still use are freed (`_kept`, docs/design.md#syncer-memory).
+    bases: dict[tuple[int, int, int], int] = {}
 
 
 class SetDeadline(NamedTuple):
@@ -160,7 +164,8 @@ def init(cfg: Policy, fragments: tuple[Fragment, ...], values: tuple[Values, ...
         theta = {p: np.asarray(x, np.float32) for p, x in v.items()}
         state = jax.tree.map(np.asarray, cfg.outer.init(theta))
         frags.append(FragmentState(spec, theta, state, 0, ((0, theta),), theta_norm=merging.global_norm(theta)))
-    st = SyncerState(tuple(frags), dict(learners), {}, held={m: (0,) * len(fragments) for m in learners})
+    st = SyncerState(tuple(frags), dict(learners), {}, held={m: (0,) * len(fragments) for m in learners},
+                     bases={(m, inc, p): 0 for m, inc in learners.items() for p in range(len(fragments))})
     if merges:
         compile_merges(cfg, st)
     return st
@@ -265,7 +270,8 @@ def _received(cfg: Policy, st: SyncerState, msg: messages.Message, now: float,
         return st, ()
     if norm > 0:  # zeros stay out: a median of zeros would refuse every nonzero contribution
         st = _with_fragment(st, p, fs._replace(norms=(fs.norms + (norm,))[-cfg.norm_window:]))
-    st = st._replace(last_seq={**st.last_seq, (h["learner"], h["incarnation"]): h["seq"]})
+    st = st._replace(last_seq={**st.last_seq, (h["learner"], h["incarnation"]): h["seq"]},
+                     bases={**st.bases, (*key[:2], p): h["base_version"]})
     local = roundsum.local(ref, h, msg.payload)
     contribution = Contribution(key, h["base_version"], h["c_steps"], h["c_tokens"], local, now)
     return _admit(cfg, st, p, contribution, now, (deltas, tuple(delta_norms)))
@@ -334,7 +340,8 @@ def on_live_change(cfg: Policy, st: SyncerState, live: dict[int, int], now: floa
     for m, inc in live.items():
         if m in st.live and inc != st.live[m]:
             held[m] = (-1,) * len(st.fragments)
-    st = st._replace(live=dict(live), held=held)
+    bases = {k: v for k, v in st.bases.items() if live.get(k[0]) == k[1]}  # a joiner's stay unknown
+    st = st._replace(live=dict(live), held=held, bases=bases)
     actions: tuple = ()
     for p, fs in enumerate(st.fragments):
         if fs.round is None:
@@ -522,9 +529,23 @@ def _publish(cfg: Policy, st: SyncerState, fs: FragmentState, p: int,
             frames[m] = full_copy
             full.append(m)
         held[m] = versions[:p] + (fs.version,) + versions[p + 1:]
-    refs = (fs.refs + ((fs.version, ref),))[-cfg.history:]
+    refs = _kept(st, fs, p, (fs.refs + ((fs.version, ref),))[-cfg.history:])
     st = _with_fragment(st, p, fs._replace(refs=refs))
     return st._replace(held=held), Publish(p, fs.version, frames, tuple(full), merged)
+
+
+def _kept(st: SyncerState, fs: FragmentState, p: int, refs: tuple) -> tuple:
+    """Of fragment p's `refs` (newest last, always kept), those a contribution may still be based
+    on: none older than the oldest base of the open round's contributions or of any live learner's
+    last one. A live learner with no admitted contribution yet (a joiner) keeps them all, up to
+    Policy.history (docs/design.md#syncer-memory)."""
+    floor = min((c.base_version for c in fs.contributions), default=refs[-1][0])
+    for m, inc in st.live.items():
+        base = st.bases.get((m, inc, p))
+        if base is None:
+            return refs
+        floor = min(floor, base)
+    return tuple(r for r in refs[:-1] if r[0] >= floor) + refs[-1:]
 
 
 def _frame(p: int, version: int, delta_against: int | None, spec: str, tensors, payload: bytes,

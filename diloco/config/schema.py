@@ -145,6 +145,9 @@ class RunConfig:
     # (the data-parallel trainer's, or learner 0's) in <run>/profile; [] or null = none
     # (docs/design.md#profiling-a-run)
     profile: tuple[int, ...] | None = ()
+    # refuse at start a run whose memory estimate exceeds 90% of the machine's available memory
+    # (docs/design.md#memory-before-a-run); false starts it anyway
+    memory_check: bool = True
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from diloco import report
+from diloco.algo import hostpool
 from diloco.config import TrainConfig
 from diloco.runtime import events as ev
 from diloco.runtime.rejoin import LearnerCheckpoints
@@ -152,6 +153,7 @@ def run_incarnation(port: LearnerPort, unit: LearnerUnit, cfg: TrainConfig, spee
             port.wait(unit, until)
         end = port.clock()
         watch.observe(end - start)
+        hostpool.release_freed()  # resident memory flat over the run (docs/design.md#syncer-memory)
         held.append((ev.StepDone(m, inc, unit.ls.step, start, end, result.tokens, ev.pairs(result.sends),
                                  (), watch.take(), None, rows=rows or 0), log))
         # A checkpoint is never ahead of the steps the syncer has heard of: this step's event

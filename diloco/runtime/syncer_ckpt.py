@@ -76,6 +76,7 @@ def to_checkpoint(st: sync.SyncerState) -> tuple[dict, dict]:
         "held": sorted([m, list(v)] for m, v in st.held.items()),
         "step_times": {"decay": st.step_times.decay, "estimates": [list(e) for e in st.step_times.estimates]},
         "merges": st.merges, "quarantined": dict(st.quarantined), "decisions": list(st.decisions),
+        "bases": sorted([*k, v] for k, v in st.bases.items()),
     }
     return arrays, meta
 
@@ -109,7 +110,8 @@ def from_checkpoint(arrays: dict, meta: dict, policy: sync.Policy,
         tuple(frags), {m: inc for m, inc in meta["live"]},
         {(m, inc): seq for m, inc, seq in meta["last_seq"]},
         {m: tuple(v) for m, v in meta["held"]}, st_times, meta["merges"],
-        dict(meta["quarantined"]), Records(meta["decisions"]))
+        dict(meta["quarantined"]), Records(meta["decisions"]),
+        {(m, inc, p): v for m, inc, p, v in meta.get("bases", [])})  # none saved: every ref kept (up to history)
 
 
 def pairs(d: dict) -> list:

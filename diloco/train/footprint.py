@@ -121,3 +121,85 @@ def estimate(cfg: TrainConfig, params: int, vocab: int, trained: int | None = No
         parts["learner copies"] = 4.0 * trained / fsdp + 4.0 * trained / max(cfg.fragments.count, 1) / fsdp
     parts.update(activation_bytes(m, batch, cfg.data.seq_len, vocab, platform))
     return Footprint(params, trained, devices, batch, parts)
+
+
+# What a process holds before any model (Python, JAX, XLA's compiled steps): 0.86 GiB measured at
+# the first step of a 3.2M-parameter sim run on the CPU (docs/design.md#memory-before-a-run).
+RUNTIME_BYTES = 0.8 * GIB
+# What a refusal leaves unclaimed: an estimate is no measurement, and the kernel kills at the edge.
+MARGIN = 0.9
+
+
+def outer_slots(name: str) -> int:
+    """Float32 copies of a fragment the outer optimizer keeps (Nesterov's momentum; none to average)."""
+    return 0 if name == "average" else 1
+
+
+def host_estimate(cfg: TrainConfig, params: int, vocab: int, trained: int | None = None,
+                  platform: str = "cpu") -> Footprint:
+    """The resident memory of the process (or, for procs, the machine) that runs cfg, with the
+    host's own terms beside the devices' (docs/design.md#memory-before-a-run): on the CPU the
+    devices are this memory, every learner's state on each of its devices (a data-parallel mesh
+    replicates it; fsdp shards it), and the activations of one learner at a time (sim steps them in
+    turn) or of all (threads, procs). The syncer holds Theta, the outer state, a round's sums and
+    the broadcast references of the versions learners may still be based on (counted as M + 1 per
+    fragment; 2 measured with M = 4, docs/design.md#syncer-memory),
+    and the setup a host copy of Theta_0 and of the loaded model."""
+    per = estimate(cfg, params, vocab, trained, platform)
+    diloco = cfg.algo == "diloco"
+    learners = cfg.runtime.learners if diloco else 1
+    steps_at_once = 1 if diloco and cfg.runtime.kind == "sim" else learners
+    parts: dict[str, float] = {"runtime": RUNTIME_BYTES}
+    if platform == "cpu":
+        step = ("gradients", "activations", "logits")  # held while a step runs, freed after it
+        state = sum(v for k, v in per.parts.items() if k not in step)
+        parts["learner states" if diloco else "trainer state"] = learners * per.devices * state
+        parts["a step"] = steps_at_once * per.devices * sum(per.parts[k] for k in step)
+    parts["model on host"] = 4.0 * params  # the loaded (or initial) parameters, kept for the export
+    if diloco:
+        trained_ = per.trained
+        versions = min(cfg.syncer.history, learners + 1)
+        # Theta, the outer state, a round's sums, the references, and Theta_0 (the setup's copy)
+        parts["syncer"] = 4.0 * trained_ * (1 + outer_slots(cfg.outer.name) + 1 + versions + 1)
+    return Footprint(params, per.trained, per.devices, per.batch, parts)
+
+
+def mem_available() -> int | None:
+    """The kernel's estimate of memory a new process can take without swapping (MemAvailable in
+    /proc/meminfo), in bytes; None where there is no /proc."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def fits(f: Footprint, available: int | None) -> bool:
+    """Whether an estimate fits in MARGIN of the available memory (unknown memory: assumed to)."""
+    return available is None or f.total <= MARGIN * available
+
+
+def preflight(cfg: TrainConfig, params: int, vocab: int, trained: int | None, platform: str,
+              available: int | None) -> list[str]:
+    """The lines a run prints at start: its host memory estimate against the available memory.
+    A run that does not fit is refused here, before it is killed for memory hours in, unless
+    run.memory_check=false (docs/design.md#memory-before-a-run)."""
+    f = host_estimate(cfg, params, vocab, trained, platform)
+    have = "unknown" if available is None else f"{available / GIB:.1f} GiB"
+    parts = ", ".join(f"{name} {size / GIB:.2f}" for name, size in f.parts.items())
+    lines = [f"memory: about {f.total / GIB:.1f} GiB of {have} available ({parts} GiB)"]
+    if cfg.run.memory_check and not fits(f, available):
+        from diloco.config import ConfigError
+
+        r, d = cfg.runtime, cfg.data
+        knobs = (f"runtime.learners={r.learners}, runtime.devices_per_learner={r.devices_per_learner}, "
+                 if cfg.algo == "diloco" else f"mesh.devices={cfg.mesh.devices}, ")
+        raise ConfigError(
+            f"this run needs about {f.total / GIB:.1f} GiB of memory and {have} is available "
+            f"(MemAvailable; runs are refused above {MARGIN:.0%} of it): {parts} GiB. Lower {knobs}"
+            f"data.batch_size={d.batch_size} or data.seq_len={d.seq_len}, or train finetune=lora or with "
+            f"model.remat=full; run.memory_check=false starts it anyway")
+    return lines

@@ -31,6 +31,7 @@ import numpy as np
 
 from diloco import report
 from diloco import watch as run_watch
+from diloco.algo import hostpool
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
 from diloco.chaos import tapes
@@ -256,6 +257,7 @@ class Sim(HostedRuntime):
         """Book learner m's step that began at self.now and send what it sent."""
         unit = self.units[m]
         self.steps_done += 1
+        hostpool.release_freed()  # resident memory flat over the run (docs/design.md#syncer-memory)
         self.checkpoints.maybe_save(unit)
         inc = unit.ls.incarnation
         end = self.now + duration
