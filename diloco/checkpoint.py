@@ -32,6 +32,12 @@ class Damaged(ValueError):
     """A checkpoint whose arrays or meta differ from what was saved, or that lacks a field."""
 
 
+class Newer(Exception):
+    """A sound checkpoint from past the point where its reader goes on: one a learner saved after
+    the last step the syncer booked (the final one of a stop), or one a resume undid. Skipped as
+    expected, not reported as damage (docs/design.md#checkpoint-integrity)."""
+
+
 def open_manager(directory: str | Path, keep: int, async_save: bool = True,
                  clean: bool = True) -> ocp.CheckpointManager:
     """A CheckpointManager over `directory`; the caller closes it (it owns background threads).
@@ -171,6 +177,8 @@ def newest(manager: ocp.CheckpointManager, read: Callable[[int], T], what: str =
     for step in sorted(manager.all_steps(), reverse=True):
         try:
             return step, read(step)
+        except Newer as err:  # a normal resume finds these: information, not a failure
+            log.info("%s %s step %d skipped: %s; trying an older one", what, manager.directory, step, err)
         except Exception as err:  # noqa: BLE001 - any failure means "try the previous one"
             close_abandoned_reads(err)
             log.warning("%s %s step %d unusable (%s: %s); trying an older one", what, manager.directory,

@@ -110,7 +110,7 @@ def staleness(syncer_state: sync.SyncerState, versions: list[int]) -> int:
 def usable(m: int, incarnation: int, syncer_state: sync.SyncerState, stopped_at: int
            ) -> Callable[[int, object, dict], None]:
     """A check for `LearnerCheckpoints.latest`: raise `checkpoint.Damaged` for a checkpoint of
-    learner m that is not from its past as the syncer knows it, or lacks a field."""
+    learner m that lacks a field, `checkpoint.Newer` for one not from its past as the syncer knows it."""
     def check(step: int, state, meta: dict) -> None:
         def field(name, kind=int):
             value = meta.get(name)
@@ -128,20 +128,19 @@ def usable(m: int, incarnation: int, syncer_state: sync.SyncerState, stopped_at:
         if field("step") != step or int(jax.device_get(state.step)) != step:
             raise checkpoint.Damaged(f"saved as step {step}, but its meta says {meta['step']} and its "
                                      f"state {int(jax.device_get(state.step))}")
-        # From the future: a checkpoint this learner's past cannot have written (one left in the
-        # directory by another run, or by a part of this run that a resume undid).
+        # Newer than this learner's past as the syncer knows it: one a stop saved after the last
+        # step the syncer booked, one left by a stretch of this run that a resume undid, or one
+        # of another run in the same directory. Skipped, and said as information.
         if field("incarnation") >= incarnation:
-            raise checkpoint.Damaged(f"from the future: written by incarnation {meta['incarnation']}, "
-                                     f"and incarnation {incarnation} is the one rejoining")
+            raise checkpoint.Newer(f"written by incarnation {meta['incarnation']}, and incarnation "
+                                   f"{incarnation} is the one rejoining")
         if step > stopped_at:
-            raise checkpoint.Damaged(f"from the future: step {step} is past step {stopped_at}, where "
-                                     f"the syncer knows the learner stopped")
+            raise checkpoint.Newer(f"it is past step {stopped_at}, where the syncer knows the learner stopped")
         ahead = [(p, v, fs.version) for p, (fs, v) in enumerate(zip(syncer_state.fragments, versions))
                  if v > fs.version]
         if ahead:
             p, v, now = ahead[0]
-            raise checkpoint.Damaged(f"from the future: holds version {v} of fragment {p}, the syncer "
-                                     f"is at {now}")
+            raise checkpoint.Newer(f"it holds version {v} of fragment {p}, and the syncer is at {now}")
 
     return check
 
