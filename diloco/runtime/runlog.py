@@ -69,36 +69,40 @@ class InputLog:
 
 
 def read_inputs(path: Path) -> Iterator[Input]:
-    """The inputs of a log, in order; a damaged log is a ValueError naming the file and byte."""
-    blob = Path(path).read_bytes()
-    pos = 0
-    while pos < len(blob):
-        if pos + _LEN.size > len(blob):
-            raise ValueError(f"{path}: truncated record header at byte {pos}")
-        (n,) = _LEN.unpack_from(blob, pos)
-        try:  # an input header nests 3 deep (the live set's pairs); bounded, so damage cannot recurse
-            header = loads_json(blob[pos + 4:pos + 4 + n], 8)
-        except ValueError as e:
-            raise ValueError(f"{path}: damaged input record at byte {pos}: {e}") from None
-        pos += 4 + n
-        if not (isinstance(header, dict) and {"kind", "at", "data", "len"} <= set(header)
-                and type(header["len"]) is int and header["len"] >= 0
-                and type(header["at"]) in (int, float)):
-            raise ValueError(f"{path}: malformed input record at byte {pos}: {str(header)[:200]}")
-        if header["kind"] not in KINDS:
-            raise ValueError(f"{path}: unknown input kind {header['kind']!r} at byte {pos}")
-        if header["kind"] == "contribution":
-            data = blob[pos:pos + header["len"]]
-            if len(data) != header["len"]:
-                raise ValueError(f"{path}: truncated contribution at byte {pos}")
-            pos += header["len"]
-        else:
-            data = header["data"]
-            if header["kind"] == "step_time" or header["kind"] == "live":
-                if not isinstance(data, list):
-                    raise ValueError(f"{path}: malformed {header['kind']} input at byte {pos}: {str(data)[:200]}")
-                data = tuple(tuple(x) if isinstance(x, list) else x for x in data)
-        yield Input(header["kind"], header["at"], data)
+    """The inputs of a log, in order, read one record at a time (a log holds every contribution's
+    payload, hundreds of MB for a full-model run: docs/design.md#replay); a damaged log is a
+    ValueError naming the file and byte."""
+    with Path(path).open("rb") as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+        pos = 0
+        while pos < size:
+            if pos + _LEN.size > size:
+                raise ValueError(f"{path}: truncated record header at byte {pos}")
+            (n,) = _LEN.unpack(f.read(_LEN.size))
+            try:  # an input header nests 3 deep (the live set's pairs); bounded, so damage cannot recurse
+                header = loads_json(f.read(min(n, size - pos - _LEN.size)), 8)
+            except ValueError as e:
+                raise ValueError(f"{path}: damaged input record at byte {pos}: {e}") from None
+            pos = f.tell()
+            if not (isinstance(header, dict) and {"kind", "at", "data", "len"} <= set(header)
+                    and type(header["len"]) is int and header["len"] >= 0
+                    and type(header["at"]) in (int, float)):
+                raise ValueError(f"{path}: malformed input record at byte {pos}: {str(header)[:200]}")
+            if header["kind"] not in KINDS:
+                raise ValueError(f"{path}: unknown input kind {header['kind']!r} at byte {pos}")
+            if header["kind"] == "contribution":
+                if header["len"] > size - pos:
+                    raise ValueError(f"{path}: truncated contribution at byte {pos}")
+                data = f.read(header["len"])
+                pos = f.tell()
+            else:
+                data = header["data"]
+                if header["kind"] == "step_time" or header["kind"] == "live":
+                    if not isinstance(data, list):
+                        raise ValueError(f"{path}: malformed {header['kind']} input at byte {pos}: {str(data)[:200]}")
+                    data = tuple(tuple(x) if isinstance(x, list) else x for x in data)
+            yield Input(header["kind"], header["at"], data)
 
 
 def learner_rates(cfg, setup, clock: str) -> report.Rates:
