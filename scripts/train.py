@@ -52,8 +52,13 @@ def _job_error(message: object) -> JobUserError:
 
 
 def _groups() -> dict[str, list[str]]:
-    """Config group -> its presets (configs/<group>/*.yaml): `model=tiny` picks one."""
-    return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(CONFIGS.iterdir()) if d.is_dir()}
+    """Config group -> its presets (configs/<group>/*.yaml): `model=tiny` picks one. Only the groups
+    of train.yaml's defaults list (configs/experiment/ is scripts/experiment.py's)."""
+    import yaml
+
+    defaults = yaml.safe_load((CONFIGS / "train.yaml").read_text())["defaults"]
+    names = sorted(next(iter(d)) for d in defaults if isinstance(d, dict))
+    return {g: sorted(p.stem for p in (CONFIGS / g).glob("*.yaml")) for g in names}
 
 
 def _preflight(argv: list[str]) -> list[str]:

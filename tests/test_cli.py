@@ -81,6 +81,9 @@ def test_describe_lists_every_option_and_the_presets(tmp_path):
     assert proc.returncode == 0
     assert "runtime: procs | ray | sim | threads" in proc.stdout
     assert "  runtime.auth = 'auto'" in proc.stdout and "syncer.clip = 0.0" in proc.stdout
+    # only the groups train.yaml composes: experiment= is scripts/experiment.py's
+    presets = proc.stdout.split("Presets (group=name):\n")[1].split("\n\n")[0]
+    assert "  model: " in presets and "experiment" not in presets, presets
 
 
 def pasted(line: str) -> list[str]:
