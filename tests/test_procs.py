@@ -295,6 +295,8 @@ def test_a_chaos_tape_drives_the_learner_processes(world, tmp_path):
     assert rt.rejoins[0]["time"] >= 2.0 + 0.5  # not before the tape gave a slice back, then restart_s
     assert rt.rejoins[0]["time"] - rt.rejoins[0]["down_until"] >= 0.5 and rt.rejoins[0]["down_until"] >= 2.0
     assert summary["token_ledger_imbalance"] == 0 and 0 < summary["goodput"] < 1
+    # the summary counts what the tape injected beside the death it caused (docs/design.md#the-summary)
+    assert (summary["slice_failures"], summary["learner_outages"], summary["learner_deaths"]) == (2, 1, 1)
     assert rt.finished["steps"] == {"0": STEPS, "1": STEPS}
     versions = merge_versions(run_dir)
     assert all(vs == list(range(1, len(vs) + 1)) for vs in versions.values())
