@@ -96,7 +96,8 @@ def test_a_resumed_run_continues_the_x_axis_and_counts_its_own_tokens(world):
     first, second = event_files(run_dir / "tensorboard")
     resumed_x = [x for points in second.values() for x, _ in points]
     assert min(resumed_x) >= summary["tokens_at_start"]
-    assert max(resumed_x) == summary["tokens_processed"] and max(x for p in first.values() for x, _ in p) <= 20 * tokens_per_step
+    assert max(resumed_x) == summary["tokens_processed"]
+    assert max(x for points in first.values() for x, _ in points) <= 20 * tokens_per_step
 
 
 def test_the_chaos_summary_counts_what_the_tape_injected(world):
