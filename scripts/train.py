@@ -57,7 +57,7 @@ def _groups() -> dict[str, list[str]]:
     import yaml
 
     defaults = yaml.safe_load((CONFIGS / "train.yaml").read_text())["defaults"]
-    names = sorted(next(iter(d)) for d in defaults if isinstance(d, dict))
+    names = sorted(g for d in defaults if isinstance(d, dict) and (g := next(iter(d))).isidentifier())
     return {g: sorted(p.stem for p in (CONFIGS / g).glob("*.yaml")) for g in names}
 
 
@@ -106,15 +106,14 @@ def _job_tasks() -> int:
 
 
 def _ours(run_dir: Path) -> bool:
-    """Whether `run_dir` holds nothing before this start but what Hydra just wrote (train.log)."""
-    return not run_dir.is_dir() or all(p.name == "train.log" for p in run_dir.iterdir())
+    """Whether `run_dir` is empty before this start (Hydra makes it, and writes nothing in it)."""
+    return not run_dir.is_dir() or not any(run_dir.iterdir())
 
 
 def _clean_failed_start(run_dir: Path) -> None:
-    """A start that failed leaves only what it wrote itself (Hydra's train.log, our config.yaml):
-    remove those, and the directory if that empties it, so no half-made run is left behind."""
-    for name in ("train.log", "config.yaml"):
-        (run_dir / name).unlink(missing_ok=True)
+    """A start that failed leaves only what it wrote itself (our config.yaml): remove it, and the
+    directory if that empties it, so no half-made run is left behind."""
+    (run_dir / "config.yaml").unlink(missing_ok=True)
     if run_dir.is_dir() and not any(run_dir.iterdir()):
         run_dir.rmdir()
 

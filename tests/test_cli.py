@@ -37,6 +37,7 @@ def test_run_writes_config_metrics_checkpoints_summary_and_plot(tmp_path):
     assert "eval loss" in proc.stdout and "nats/token" in proc.stdout  # the summary, with units
     assert summary["wall_s"] > 0 and summary["rejoins"] == 0 and "train_loss" in summary
     assert (out / "tensorboard").is_dir()
+    assert not (out / "train.log").exists()  # Hydra logs to the console only (docs/design.md#outputs-of-a-run)
     # The trained model is exported as a Hugging Face folder (docs/models.md).
     from diloco.hf import load
     exported = load(out / "model")

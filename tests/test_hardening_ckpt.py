@@ -385,7 +385,7 @@ def test_a_run_dir_is_accepted_when_new_empty_holding_other_files_or_resumed(tmp
     run_dir = Path(_cfg(tmp_path, "sim").run.out_dir)
     run_dir.mkdir()
     drun.check_run_dir(_cfg(tmp_path, "sim"))
-    (run_dir / "train.log").write_text("hydra's log\n")  # Hydra writes it before the run starts
+    (run_dir / "notes.txt").write_text("a user's file\n")  # not a run's output
     drun.check_run_dir(_cfg(tmp_path, "sim"))
     _used(run_dir)
     drun.check_run_dir(_cfg(tmp_path, "sim", resume=True))
