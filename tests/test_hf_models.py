@@ -77,6 +77,9 @@ def test_export_shards_and_dtypes(tmp_path):
     save(tmp_path / "sharded", pre.config, pre.model.params, max_shard_bytes=20_000)
     files = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
     assert len(files) >= 3 and (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    # every file gets the umask's mode, like the config beside it (safetensors alone writes 0600)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "sharded").iterdir()}
+    assert set(modes.values()) == {(tmp_path / "sharded" / "config.json").stat().st_mode & 0o777}, modes
     again = load(tmp_path / "sharded")
     ref = np.load(FIXTURES / "llama3" / "reference.npz")
     np.testing.assert_allclose(_logits(again, ref["tokens"]), ref["logits"], atol=1e-4)

@@ -7,6 +7,7 @@ https://huggingface.co/docs/safetensors and transformers' `save_pretrained`.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -87,6 +88,13 @@ class SafetensorsFolder:
                 raise CheckpointError(f"{self._file[key]}: tensor {key} unreadable ({err})") from err
 
 
+def _umask() -> int:
+    """The process's umask (reading it means setting it; 0o022 for the instant between)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write(folder: Path, tensors: Iterable[tuple[str, np.ndarray]], dtype: str,
           max_shard_bytes: int = 0) -> list[Path]:
     """Write (key, float array) pairs as `dtype`; above max_shard_bytes (0: never) into numbered
@@ -102,6 +110,7 @@ def write(folder: Path, tensors: Iterable[tuple[str, np.ndarray]], dtype: str,
     def flush():
         path = folder / f".shard-{len(written)}.tmp"
         save_file(shard, str(path), metadata=meta)
+        os.chmod(path, 0o666 & ~_umask())  # safetensors creates it 0600; an export is a user's file
         written.append((path, list(shard)))
         shard.clear()
 
