@@ -23,7 +23,8 @@ TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
 def make_cfg(tmp_path, steps=20, mesh=MeshConfig(), **run) -> TrainConfig:
     data = DataConfig(source="synthetic", seq_len=32, batch_size=16, data_dir=str(tmp_path / "data"),
                       synthetic_vocab=16, synthetic_tokens=40_000, synthetic_branching=2)
-    run_cfg = RunConfig(steps=steps, log_every=5, eval_every=10, eval_batches=2, checkpoint_every=10,
+    run = {"checkpoint_every": 10, **run}
+    run_cfg = RunConfig(steps=steps, log_every=5, eval_every=10, eval_batches=2,
                         out_dir=str(tmp_path / "run"), progress=False, plot=False, **run)
     return validate(TrainConfig(model=TINY, data=data, inner=InnerConfig(lr=1e-2, warmup_steps=5),
                                 mesh=mesh, run=run_cfg))
@@ -128,3 +129,13 @@ def test_resume_is_bit_identical(tmp_path, corpus):
     assert int(first.step) == 10 and int(resumed.step) == 20
     for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_checkpoint_every_zero_saves_no_checkpoint(tmp_path, corpus):
+    """run.checkpoint_every=0 is none, the last step's included (a full fine-tune's would be GBs)."""
+    cfg = make_cfg(tmp_path, steps=6, checkpoint_every=0)
+    cfg = replace(cfg, inner=InnerConfig(lr=1e-2, warmup_steps=1))
+    model = build(cfg.model, corpus.vocab_size, seed=0)
+    train_dp(cfg, corpus, model, make_mesh(cfg.mesh, 16), Path(cfg.run.out_dir))
+    saved = Path(cfg.run.out_dir) / "checkpoints"
+    assert not saved.exists() or not any(saved.iterdir()), list(saved.iterdir())

@@ -164,7 +164,8 @@ def _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, sto
             eval_loss = evaluate(compiled, state.params, val)
             writer.write({"kind": "eval", "step": step, "tokens": tokens, "eval_loss": eval_loss})
         stopping = stop(step)
-        if stopping or report.due(step, run.checkpoint_every, run.steps):
+        # checkpoint_every=0 saves none, not even the last step's (a stop still saves, to resume from)
+        if stopping or (run.checkpoint_every > 0 and report.due(step, run.checkpoint_every, run.steps)):
             checkpoint.save(manager, step, state, {"tokens": tokens})
         if stopping:
             break
