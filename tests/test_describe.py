@@ -24,6 +24,15 @@ def test_every_option_is_listed_with_its_default_and_comment():
     assert docs["algo"].startswith("dp: the data-parallel baseline")
 
 
+def test_every_option_has_a_meaning_line():
+    """A field of schema.py without a comment would be listed by `--describe` with its default alone."""
+    lines = describe().splitlines()
+    bare = [line.strip() for line, after in zip(lines, lines[1:] + [""])
+            if line.startswith("  ") and not line.startswith("   ") and not after.startswith("      ")]
+    assert not bare, f"options without a meaning (comment the field in diloco/config/schema.py): {bare}"
+    assert all(doc for _, _, doc in options())
+
+
 def test_a_mistyped_key_gets_the_close_matches():
     got = unknown_keys(["runtime.stall_limit_stpes=2", "run.steps=20", "model=tiny", "+model.d_modle=64",
                         "runtime.quorum=2", "colour=red", "hydra.run.dir=x"], GROUPS)

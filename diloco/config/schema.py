@@ -15,16 +15,16 @@ class ConfigError(ValueError):
 class ModelConfig:
     """Decoder-only transformer shape; the vocabulary size comes from the tokenizer."""
 
-    name: str = "small"
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
+    name: str = "small"  # the shape's name (its configs/model/ preset), shown in the memory estimate
+    d_model: int = 128  # width of the residual stream
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 4  # query heads per attention layer
     n_kv_heads: int = 2  # grouped-query attention: n_heads query heads share n_kv_heads K/V heads
     d_ff: int = 384  # SwiGLU hidden width
-    max_seq_len: int = 256
-    tie_embeddings: bool = True
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
+    max_seq_len: int = 256  # longest sequence the model takes; data.seq_len must fit in it
+    tie_embeddings: bool = True  # the output head reuses the input embedding matrix
+    rope_theta: float = 10000.0  # RoPE base frequency
+    norm_eps: float = 1e-6  # epsilon of every RMSNorm / LayerNorm
     dtype: str = "float32"  # activation dtype; parameters are always float32
     # A Hugging Face folder or .gguf file to start from (docs/design.md#fine-tuning): its shape
     # (every other field of this section but dtype), weights and tokenizer replace the preset's;
@@ -43,8 +43,8 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
     rope_scaling: str = "none"  # none | llama3 (Llama 3.1+ frequency-dependent context extension)
     rope_factor: float = 8.0  # llama3 scaling: long wavelengths are divided by this
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths over original_max_len / this are divided by rope_factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original_max_len / this are kept; between, blended
     rope_original_max_len: int = 8192  # the context length the frequencies were trained for
     # How the inner step computes, not what (docs/models.md#attention-remat-and-the-chunked-loss); a
     # checkpoint from model.init_from keeps the run's choices.
@@ -68,8 +68,8 @@ class DataConfig:
     paths: tuple[str, ...] = ()  # files/globs for source=files (.txt or .jsonl) or source=sft (.jsonl)
     text_field: str = "text"  # JSONL field holding the text
     tokenizer: str = "byte"  # byte | bpe
-    bpe_vocab_size: int = 1024
-    seq_len: int = 128
+    bpe_vocab_size: int = 1024  # vocabulary of the BPE tokenizer trained on the corpus (tokenizer=bpe)
+    seq_len: int = 128  # tokens per training sequence
     batch_size: int = 32  # sequences per step of one trainer (or one learner)
     val_fraction: float = 0.05  # held out for eval: the stream's tail, or (sft) a fixed random share of the examples
     # sft: files/globs of validation conversations (chat JSONL) evaluated instead; () = hold out
@@ -81,10 +81,10 @@ class DataConfig:
     on_bad: str = "error"
     shard_block: int = 0  # 0: each learner a contiguous shard; N: blocks of N tokens dealt round-robin
     data_dir: str = "data"  # downloads, extracted text and tokenized stores are cached here
-    synthetic_vocab: int = 16
-    synthetic_tokens: int = 200_000
+    synthetic_vocab: int = 16  # states of the synthetic Markov chain: its vocabulary
+    synthetic_tokens: int = 200_000  # length of the synthetic token stream
     synthetic_branching: int = 4  # successors per state: sets the entropy floor of the source
-    synthetic_seed: int = 1234
+    synthetic_seed: int = 1234  # seed of the synthetic chain and of its sample
 
 
 @dataclass(frozen=True)
@@ -92,14 +92,14 @@ class InnerConfig:
     """The inner optimizer a trainer (or each learner) runs every step."""
 
     optimizer: str = "adamw"  # adamw | sgd
-    lr: float = 3e-3
-    warmup_steps: int = 50
+    lr: float = 3e-3  # peak learning rate, reached after warmup
+    warmup_steps: int = 50  # steps of linear warmup from 0 to lr
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
     schedule: str = "cosine"  # cosine | constant
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    b1: float = 0.9  # AdamW's first-moment decay
+    b2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's epsilon
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay, on matrices only (not norms or biases)
     clip_norm: float = 1.0  # global-norm clipping; 0 disables it
 
 
@@ -108,7 +108,7 @@ class MeshConfig:
     """Device mesh of one trainer: batch over (data, fsdp); parameters over fsdp."""
 
     data: int = -1  # -1: all devices not used by fsdp
-    fsdp: int = 1
+    fsdp: int = 1  # devices each parameter is sharded over; the batch spans data x fsdp
     devices: int = 0  # how many devices to use; 0 = all visible
 
 
@@ -116,11 +116,11 @@ class MeshConfig:
 class RunConfig:
     """Length of the run and what happens periodically."""
 
-    steps: int = 300
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 50
-    eval_batches: int = 8
+    steps: int = 300  # training steps (each learner's inner steps in DiLoCo)
+    seed: int = 0  # random init of the model and the order of the batches
+    log_every: int = 10  # steps between train records (metrics.jsonl, TensorBoard, the status line)
+    eval_every: int = 50  # steps between evals of the (global) model on the validation split
+    eval_batches: int = 8  # validation batches per eval
     # trainer: steps between checkpoints; sim: inner steps per learner between snapshots; procs:
     # merges between syncer checkpoints (0 = none, and then a killed syncer fails the run)
     checkpoint_every: int = 100
@@ -128,15 +128,15 @@ class RunConfig:
     # torn or damaged newest one falls back to the one before (1 saves disk and loses that); a sim
     # snapshot holds syncer.history broadcast references and every learner's optimizer state
     keep_checkpoints: int = 2
-    out_dir: str = "runs/default"
-    resume: bool = False
-    progress: bool = True
+    out_dir: str = "runs/default"  # the run directory (configs/train.yaml: runs/<timestamp>)
+    resume: bool = False  # continue the run in out_dir from what it saved (docs/design.md#resuming-a-run)
+    progress: bool = True  # a live status line on stderr (off under CI=1)
     tensorboard: bool = True  # TensorBoard event files in <run>/tensorboard (`tensorboard --logdir runs/`)
     # the same scalars to Weights & Biases, files in <run>/wandb; offline unless WANDB_MODE says
     # otherwise (needs the wandb extra: pip install -e .[wandb]; docs/design.md#metrics-series)
     wandb: bool = False
     wandb_project: str = "diloco"  # the W&B project the run is logged under (run.wandb=true)
-    plot: bool = True
+    plot: bool = True  # loss.png at the end of the run
     # bf16 dense peak TFLOP/s of one device, which MFU is measured against; 0 = the known peak of
     # the device kind (H100/H200 989.4, A100 312, TPU v5e 197, v5p 459, v6e 918: diloco/train/flops.py),
     # none on a CPU, so no MFU there (docs/design.md#model-flops-and-mfu)
@@ -173,8 +173,8 @@ class OuterConfig:
     """The syncer's outer optimizer, one state per fragment."""
 
     name: str = "nesterov"  # nesterov | sgd | average | delayed_nesterov
-    lr: float = 0.7
-    momentum: float = 0.9
+    lr: float = 0.7  # outer learning rate, on each fragment's merged pseudo-gradient
+    momentum: float = 0.9  # Nesterov momentum of the outer step (nesterov, delayed_nesterov)
     delay: int = 4  # N of delayed_nesterov
 
 
@@ -186,8 +186,8 @@ class CodecConfig:
     down: str = "int8"  # broadcast deltas; learners that missed a version get fp32
     error_feedback: bool = False  # on the up direction
     zstd_level: int = 1  # 0 disables the zstd stage
-    block: int = 64
-    topk_fraction: float = 0.01
+    block: int = 64  # values per float32 scale in the block formats (int8, int4, fp4, 2bit)
+    topk_fraction: float = 0.01  # topk: the share of each tensor's values sent, largest magnitudes first
 
 
 @dataclass(frozen=True)
@@ -196,9 +196,9 @@ class SyncerConfig:
 
     quorum: int = 1  # K
     gamma: float = 0.8  # Eq. 3 safety factor [unsure]
-    grace_cap_steps: float = 1.0
+    grace_cap_steps: float = 1.0  # the grace window never exceeds this many step times (Eq. 3)
     merge: str = "rda"  # a rule in diloco.algo.merge.MERGES (rda, rda_fragment, average), non-embedding fragments
-    embedding_merge: str = "average"
+    embedding_merge: str = "average"  # the merge rule of embedding fragments (the same choices as merge)
     max_staleness: int = -1  # versions; -1 = no cut-off
     history: int = 16  # versions of broadcast references kept for decoding contributions
     grace_budget: str = "waiting"  # Eq. 3 step time: waiting (fastest learner in the round) | slowest [unsure]
@@ -208,7 +208,7 @@ class SyncerConfig:
     # median of the fragment's last norm_window admitted ones (once 8 are known); 0 = no bound.
     # Loose on purpose: the learning-rate warmup alone moves the per-step norm several-fold.
     norm_bound: float = 100.0
-    norm_window: int = 32
+    norm_window: int = 32  # how many admitted norms the median of norm_bound is taken over
     # Armed from a fragment's first contribution, before the median has a window: quarantine a norm
     # per inner step above theta_norm_bound x (||Theta_p|| + sqrt(size of p)); 0 = no bound.
     theta_norm_bound: float = 100.0
@@ -224,9 +224,9 @@ class SyncerConfig:
 class RuntimeConfig:
     """Who runs the learners and how time passes. sim: virtual clock, modelled link."""
 
-    kind: str = "sim"
+    kind: str = "sim"  # sim | threads | procs | ray (docs/design.md#runtimes)
     learners: int = 4  # M
-    devices_per_learner: int = 2
+    devices_per_learner: int = 2  # devices each learner's mesh spans
     step_time: float = 1.0  # modelled seconds per inner step at speed 1 (sim)
     speeds: tuple[float, ...] = ()  # per learner step-time factor; () = all 1.0
     jitter: float = 0.0  # relative std of each step time
@@ -258,16 +258,16 @@ class RuntimeConfig:
     # s3:// and gs://: how long a store operation is retried through an outage before the run fails
     # (docs/design.md#object-store-transport). Credentials come from the environment, never the config.
     store_endpoint: str = ""
-    store_region: str = ""
-    store_retry_s: float = 60.0
+    store_region: str = ""  # the S3 region (see store_endpoint)
+    store_retry_s: float = 60.0  # seconds a store operation is retried through an outage (see store_endpoint)
     # Learner authentication (docs/algorithm.md#authenticated-learners): each contribution carries an
     # HMAC tag under its learner's key, derived from a run secret. auto = on where frames cross a
     # process boundary (procs), off in-process (sim, threads). The secret is read from the file
     # auth_secret_file, else from the environment variable auth_secret_env; if neither is set a
     # random one is made for the run (one host only: hosts of a cluster must share it). Never logged.
     auth: str = "auto"  # auto | on | off
-    auth_secret_env: str = "DILOCO_AUTH_SECRET"
-    auth_secret_file: str = ""
+    auth_secret_env: str = "DILOCO_AUTH_SECRET"  # environment variable holding the run secret (see auth)
+    auth_secret_file: str = ""  # file holding the run secret; "" = auth_secret_env's
     # Beyond one machine (docs/cluster.md). procs: local = this process spawns the syncer and every
     # learner and restarts them; external = it hosts the syncer only (scripts/syncer.py) and each
     # learner is started apart by a scheduler (scripts/learner.py), coupled through the store.
@@ -277,26 +277,26 @@ class RuntimeConfig:
     # process contributes devices_per_learner / processes_per_learner; procs and ray only. The
     # heartbeat bounds how long a world's survivors run on after one of its processes died.
     processes_per_learner: int = 1
-    world_heartbeat_s: float = 5.0
+    world_heartbeat_s: float = 5.0  # heartbeat period of a learner's world (see processes_per_learner)
     learner_index: int = -1  # scripts/learner.py: the learner this process runs, 0..learners-1
     # scripts/learner.py with processes_per_learner > 1 (docs/cluster.md#a-learner-of-several-hosts):
     # which process of the learner's world this is (0 leads: it claims the incarnation and serves
     # the world's coordination service), and the address the leader advertises for that service:
     # "" = its host name's address and a free port, "host" = that host and a free port, "host:port".
     process_index: int = 0
-    world_address: str = ""
+    world_address: str = ""  # the address the world's leader advertises (see process_index)
     # ray: the cluster to join ("" = start one on this machine; "auto" or host:port = a running one),
     # each learner's placement group bundle (Ray resources: CPU, GPU, TPU, ...) and the syncer
     # actor's resources (a CPU node).
     ray_address: str = ""
-    learner_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
-    syncer_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    learner_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})  # ray: each learner's bundle
+    syncer_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})  # ray: the syncer's actor
     # ray on TPUs: each learner one whole slice of this topology and generation (e.g. "4x4" of
     # "v6e"), reserved through ray.util.tpu (docs/cluster.md#tpu-slices-on-ray): its placement
     # group holds one bundle per host of that slice, learner_resources are added to each, and
     # processes_per_learner must be the slice's host count. "" = the bundles of learner_resources.
     tpu_topology: str = ""
-    tpu_version: str = ""
+    tpu_version: str = ""  # ray on TPUs: the slices' generation (see tpu_topology)
 
 
 @dataclass(frozen=True)
@@ -306,19 +306,19 @@ class ChaosConfig:
     Times are seconds: virtual seconds in the sim runtime; wall-clock runtimes scale them.
     """
 
-    enabled: bool = False
-    slices_per_learner: int = 4
-    chips_per_slice: int = 256
+    enabled: bool = False  # replay a failure tape: generated from this section, or chaos.tape_file
+    slices_per_learner: int = 4  # a learner with slices down steps on a smaller batch, with none left it dies
+    chips_per_slice: int = 256  # chips of one slice (a slice fails at chips_per_slice / mtbi_s)
     # mean time between interruptions of one chip (1 year); a slice of c chips fails at c / mtbi_s
     mtbi_s: float = 31_536_000.0
     repair: str = "exponential"  # fixed | exponential | lognormal: how long a failed slice stays down
-    repair_mean_s: float = 600.0
+    repair_mean_s: float = 600.0  # mean seconds a failed slice stays down
     repair_sigma: float = 1.0  # lognormal only: std of log(repair time)
     # step-time factor per learner, cycled over learners: [1.0, 1.18] = every second one 1.18x slower
     speeds: tuple[float, ...] = ()
     jitter: float = 0.0  # relative std of each step time
     scavenge: tuple[tuple[float, ...], ...] = ()  # [start_s, stop_s] per extra learner (ids from runtime.learners on)
-    seed: int = 0
+    seed: int = 0  # seed of the generated tape
     wall_scale: float = 1.0  # threads/procs: wall seconds per tape second (a real step's seconds / step_time)
     tape_file: str = ""  # a tape JSON (e.g. a sim run's chaos_tape.json) to replay instead of generating one
 
