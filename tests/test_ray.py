@@ -267,3 +267,33 @@ def test_a_bundle_no_node_can_hold_is_a_config_error(world, tmp_path, monkeypatc
     monkeypatch.setattr(ray_runtime, "PLACE_TIMEOUT_S", 2.0)
     with pytest.raises(ConfigError, match="could not place learner 0's bundle"):
         ray_runtime.run(cfg, setup, run_dir, evaluate)
+
+
+FORK_CHECK = """
+import os, types, jax
+jax.devices()  # JAX initialised first, as in a run: it warns at every os.fork() from then on
+import ray
+from diloco.config import TrainConfig
+from diloco.runtime import ray_runtime
+host = types.SimpleNamespace(cfg=TrainConfig(), M=1, owns_ray=False)
+ray_runtime.RayProcs._connect(host)
+print("RAY_COLOR_PREFIX", os.environ.get("RAY_COLOR_PREFIX"))
+ray.shutdown()
+"""
+
+
+def test_starting_ray_after_jax_prints_no_fork_warning_and_no_colour_codes(tmp_path):
+    """Ray starts its processes by fork and exec; JAX's warning about forking a multithreaded
+    process is not the user's to read, and the actors' log prefixes carry no escape sequences."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_COLOR_PREFIX", None)
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-c", FORK_CHECK], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "os.fork()" not in proc.stderr, proc.stderr[-3000:]
+    assert "RAY_COLOR_PREFIX 0" in proc.stdout

@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import time
+import warnings
 from typing import Any, Callable
 
 import ray
@@ -293,14 +294,22 @@ class RayProcs(Procs):
         r = self.cfg.runtime
         if ray.is_initialized():
             return
-        if r.ray_address:
-            ray.init(address=r.ray_address, namespace=NAMESPACE, log_to_driver=True)
-        else:  # a cluster of this machine, with the logical CPUs the actors ask for
-            need = (self.M * r.processes_per_learner * r.learner_resources.get("CPU", 0.0)
-                    + r.syncer_resources.get("CPU", 0.0))
-            ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), namespace=NAMESPACE,
-                     include_dashboard=False, log_to_driver=True)
-            self.owns_ray = True
+        # The actors' lines reach this console with a "(Host pid=...)" prefix, uncoloured: Ray's
+        # colour codes are escape sequences wherever the output is not a terminal (a log file, CI).
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+        with warnings.catch_warnings():
+            # Ray starts its own processes (GCS, raylet) by fork and exec with a pre-exec function
+            # that only masks SIGINT; JAX, initialised in this process by then, warns at every fork
+            # that a forked child may deadlock. The child runs no JAX, so the warning is not ours.
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+            if r.ray_address:
+                ray.init(address=r.ray_address, namespace=NAMESPACE, log_to_driver=True)
+            else:  # a cluster of this machine, with the logical CPUs the actors ask for
+                need = (self.M * r.processes_per_learner * r.learner_resources.get("CPU", 0.0)
+                        + r.syncer_resources.get("CPU", 0.0))
+                ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), namespace=NAMESPACE,
+                         include_dashboard=False, log_to_driver=True)
+                self.owns_ray = True
 
     def _env(self) -> dict:
         """What every actor's process needs of this one's environment: the run secret, the simulated
