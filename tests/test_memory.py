@@ -119,3 +119,15 @@ def test_a_run_that_cannot_fit_is_refused_naming_the_knobs(tmp_path):
         assert knob in str(err.value)
     off = replace(cfg, run=replace(cfg.run, memory_check=False))
     assert footprint.preflight(off, 100_000_000, 256, None, "cpu", int(need))  # printed, not refused
+
+
+def test_run_refuses_before_writing_anything(tmp_path, monkeypatch):
+    """diloco.run checks the estimate after the data and the model are loaded and before the run
+    directory is made: a refusal leaves nothing behind."""
+    from diloco import run as drun
+
+    cfg = make_cfg(tmp_path, steps=4, d_model=32, H=4)
+    monkeypatch.setattr(footprint, "mem_available", lambda: 64 * MIB)
+    with pytest.raises(ConfigError, match="run.memory_check=false"):
+        drun.run(cfg)
+    assert not (tmp_path / "run").exists()
