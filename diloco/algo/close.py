@@ -126,8 +126,9 @@ def _units(per: str | None, S: list[np.ndarray]) -> list[tuple[np.float32, np.fl
     if per is None:
         return [(np.float32(1.0), np.float32(1.0))] * len(S)
     tasks = [(t, lo, hi) for t, x in enumerate(S) for lo, hi in hostpool.pieces(x.size)]
+    # a fragment under one piece in all is summed on this thread (the pool's start-up would cost more)
     parts = hostpool.run([lambda t=t, lo=lo, hi=hi: codec_kernels.sumsq(S[t][lo:hi]) for t, lo, hi in tasks],
-                         parallel=len(tasks) > 1)
+                         parallel=sum(x.size for x in S) > hostpool.CHUNK)
     squares = [0.0] * len(S)
     for (t, _, _), ss in zip(tasks, parts):  # in piece order: the same sum whatever the threads
         squares[t] += ss
