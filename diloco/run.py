@@ -53,7 +53,9 @@ def check_run_dir(cfg: TrainConfig) -> None:
     its learner checkpoints, metrics and snapshots would mix into the new run's; and a resume of
     a directory that holds no run (a mistyped path would otherwise train a new run there)."""
     run_dir = Path(cfg.run.out_dir)
-    if cfg.run.resume and not (run_dir / "config.yaml").is_file():
+    # A syncer host started apart (runtime.launch=external) resumes whatever its learners, started
+    # by hand, already wrote there before its own first config.yaml (docs/cluster.md)
+    if cfg.run.resume and cfg.runtime.launch != "external" and not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"run.resume=true but run.out_dir={run_dir} holds no run to resume (no "
                           f"{run_dir / 'config.yaml'}); check the path, or drop run.resume=true to start one there")
     found = used_by_a_run(run_dir)
