@@ -213,7 +213,9 @@ def test_build_fails_loudly_on_bad_config_and_long_sequences(tiny):
 # Expected parameter counts: CPU presets with the byte vocabulary, 1b with a 32k BPE vocabulary,
 # 135m (SmolLM2-135M's shape) with its 49,152-token one.
 PRESET_RANGES = {"tiny": (256, 0.08e6, 0.15e6), "small": (256, 0.8e6, 1.2e6),
-                 "base10m": (256, 8e6, 12e6), "1b": (32768, 0.9e9, 1.1e9), "135m": (49152, 0.13e9, 0.14e9)}
+                 "base10m": (256, 8e6, 12e6), "1b": (32768, 0.9e9, 1.1e9), "135m": (49152, 0.13e9, 0.14e9),
+                 "360m": (49152, 0.36e9, 0.37e9), "llama3_1b": (128256, 1.2e9, 1.3e9),
+                 "llama3_8b": (128256, 8.0e9, 8.1e9)}
 
 
 @pytest.mark.parametrize("name", sorted(PRESET_RANGES))
