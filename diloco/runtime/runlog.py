@@ -106,10 +106,10 @@ def read_inputs(path: Path) -> Iterator[Input]:
 
 
 def learner_rates(cfg, setup, clock: str) -> report.Rates:
-    """The learning rate and throughput of each learner's train records (docs/design.md#metrics-
-    series, #model-flops-and-mfu), on runtime.devices_per_learner devices; on a virtual `clock`
-    (sim) over the wall seconds between its records, during which every learner stepped on the one
-    mesh."""
+    """The learning rate and throughput of each learner's train records
+    (docs/design.md#metrics-series, #model-flops-and-mfu), on runtime.devices_per_learner devices;
+    on a virtual `clock` (sim) over the wall seconds between its records, during which every
+    learner stepped on the one mesh."""
     from diloco.train import flops, optim
 
     hw = flops.hardware(cfg.runtime.devices_per_learner, cfg.run.peak_tflops)
