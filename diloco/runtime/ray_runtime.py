@@ -307,8 +307,10 @@ class RayProcs(Procs):
             else:  # a cluster of this machine, with the logical CPUs the actors ask for
                 need = (self.M * r.processes_per_learner * r.learner_resources.get("CPU", 0.0)
                         + r.syncer_resources.get("CPU", 0.0))
-                ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), namespace=NAMESPACE,
-                         include_dashboard=False, log_to_driver=True)
+                # "local": a new cluster of its own, even where another is running on this machine
+                # (without an address Ray joins the newest one it finds, and refuses num_cpus there)
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
+                         namespace=NAMESPACE, include_dashboard=False, log_to_driver=True)
                 self.owns_ray = True
 
     def _env(self) -> dict:
