@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
 from diloco import hf  # noqa: E402
-from diloco.hf.gguf_file import shipped_smollm2  # noqa: E402
+from diloco.pretrained import shipped_smollm2  # noqa: E402
 from diloco.model import build  # noqa: E402
 from diloco.model.generate import generate  # noqa: E402
 

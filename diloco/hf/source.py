@@ -10,9 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, damaged, or does not fit the model it claims to hold."""
+from diloco.pretrained import CheckpointError  # noqa: F401 (defined with the name rule, importable from here)
 
 
 class TensorSource(Protocol):
