@@ -24,6 +24,7 @@ from diloco.config import ConfigError, MeshConfig, TrainConfig
 from diloco.data import Corpus
 from diloco.model import Model, is_embedding
 from diloco.runtime import placement, world
+from diloco.runtime.sharing import shares_mesh  # noqa: F401 (build.shares_mesh for the runtimes)
 from diloco.runtime.unit import LearnerUnit, UnitSpec
 from diloco.train import flops
 from diloco.train.mesh import make_mesh
@@ -93,13 +94,6 @@ def policy(cfg: TrainConfig) -> sync.Policy:
                        norm_window=s.norm_window, up_spec=up_spec, max_steps=cfg.run.steps,
                        step_tokens=cfg.data.batch_size * cfg.data.seq_len, theta_norm_bound=s.theta_norm_bound,
                        auth=auth_secret(cfg), clip=s.clip)
-
-
-def shares_mesh(cfg: TrainConfig) -> bool:
-    """Whether every learner runs on the one sub-mesh with one compiled step: sim steps its
-    learners one after another, so disjoint devices buy nothing but a compile per learner
-    (docs/design.md#runtimes); the wall-clock runtimes step them at once, on devices of their own."""
-    return cfg.runtime.kind == "sim"
 
 
 # Runtimes whose every learner is a process of its own: such a process may see only its own
