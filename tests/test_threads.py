@@ -309,5 +309,7 @@ def test_a_chaos_tape_on_the_wall_clock_shrinks_the_batch_then_kills_and_restart
     assert rows == {0: {batch}, 1: {batch // 2}}
     assert [(r.learner, r.incarnation) for r in rt.rejoins] == [(1, 1)]
     assert [u.ls.step for u in rt.units] == [STEPS] * M
-    assert summary["token_ledger_imbalance"] == 0 and sum(rt.tokens.lost) > 0
+    # balanced whatever the crash caught: 0.05 s in, learner 1 may not have finished a step yet,
+    # and then it lost nothing (a fresh-clone run at load 2 booked its tokens "overwritten")
+    assert summary["token_ledger_imbalance"] == 0 and rt.tokens.dead == frozenset({(1, 0)})
     assert timeline.seconds(rt.time)[1]["down"] >= 0.5
