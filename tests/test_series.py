@@ -2,10 +2,10 @@
 train record each learner's learning rate and throughput, in metrics.jsonl and TensorBoard; their
 continuation across a resume; what a chaos tape injected in the summary; W&B beside TensorBoard."""
 
-import struct
 from dataclasses import replace
 
 import pytest
+from test_watch import event_files
 
 from diloco import report
 from diloco.chaos import tapes
@@ -35,23 +35,6 @@ def check_series(cfg, run_dir, summary) -> None:
     for r in train:  # the step's rate: the schedule at the optimizer count before it
         assert r["lr"] == pytest.approx(float(schedule(r["step"] - 1)), rel=1e-6), r
     assert len({r["lr"] for r in train}) > 1  # warmup and decay: a constant would prove nothing
-
-
-def event_files(directory):
-    """[{tag: [(step, value), ...]}] per tensorboard event file, oldest first."""
-    from tensorboardX.proto import event_pb2
-
-    out = []
-    for path in sorted(directory.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns):
-        blob, pos, scalars = path.read_bytes(), 0, {}
-        while pos < len(blob):
-            (n,) = struct.unpack_from("<Q", blob, pos)
-            event = event_pb2.Event.FromString(blob[pos + 12:pos + 12 + n])
-            pos += 12 + n + 4
-            for v in event.summary.value:
-                scalars.setdefault(v.tag, []).append((event.step, v.simple_value))
-        out.append(scalars)
-    return out
 
 
 @pytest.fixture(scope="module")

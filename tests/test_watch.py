@@ -8,19 +8,30 @@ from diloco import report
 from diloco.watch import RunWatch
 
 
-def read_scalars(directory):
-    """{tag: [(step, value), ...]} from tensorboard event files (TFRecord framing, Event protos)."""
+def event_files(directory):
+    """[{tag: [(step, value), ...]}] per tensorboard event file, oldest first (TFRecord framing,
+    Event protos)."""
     from tensorboardX.proto import event_pb2
 
-    out: dict[str, list] = {}
-    for path in sorted(directory.glob("events.out.tfevents.*")):
-        blob, pos = path.read_bytes(), 0
+    out = []
+    for path in sorted(directory.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns):
+        blob, pos, scalars = path.read_bytes(), 0, {}
         while pos < len(blob):
             (n,) = struct.unpack_from("<Q", blob, pos)
             event = event_pb2.Event.FromString(blob[pos + 12:pos + 12 + n])
             pos += 12 + n + 4
             for v in event.summary.value:
-                out.setdefault(v.tag, []).append((event.step, v.simple_value))
+                scalars.setdefault(v.tag, []).append((event.step, v.simple_value))
+        out.append(scalars)
+    return out
+
+
+def read_scalars(directory):
+    """{tag: [(step, value), ...]} over every tensorboard event file of `directory`, oldest first."""
+    out: dict[str, list] = {}
+    for scalars in event_files(directory):
+        for tag, points in scalars.items():
+            out.setdefault(tag, []).extend(points)
     return out
 
 
