@@ -23,11 +23,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
+from decode import on_device  # noqa: E402
 
 from diloco import hf  # noqa: E402
 from diloco.pretrained import shipped_smollm2  # noqa: E402
 from diloco.model import build  # noqa: E402
-from diloco.model.generate import generate  # noqa: E402
+from diloco.model.generate import Sampling, generate  # noqa: E402
 
 NOVEL = ("Decoupled training splits a cluster into learner units that never wait for one another. "
          "Each unit takes many local optimizer steps on its own slice of chips, then sends compressed "
@@ -78,7 +79,7 @@ def main() -> None:
     ids = tok.apply_chat_template([{"role": "user", "content": CHAT}], add_generation_prompt=True)
     out = generate(again.model, again.config, [ids], args.max_new_tokens, stop_ids=tok.stop_ids)
     # Speed over a fixed number of steps (no stop token), batch 1 and 4.
-    speed = {b: generate(again.model, again.config, [ids] * b, args.max_new_tokens) for b in (1, 4)}
+    speed = {b: on_device(again.model, again.config, [ids] * b, args.max_new_tokens, Sampling()) for b in (1, 4)}
 
     from diloco.config import DataConfig
     from diloco.data import sources

@@ -89,5 +89,5 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> tuple[list[str], Generated]:
         for text, reply in zip(shown, replies):
             print(f"> {text}\n{reply}\n", file=out)
     print(f"[{len(ids)} prompt(s), {sum(map(len, result.tokens))} new tokens; compile {result.compile_s:.1f} s, "
-          f"prefill {result.prefill_s:.2f} s, decode {result.tokens_per_s:.1f} tokens/s]", file=out)
+          f"{result.run_s:.2f} s, {result.tokens_per_s:.1f} tokens/s]", file=out)
     return replies, result

@@ -163,7 +163,7 @@ def test_device_loop_equals_the_per_token_loop_on_tiny_models(variant):
     for m, sampling in ((_sharp(model), Sampling()), (model, Sampling(0.8, 20, 0.9))):
         ref, stopped, decoded, _ = _stepwise(m, cfg, PROMPTS, 12, sampling, seed=1)
         out = generate(m, cfg, PROMPTS, 12, sampling, seed=1)
-        assert (out.tokens, out.stopped, out.decode_tokens) == (ref, stopped, decoded)
+        assert (out.tokens, out.stopped, out.new_tokens) == (ref, stopped, len(ref) + decoded)
         assert decoded == 3 * 11  # no stop ids: every row runs all 11 steps after the prefill
 
 
@@ -185,7 +185,7 @@ def test_device_loop_equals_the_per_token_loop_on_smollm2():
     assert len(prompts[0]) != len(prompts[1])
     ref, stopped, decoded, _ = _stepwise(pre.model, pre.config, prompts, 16, stop_ids=tok.stop_ids)
     out = generate(pre.model, pre.config, prompts, 16, stop_ids=tok.stop_ids)
-    assert (out.tokens, out.stopped, out.decode_tokens) == (ref, stopped, decoded)
+    assert (out.tokens, out.stopped, out.new_tokens) == (ref, stopped, len(ref) + decoded)
     assert stopped == [True, False]  # "The capital of France is Paris." then eos; the other runs on
 
 
@@ -199,13 +199,13 @@ def test_each_row_stops_at_its_own_stop_token_and_the_loop_at_the_last():
     firsts = [next((j for j, t in enumerate(row) if t in stops), None) for row in free]
     ref, stopped, decoded, _ = _stepwise(model, TINY, PROMPTS, 16, stop_ids=stops)
     out = generate(model, TINY, PROMPTS, 16, stop_ids=stops)
-    assert (out.tokens, out.stopped, out.decode_tokens) == (ref, stopped, decoded)
+    assert (out.tokens, out.stopped, out.new_tokens) == (ref, stopped, len(ref) + decoded)
     for row, first in zip(range(3), firsts):
         assert out.tokens[row] == free[row][:first] and out.stopped[row] == (first is not None)
     # Analytically: a row that stops at step j is running for steps 1..j, one that never stops for
     # every step the loop takes; the loop runs to the last row's stop.
     steps = 16 if None in firsts else max(firsts) + 1
-    assert out.decode_tokens == sum(steps - 1 if f is None else f for f in firsts)
+    assert out.new_tokens == 3 + sum(steps - 1 if f is None else f for f in firsts)
 
     # On the device, a stopped row's slots hold NO_TOKEN and the loop ends once all rows stopped.
     first_B = jnp.asarray(raw_BxT[:, 0])
@@ -267,11 +267,11 @@ def test_one_and_zero_new_tokens():
     ref, *_ = _stepwise(model, TINY, PROMPTS, 1)
     out = generate(model, TINY, PROMPTS, 1)
     assert out.tokens == ref and all(len(t) == 1 for t in out.tokens)
-    assert out.decode_tokens == 0 and out.decode_s == 0 and np.isnan(out.tokens_per_s)
+    assert out.new_tokens == 3 and out.run_s > 0 and out.tokens_per_s == 3 / out.run_s
     first = out.tokens[0][0]
     stopped = generate(model, TINY, PROMPTS, 5, stop_ids=[first])
-    assert stopped.tokens[0] == [] and stopped.stopped[0] and stopped.decode_tokens == \
-        sum(len(t) - 1 for t in stopped.tokens[1:])  # row 0 stopped at once; the others ran 4 steps
+    assert stopped.tokens[0] == [] and stopped.stopped[0] and stopped.new_tokens == \
+        1 + sum(len(t) for t in stopped.tokens[1:])  # row 0 stopped at once; the others ran 4 steps
     with pytest.raises(ValueError, match="max_new_tokens=0 must be > 0"):
         generate(model, TINY, PROMPTS, 0)
 
@@ -315,3 +315,27 @@ def test_calls_within_one_bucket_reuse_the_compiled_programs():
         assert compiles
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_a_call_is_one_dispatch_of_one_program(monkeypatch):
+    """The key split, the prefill and the loop are one compiled program, called once a call; its
+    outputs are every token (the tokens equal a separate run's)."""
+    import diloco.model.generate as gen
+    model = _sharp(build(TINY, 256, seed=4))
+    ref = generate(model, TINY, PROMPTS, 9, seed=2)
+    calls = []
+    real = gen._generate
+
+    class Spy:
+        @staticmethod
+        def lower(*args, **kw):
+            compiled = real.lower(*args, **kw).compile()
+
+            class Once:
+                def compile(self):
+                    return lambda *a: calls.append(1) or compiled(*a)
+            return Once()
+
+    monkeypatch.setattr(gen, "_generate", Spy)
+    out = generate(model, TINY, PROMPTS, 9, seed=2)
+    assert calls == [1] and out.tokens == ref.tokens and out.new_tokens == ref.new_tokens

@@ -10,7 +10,7 @@ import pytest
 from diloco.algo import syncer as sync
 from diloco.config import ChaosConfig, validate
 from diloco.runtime import sim as sim_mod
-from diloco.runtime.runlog import read_decisions, read_inputs
+from diloco.runtime.runlog import InputLog, input_offset, read_decisions, read_inputs
 from diloco.runtime.summary import replayable
 from test_sim import build, corpus, make_cfg, model  # noqa: F401  (fixtures)
 
@@ -43,8 +43,8 @@ def test_resume_from_a_snapshot_equals_the_uninterrupted_run(tmp_path, build):
     for x, y in zip(sync.theta(a.syncer).values(), sync.theta(c.syncer).values()):
         np.testing.assert_array_equal(x, y)
     assert read_decisions(tmp_path / "cut" / "decisions.jsonl") == read_decisions(tmp_path / "whole" / "decisions.jsonl")
-    assert [(e.kind, e.at) for e in read_inputs(tmp_path / "cut" / "syncer_inputs.bin")] == \
-        [(e.kind, e.at) for e in read_inputs(tmp_path / "whole" / "syncer_inputs.bin")]
+    # The resumed log kept its prefix in place and appended the rest: byte for byte the whole run's.
+    assert (tmp_path / "cut" / "syncer_inputs.bin").read_bytes() == (tmp_path / "whole" / "syncer_inputs.bin").read_bytes()
     for ua, uc in zip(a.units, c.units):
         assert ua.ls == uc.ls
         for x, y in zip(*(np.concatenate([np.ravel(l) for l in jax_leaves(u.state)]) for u in (ua, uc))):
@@ -85,3 +85,24 @@ def test_resume_without_a_snapshot_starts_from_the_beginning(tmp_path, build):
     cfg = cfg_for(tmp_path, "fresh", resume=True)
     sim, summary = sim_mod.run(cfg, build(cfg), tmp_path / "fresh", None)
     assert summary is not None and all(u.ls.step == 24 for u in sim.units[:2])
+
+
+def test_input_offset_skips_payloads_and_counts_records(tmp_path):
+    """The byte after the first n records, found from the headers alone, is where a resumed log is
+    cut: what is kept reads back as the first n inputs."""
+    from diloco.algo.replay import Input
+
+    path = tmp_path / "syncer_inputs.bin"
+    log = InputLog(path)
+    events = [Input("live", 0.0, ((0, 0),)), Input("contribution", 1.0, bytes(range(256)) * 40),
+              Input("deadline", 2.0, 1), Input("contribution", 3.0, b"x" * 7)]
+    ends = []
+    for e in events:
+        log.append(e)
+        ends.append(log.offset())
+    log.close()
+    assert [input_offset(path, n) for n in range(5)] == [0, *ends]
+    with pytest.raises(ValueError, match="fewer than the 5 input records"):
+        input_offset(path, 5)
+    InputLog(path, keep=input_offset(path, 2)).close()
+    assert [(e.kind, e.at, e.data) for e in read_inputs(path)] == [(e.kind, e.at, e.data) for e in events[:2]]

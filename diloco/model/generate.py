@@ -1,6 +1,6 @@
-"""Autoregressive generation with a KV cache: one prefill over the prompts, then the whole decode
-loop on the device (a `lax.while_loop` over new tokens), so a call costs two dispatches, not one per
-token.
+"""Autoregressive generation with a KV cache: the prefill over the prompts and the whole decode loop
+(a `lax.while_loop` over new tokens, sampling inside) are one compiled program, so a call costs one
+dispatch, not one per token.
 
 Reference: nucleus sampling from Holtzman et al., "The Curious Case of Neural Text Degeneration"
 (2019), arXiv:1904.09751; the cache layout is described in docs/models.md.
@@ -38,14 +38,14 @@ class Sampling(NamedTuple):
 class Generated(NamedTuple):
     tokens: list[list[int]]  # per prompt, the new tokens up to and without the stop token
     stopped: list[bool]  # per prompt, whether a stop token ended it
-    compile_s: float  # compiling the prefill and the decode loop (near 0 when these shapes were compiled)
-    prefill_s: float  # the prompts through the model, up to the first new token on the host
-    decode_s: float  # the loop over the tokens after the first (0 when max_new_tokens is 1)
-    decode_tokens: int  # tokens produced in decode_s, over all rows still running
+    compile_s: float  # compiling the program (near 0 when these shapes were compiled)
+    run_s: float  # the one dispatch: prompts in, every new token back on the host
+    new_tokens: int  # tokens produced by rows still running (a row's stop token counts; pads after it do not)
 
     @property
     def tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+        """New tokens over the whole call, the prefill included (benchmarks/decode.py separates the two)."""
+        return self.new_tokens / self.run_s if self.run_s > 0 else float("nan")
 
 
 def sampling_errors(s: Sampling) -> list[str]:
@@ -117,7 +117,6 @@ def buckets(prompt_len: int, new_tokens: int, max_seq_len: int) -> tuple[int, in
     return min(up(prompt_len), max_seq_len - slots), slots
 
 
-@functools.partial(jax.jit, static_argnames=("decode", "cfg", "sampling", "length"))
 def _prefill(params, tokens_BxP, mask_BxP, key, *, decode, cfg, sampling, length):
     """The first new token per row, and the cache of `length` slots holding the prompts."""
     cache = init_cache(cfg, tokens_BxP.shape[0], length)
@@ -145,8 +144,7 @@ def _decode_loop(params, first_B, cache, keys_T, stop_S, n_new, *, decode, sampl
         i, tokens_B, done_B, cache, out_BxT, decoded = carry
         logits_Bx1xV, cache = decode(params, tokens_B[:, None], ones_Bx1, cache)
         tokens_B = sample(logits_Bx1xV[:, 0], keys_T[i], sampling)
-        if on_step is not None:  # streaming: one host callback a token, in order
-            io_callback(lambda t: on_step(np.asarray(t)), None, tokens_B, ordered=True)
+        _stream(on_step, tokens_B)
         out_BxT = jax.lax.dynamic_update_slice(out_BxT, jnp.where(done_B, NO_TOKEN, tokens_B)[:, None], (0, i))
         decoded = decoded + jnp.sum(~done_B, dtype=jnp.int32)
         return i + 1, tokens_B, done_B | jnp.isin(tokens_B, stop_S), cache, out_BxT, decoded
@@ -155,6 +153,24 @@ def _decode_loop(params, first_B, cache, keys_T, stop_S, n_new, *, decode, sampl
     carry = (jnp.int32(1), first_B, jnp.isin(first_B, stop_S), cache, out_BxT, jnp.int32(0))
     steps, _, _, cache, out_BxT, decoded = jax.lax.while_loop(running, step, carry)
     return out_BxT, steps, decoded, cache
+
+
+def _stream(on_step, tokens_B):
+    if on_step is not None:  # streaming: one host callback a token, in order
+        io_callback(lambda t: on_step(np.asarray(t)), None, tokens_B, ordered=True)
+
+
+@functools.partial(jax.jit, static_argnames=("decode", "cfg", "sampling", "length", "on_step"))
+def _generate(params, tokens_BxP, mask_BxP, seed, stop_S, n_new, *, decode, cfg, sampling, length, on_step):
+    """The prefill and the decode loop as one program: out_BxT, the steps taken, and the tokens
+    produced by running rows after the first (see _decode_loop). Token i is drawn with key i of
+    jax.random.split(key(seed), slots)."""
+    keys_T = jax.random.split(jax.random.key(seed), length - tokens_BxP.shape[1])
+    first_B, cache = _prefill(params, tokens_BxP, mask_BxP, keys_T[0], decode=decode, cfg=cfg,
+                              sampling=sampling, length=length)
+    _stream(on_step, first_B)
+    return _decode_loop(params, first_B, cache, keys_T, stop_S, n_new, decode=decode, sampling=sampling,
+                        on_step=on_step)[:3]
 
 
 def generate(model: Model, cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -176,29 +192,18 @@ def generate(model: Model, cfg: ModelConfig, prompts: Sequence[Sequence[int]], m
     tokens_BxP, mask_BxP = left_pad(prompts, width=width)
     stop_set = set(stop_ids)
     stop_S = np.asarray(sorted(stop_set) or [NO_TOKEN], np.int32)
-    keys_T = jax.random.split(jax.random.key(seed), slots)
 
+    args = (params, tokens_BxP, mask_BxP, np.uint32(seed), stop_S, np.int32(max_new_tokens))
     t0 = time.perf_counter()
-    prefill = _prefill.lower(params, tokens_BxP, mask_BxP, keys_T[0], decode=model.decode, cfg=cfg,
-                             sampling=sampling, length=width + slots).compile()
+    program = _generate.lower(*args, decode=model.decode, cfg=cfg, sampling=sampling, length=width + slots,
+                              on_step=on_step).compile()
     t1 = time.perf_counter()
-    first_B, cache = prefill(params, tokens_BxP, mask_BxP, keys_T[0])
-    first = np.asarray(first_B)
-    t2 = time.perf_counter()
-    if on_step:
-        on_step(first)
-    steps_BxT, decoded, compile_s, decode_s = first[:, None], 0, t1 - t0, 0.0
-    if max_new_tokens > 1:
-        args = (params, first_B, cache, keys_T, stop_S, np.int32(max_new_tokens))
-        t3 = time.perf_counter()
-        loop = _decode_loop.lower(*args, decode=model.decode, sampling=sampling, on_step=on_step).compile()
-        t4 = time.perf_counter()
-        out_BxT, steps, decoded = jax.device_get(loop(*args)[:3])
-        decode_s, compile_s = time.perf_counter() - t4, compile_s + t4 - t3
-        steps_BxT = out_BxT[:, :steps]
+    out_BxT, steps, decoded = jax.device_get(program(*args))
+    run_s = time.perf_counter() - t1
+    steps_BxT = out_BxT[:, :steps]
     rows, stopped = [], []
     for row in steps_BxT.tolist():
         hits = [j for j, t in enumerate(row) if t in stop_set]
         rows.append(row[:hits[0]] if hits else row)
         stopped.append(bool(hits))
-    return Generated(rows, stopped, compile_s, t2 - t1, decode_s, int(decoded))
+    return Generated(rows, stopped, t1 - t0, run_s, len(rows) + int(decoded))

@@ -72,6 +72,24 @@ def read_inputs(path: Path) -> Iterator[Input]:
     """The inputs of a log, in order, read one record at a time (a log holds every contribution's
     payload, hundreds of MB for a full-model run: docs/design.md#replay); a damaged log is a
     ValueError naming the file and byte."""
+    for event, _ in _walk(path, payloads=True):
+        yield event
+
+
+def input_offset(path: Path, n: int) -> int:
+    """The byte offset after the log's first n records, read without their payloads (a resume keeps
+    that prefix in place: InputLog(path, keep=offset)); a log of fewer records is a ValueError."""
+    if n == 0:
+        return 0
+    for seen, (_, end) in enumerate(_walk(path, payloads=False), 1):
+        if seen == n:
+            return end
+    raise ValueError(f"{path}: fewer than the {n} input records the checkpoint counted")
+
+
+def _walk(path: Path, payloads: bool) -> Iterator[tuple[Input, int]]:
+    """Each record and the byte after it; without `payloads` a contribution's data is b"" and its
+    payload is skipped, not read."""
     with Path(path).open("rb") as f:
         size = f.seek(0, 2)
         f.seek(0)
@@ -94,15 +112,15 @@ def read_inputs(path: Path) -> Iterator[Input]:
             if header["kind"] == "contribution":
                 if header["len"] > size - pos:
                     raise ValueError(f"{path}: truncated contribution at byte {pos}")
-                data = f.read(header["len"])
-                pos = f.tell()
+                data = f.read(header["len"]) if payloads else b""
+                pos = f.tell() if payloads else f.seek(pos + header["len"])
             else:
                 data = header["data"]
                 if header["kind"] == "step_time" or header["kind"] == "live":
                     if not isinstance(data, list):
                         raise ValueError(f"{path}: malformed {header['kind']} input at byte {pos}: {str(data)[:200]}")
                     data = tuple(tuple(x) if isinstance(x, list) else x for x in data)
-            yield Input(header["kind"], header["at"], data)
+            yield Input(header["kind"], header["at"], data), pos
 
 
 def learner_rates(cfg, setup, clock: str) -> report.Rates:
@@ -118,13 +136,18 @@ def learner_rates(cfg, setup, clock: str) -> report.Rates:
 
 
 @contextlib.contextmanager
-def run_outputs(run_dir: Path | None, watch=None,
-                rates=None) -> Iterator[tuple[report.MetricsWriter | None, InputLog | None]]:
+def run_outputs(run_dir: Path | None, watch=None, rates=None,
+                inputs_seen: int | None = None) -> Iterator[tuple[report.MetricsWriter | None, InputLog | None]]:
     """The metrics writer (with `rates`, report.Rates, adding throughput to its train records, and
     `watch`, diloco/watch.py, seeing them) and syncer input log of a DiLoCo run (None, None without
-    a run dir), closed however the run ends."""
+    a run dir), closed however the run ends. A resume passes `inputs_seen`, the records its syncer
+    checkpoint had taken in: the log keeps those in place and drops the rest (inputs after the
+    checkpoint are delivered again), without reading a payload."""
     writer = report.MetricsWriter(run_dir / "metrics.jsonl", watch, rates) if run_dir is not None else None
-    inputs = InputLog(run_dir / "syncer_inputs.bin") if run_dir is not None else None
+    inputs = None
+    if run_dir is not None:
+        path = run_dir / "syncer_inputs.bin"
+        inputs = InputLog(path, None if inputs_seen is None else input_offset(path, inputs_seen))
     try:
         yield writer, inputs
     finally:

@@ -45,7 +45,7 @@ from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.build import Setup, new_unit
 from diloco.runtime.sim import batched
 from diloco.runtime.sim.snapshots import SimSnapshots, restore
-from diloco.runtime.runlog import InputLog, learner_rates, read_inputs, run_outputs, write_decisions
+from diloco.runtime.runlog import InputLog, learner_rates, run_outputs, write_decisions
 from diloco.runtime.walltape import run_tape
 from diloco.train.profile import Trace, for_run as trace_for
 
@@ -375,14 +375,11 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable
     every = cfg.run.checkpoint_every * cfg.runtime.learners
     snapshots = SimSnapshots(None if run_dir is None else run_dir / "sim", every, cfg.run.keep_checkpoints)
     found = snapshots.latest() if cfg.run.resume else None
-    # The input log restarts from the snapshot: inputs after it are delivered again.
-    kept = list(read_inputs(run_dir / "syncer_inputs.bin"))[:found[1]["inputs_seen"]] if found else []
     try:
-        with run_outputs(run_dir, run_watch.for_run(cfg, run_dir, "virtual"),
-                         learner_rates(cfg, setup, "virtual")) as (writer, inputs), \
+        # The input log restarts from the snapshot: inputs after it are delivered again.
+        with run_outputs(run_dir, run_watch.for_run(cfg, run_dir, "virtual"), learner_rates(cfg, setup, "virtual"),
+                         found[1]["inputs_seen"] if found else None) as (writer, inputs), \
                 trace_for(cfg, run_dir) as trace:
-            for event in kept:
-                inputs.append(event)
             tape = run_tape(cfg, run_dir)
             # Only a rejoin reads a learner checkpoint, and without a failure tape no sim learner
             # dies (a resume restores every learner from the run's snapshot), so none are written.

@@ -54,7 +54,7 @@ from diloco.runtime.syncer_ckpt import SYNCER_DIR, SyncerCheckpoints, host_in, h
 from diloco.runtime.threads.mailbox import Mailbox
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.build import Setup, new_unit
-from diloco.runtime.runlog import InputLog, learner_rates, read_inputs, run_outputs, write_decisions
+from diloco.runtime.runlog import InputLog, learner_rates, run_outputs, write_decisions
 from diloco.runtime.learner_loop import run_incarnation
 from diloco.runtime.pace import Pace, StallWatch
 from diloco.runtime.unit import LearnerUnit
@@ -490,7 +490,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
     """Run Decoupled DiLoCo on the wall clock; returns the finished runtime (for its state) and a
     summary with the same keys as sim's. With run.resume it continues the run a stop saved in
     run_dir; a Ctrl-C or SIGTERM raises RunStopped (the partial decision records written)."""
-    ckpts, found, kept = None, None, []
+    ckpts, found = None, None
     if run_dir is not None:
         if not cfg.run.resume:  # a new run must never resume from an earlier run's syncer
             shutil.rmtree(run_dir / SYNCER_DIR, ignore_errors=True)
@@ -498,11 +498,9 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
     try:
         if cfg.run.resume and ckpts is not None:
             found = latest_stop(cfg, setup, ckpts, run_dir)
-            # The input log continues from the checkpoint: inputs after it (a forced stop) are dropped.
-            kept = list(read_inputs(run_dir / "syncer_inputs.bin"))[:found[2]["inputs_seen"]]
-        with run_outputs(run_dir, run_watch.for_run(cfg, run_dir, "wall"), learner_rates(cfg, setup, "wall")) as (writer, inputs):
-            for event in kept:
-                inputs.append(event)
+        # The input log continues from the checkpoint: inputs after it (a forced stop) are dropped.
+        with run_outputs(run_dir, run_watch.for_run(cfg, run_dir, "wall"), learner_rates(cfg, setup, "wall"),
+                         found[2]["inputs_seen"] if found else None) as (writer, inputs):
             rt = Threads(cfg, setup, writer, evaluate, inputs,
                          None if run_dir is None else run_dir / "learners", run_tape(cfg, run_dir),
                          syncer_ckpts=ckpts, restored=found, run_dir=run_dir)
