@@ -17,7 +17,7 @@ import numpy as np
 import yaml
 
 from common import machine
-from diloco.algo import device_codecs, messages
+from diloco.algo import codec_specs, device_codecs
 from diloco.algo.fragments import get_path, make_fragments
 from diloco.algo.merge import pseudo_gradient
 from diloco.config import ModelConfig, from_dict
@@ -53,7 +53,7 @@ def codec_check(preset: str, vocab: int, P: int) -> dict:
         x - scale * jax.random.normal(k, x.shape, jnp.float32) for x, k in zip(xs, jax.random.split(key, len(xs)))))
     specs = {}
     for spec in SPECS:
-        dc, codec = device_codecs.for_spec(spec), messages.codec_from_spec(spec)
+        dc, codec = device_codecs.for_spec(spec), codec_specs.codec_from_spec(spec)
         residuals = tuple(jnp.zeros(s, jnp.float32) for s in shapes) if dc.error_feedback else ()
         states = {path: codec.init(s) for path, s in zip(frag.paths, shapes)}
         local, row = anchor, {"tensors": 0, "mismatched_tensors": 0, "bytes": 0, "residuals_identical": True}

@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
-from diloco.algo import device_codecs, messages  # noqa: E402
+from diloco.algo import codec_specs, device_codecs, messages, payloads  # noqa: E402
 from diloco.algo.merge import pseudo_gradient  # noqa: E402
 
 # A 1b layer's gate, up, down, attention output and key projection: 40.9M values (d_model 2048,
@@ -91,13 +91,13 @@ def main() -> None:
     anchor = jax.device_put(anchor_h)
     local = jax.device_put(local_h)
     jax.block_until_ready((anchor, local))
-    up, dc = messages.codec_from_spec(args.up), device_codecs.for_spec(args.up)
-    down, dd = messages.codec_from_spec(args.down), device_codecs.decoder_for(args.down)
+    up, dc = codec_specs.codec_from_spec(args.up), device_codecs.for_spec(args.up)
+    down, dd = codec_specs.codec_from_spec(args.down), device_codecs.decoder_for(args.down)
 
     def send_host():
         got = jax.device_get(local)
         diff = pseudo_gradient(anchor_h, {q: np.asarray(got[q], np.float32) for q in paths})
-        tensors, payload, _ = messages.pack_fragment(diff, up)
+        tensors, payload, _ = payloads.pack_fragment(diff, up)
         return messages.encode(header("contribution", args.up, tensors), payload), 4 * n
 
     def send_start():
@@ -116,19 +116,19 @@ def main() -> None:
 
     # The int8 delta a merge sends back, against the version the learner holds (its anchor).
     delta = {q: rng.standard_normal(shapes[q], np.float32) * 1e-3 for q in paths}
-    tensors, payload, _ = messages.pack_fragment(delta, down)
+    tensors, payload, _ = payloads.pack_fragment(delta, down)
     frame = messages.encode(header("fragment", args.down, tensors, delta_against=0), payload)
     expected = {q: (shapes[q], np.float32) for q in paths}
 
     def receive_host():
         msg = messages.decode(frame)
-        values = messages.unpack_fragment(msg.header, msg.payload, None, expected)
+        values = payloads.unpack_fragment(msg.header, msg.payload, None, expected)
         new = {q: anchor_h[q] + values[q] for q in paths}
         return jax.device_put(new), 4 * n
 
     def receive_device():
         msg = messages.decode(frame)
-        layout = messages.tensor_layout(msg.header, expected)
+        layout = payloads.tensor_layout(msg.header, expected)
         raw = dd.check(msg.header, msg.payload, [s for _, s in layout])
         out = dd.apply(tuple(anchor[q] for q, _ in layout), jax.device_put(raw), [s for _, s in layout])
         return out, raw.nbytes

@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
-from diloco.algo import messages, quorum  # noqa: E402
+from diloco.algo import messages, payloads, quorum  # noqa: E402
 from diloco.algo import syncer as sync  # noqa: E402
 from diloco.algo.codecs import make_codec  # noqa: E402
 from diloco.algo.fragments import make_fragments  # noqa: E402
@@ -35,7 +35,7 @@ MODEL = ModelConfig(name="100m", d_model=768, n_layers=12, n_heads=12, n_kv_head
 
 
 def frame(learner: int, seq: int, p: int, values: dict, codec, spec: str) -> bytes:
-    tensors, payload, _ = messages.pack_fragment(values, codec)
+    tensors, payload, _ = payloads.pack_fragment(values, codec)
     header = {"kind": "contribution", "learner": learner, "incarnation": 0, "seq": seq, "fragment": p,
               "base_version": 0, "version": 0, "c_steps": 24, "c_tokens": 24 * 4096, "codec": spec,
               "delta_against": None, "tensors": tensors}

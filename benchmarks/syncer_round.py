@@ -49,7 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
-from diloco.algo import hostpool, messages, quorum, roundsum  # noqa: E402
+from diloco.algo import codec_specs, hostpool, quorum, roundsum  # noqa: E402
 from diloco.algo import syncer as sync  # noqa: E402
 from diloco.algo.fragments import Fragment, make_fragments  # noqa: E402
 from diloco.algo.outer import make_outer  # noqa: E402
@@ -69,7 +69,7 @@ def fragment_values(n: int, rng) -> dict:
 
 def policy(M: int, up: str, down: str) -> sync.Policy:
     return sync.Policy(quorum.GraceConfig(K=M, gamma=0.0), make_outer("nesterov"), merge="rda",
-                       down_codec=messages.codec_from_spec(down), down_spec=down, up_spec=up)
+                       down_codec=codec_specs.codec_from_spec(down), down_spec=down, up_spec=up)
 
 
 def payloads_for(st, p: int, M: int, codec, rng) -> list[tuple[list, bytes]]:
@@ -132,7 +132,7 @@ def memcpy(dst, src, times: int) -> float:
 
 def grid(args) -> list[dict]:
     rows = []
-    up_codec = messages.codec_from_spec(args.up)
+    up_codec = codec_specs.codec_from_spec(args.up)
     current, baseline = passes_of(args.baseline)
     variants = ("current",) if baseline is None else ("current", "baseline")
     for n in args.sizes:
@@ -207,7 +207,7 @@ def serve(args) -> None:
     frag = Fragment(0, tuple(theta), sum(x.size for x in theta.values()), False)
     pol = policy(M, args.up, args.down)
     st = sync.init(pol, (frag,), (theta,), {m: 0 for m in range(M)})
-    payloads = payloads_for(st, 0, M, messages.codec_from_spec(args.up), rng)
+    payloads = payloads_for(st, 0, M, codec_specs.codec_from_spec(args.up), rng)
     src, dst = np.ones(frag.size, np.float32), np.empty(frag.size, np.float32)
     print("@@" + json.dumps({"values": frag.size, "threads": hostpool.threads(),
                              "cores": sorted(os.sched_getaffinity(0))}), flush=True)
@@ -291,7 +291,7 @@ def startup(args) -> dict:
     t = time.perf_counter()
     st = sync.init(pol, frags, theta0, {m: 0 for m in range(M)})
     init_s = time.perf_counter() - t
-    codec = messages.codec_from_spec(args.up)
+    codec = codec_specs.codec_from_spec(args.up)
     stalls = []
     for f in frags[: args.limit or None]:
         seconds = []

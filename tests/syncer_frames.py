@@ -3,7 +3,7 @@ embedding), policies, and contribution frames written the way a learner unit wri
 
 import numpy as np
 
-from diloco.algo import messages, quorum
+from diloco.algo import messages, payloads, quorum
 from diloco.algo import syncer as sync
 from diloco.algo.codecs import make_codec
 from diloco.algo.fragments import Fragment
@@ -31,7 +31,7 @@ def frame(local, ref, *, learner=0, inc=0, seq=1, fragment=0, base_version=0, c_
           codec=FP32, spec="fp32"):
     """A contribution as a learner unit writes it: the fragment's anchor - local, encoded."""
     diff = {p: np.asarray(ref[p], np.float32) - np.asarray(local[p], np.float32) for p in local}
-    tensors, payload, _ = messages.pack_fragment(diff, codec)
+    tensors, payload, _ = payloads.pack_fragment(diff, codec)
     return raw_frame(tensors, payload, learner=learner, inc=inc, seq=seq, fragment=fragment,
                      base_version=base_version, c_steps=c_steps, c_tokens=c_tokens, spec=spec)
 

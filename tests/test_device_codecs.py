@@ -11,7 +11,7 @@ from test_deferred_encode import one_learner_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco.algo import codecs, device_codecs, messages
+from diloco.algo import codec_specs, codecs, device_codecs, messages, payloads
 from diloco.algo import syncer as sync
 from diloco.config import MeshConfig
 from diloco.runtime import build as build_setup
@@ -21,7 +21,7 @@ SPECS = ["int4", "int8", "fp4", "2bit", "int4+ef", "2bit+ef", "fp4+ef+zstd1", "i
 
 
 def host_payloads(spec, diffs, states):
-    codec = messages.codec_from_spec(spec)
+    codec = codec_specs.codec_from_spec(spec)
     out = []
     for i, d in enumerate(diffs):
         payload, states[i] = codec.encode(d, states.get(i, codec.init(d.shape)))
@@ -280,10 +280,10 @@ def test_forged_block_specs_are_taken_or_dropped_as_on_the_host(setup):
     for spec in ("fp32+b0", "int8+b0", "int4+b3", "int8+b1048576", "int8+b32"):
         values = {path: np.full(shape, 0.01, np.float32) for path, shape in shapes.items()}
         try:
-            codec = messages.codec_from_spec(spec)
+            codec = codec_specs.codec_from_spec(spec)
         except messages.MessageError:
-            codec = messages.codec_from_spec(spec.split("+")[0])  # sent under a spec it does not match
-        tensors, payload, _ = messages.pack_fragment(values, codec)
+            codec = codec_specs.codec_from_spec(spec.split("+")[0])  # sent under a spec it does not match
+        tensors, payload, _ = payloads.pack_fragment(values, codec)
         header = {"kind": "fragment", "learner": 0, "incarnation": 0, "seq": version, "fragment": p,
                   "base_version": version, "version": version, "c_steps": 0, "c_tokens": 0, "codec": spec,
                   "delta_against": None, "tensors": tensors}
@@ -301,7 +301,7 @@ def test_an_overflowing_error_feedback_round_trip_is_refused_and_keeps_every_res
     big = np.full(64, np.finfo(np.float32).max, np.float32)
     fine = np.linspace(-1, 1, 64, dtype=np.float32)
     with pytest.raises(codecs.NonFiniteError):
-        messages.codec_from_spec("int8+ef").encode(big, codecs.ErrorFeedbackState(np.zeros(64, np.float32), ()))
+        codec_specs.codec_from_spec("int8+ef").encode(big, codecs.ErrorFeedbackState(np.zeros(64, np.float32), ()))
     residuals = (np.full(64, 0.5, np.float32), np.full(64, 0.25, np.float32))
     pieces, new = dc.encode((fine, big), (np.zeros(64, np.float32), np.zeros(64, np.float32)), residuals)
     with pytest.raises(codecs.NonFiniteError):

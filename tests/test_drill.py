@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from diloco.algo import messages
+from diloco.algo import messages, payloads
 from diloco.algo.codecs import make_codec
 from diloco.algo.fragments import make_fragments
 from diloco.algo.replay import Input
@@ -46,7 +46,7 @@ def test_send_tokens_count_since_the_previous_send_or_apply():
 
 def _frame(theta, learner, seq, base, c_tokens, value):
     diff = {path: np.full_like(x, value) for path, x in theta.items()}  # anchor - local
-    tensors, payload, _ = messages.pack_fragment(diff, make_codec("fp32"))
+    tensors, payload, _ = payloads.pack_fragment(diff, make_codec("fp32"))
     return messages.encode({"kind": "contribution", "learner": learner, "incarnation": 0, "seq": seq,
                             "fragment": 0, "base_version": base, "version": base, "c_steps": c_tokens // 10,
                             "c_tokens": c_tokens, "codec": "fp32", "delta_against": None,

@@ -15,7 +15,7 @@ from hypothesis import strategies as hs
 from diloco.algo import auth
 from diloco.algo import ledger as tl
 from diloco.algo import merge as merging
-from diloco.algo import messages
+from diloco.algo import codec_specs, messages, payloads
 from diloco.algo import syncer as sync
 from diloco.algo.codecs import make_codec
 from diloco.algo.outer import make_outer
@@ -41,7 +41,7 @@ def _refused(pol, st, frame_, reason, key, now=1.0):
 
 def _wire(values, codec=FP32):
     """The tensors list and payload of `values` sent as the pseudo-gradient itself."""
-    tensors, payload, _ = messages.pack_fragment(values, codec)
+    tensors, payload, _ = payloads.pack_fragment(values, codec)
     return tensors, payload
 
 
@@ -68,7 +68,7 @@ MALFORMED_SPECS = ["topk+k..", "topk+k1e", "int4+k-", "topk+k+", "topk+ke5", "in
 @pytest.mark.parametrize("spec", MALFORMED_SPECS, ids=lambda s: s[:16])
 def test_a_malformed_codec_spec_is_wrong_codec(spec):
     with pytest.raises(messages.MessageError) as e:
-        messages.codec_from_spec(spec)
+        codec_specs.codec_from_spec(spec)
     assert e.value.reason == "wrong_codec"
     pol = policy()
     _refused(pol, start(pol), raw_frame(*_wire(shifted(THETA0[0], 0.5)), spec=spec), "wrong_codec", (0, 0, 1))
@@ -235,7 +235,7 @@ def test_a_huge_block_is_refused_before_any_allocation():
         tracemalloc.stop()
     assert peak < 1 << 20, f"refusing a 365-byte frame peaked at {peak} bytes"
     with pytest.raises(messages.MessageError, match="wrong_codec"):
-        messages.codec_from_spec(f"int4+b{block}")
+        codec_specs.codec_from_spec(f"int4+b{block}")
     with pytest.raises(ValueError, match="block"):
         make_codec("int8", block=block)
 
@@ -264,7 +264,7 @@ def _frames(draw):
     any JSON value, a codec spec from the grammar, payload bits flipped, the frame cut or a byte hit."""
     learner, p, seq = draw(hs.integers(0, 1)), draw(hs.integers(0, 1)), draw(hs.integers(1, 6))
     spec = draw(hs.sampled_from(_VALID_SPECS))
-    kw = messages.parse_spec(spec)
+    kw = codec_specs.parse_spec(spec)
     codec = make_codec(kw.pop("name"), **kw)
     scale = draw(hs.sampled_from([0.0, 0.1, 1.0, 1e3, 1e20, 3e38]))
     rng = np.random.default_rng(draw(hs.integers(0, 2**16)))

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from diloco.algo import codec_kernels, codecs, hostpool, messages, roundsum
+from diloco.algo import codec_kernels, codec_specs, codecs, hostpool, messages, payloads, roundsum
 from diloco.algo import syncer as sync
 from syncer_frames import publishes, raw_frame
 
@@ -127,7 +127,7 @@ def test_block_codecs_equal_one_serial_kernel_call(name, threads):
 def two_tensors(spec="int4+zstd1"):
     rng = np.random.default_rng(5)
     values = {("a",): rng.standard_normal((CHUNK, 2), np.float32), ("b",): rng.standard_normal(N, np.float32)}
-    tensors, payload, _ = messages.pack_fragment(values, messages.codec_from_spec(spec))
+    tensors, payload, _ = payloads.pack_fragment(values, codec_specs.codec_from_spec(spec))
     assert len(payload) >= CHUNK  # large enough that the tensors are decoded concurrently
     return values, tensors, payload
 
@@ -136,23 +136,23 @@ def test_unpack_fragment_decodes_concurrently_and_faults_in_tensor_order(threads
     values, tensors, payload = two_tensors()
     expected = {p: (x.shape, np.float32) for p, x in values.items()}
     header = {"codec": "int4+zstd1", "tensors": tensors}
-    codec = messages.codec_from_spec("int4")
-    got = messages.unpack_fragment(header, payload, None, expected)
+    codec = codec_specs.codec_from_spec("int4")
+    got = payloads.unpack_fragment(header, payload, None, expected)
     for p, x in values.items():
         np.testing.assert_array_equal(got[p], codec.decode(codec.encode(x, None)[0], x.shape))
     cut = tensors[0]["nbytes"]
     bad_b = payload[:cut + 40] + bytes(10) + payload[cut + 50:]  # the second tensor's frame damaged
     with pytest.raises(messages.MessageError, match=r"\('b',\)") as e:
-        messages.unpack_fragment(header, bad_b, None, expected)
+        payloads.unpack_fragment(header, bad_b, None, expected)
     assert e.value.reason == "codec_error"
     bad_both = payload[:40] + bytes(10) + bad_b[50:]  # the first one too: its fault is the one raised
     with pytest.raises(messages.MessageError, match=r"\('a',\)"):
-        messages.unpack_fragment(header, bad_both, None, expected)
+        payloads.unpack_fragment(header, bad_both, None, expected)
     wrong_b = {**expected, ("b",): ((N + 1,), np.float32)}  # a later shape fault waits for the first decode
     with pytest.raises(messages.MessageError, match=r"\('a',\)"):
-        messages.unpack_fragment(header, bad_both, None, wrong_b)
+        payloads.unpack_fragment(header, bad_both, None, wrong_b)
     with pytest.raises(messages.MessageError, match="header shape") as e:
-        messages.unpack_fragment(header, payload, None, wrong_b)
+        payloads.unpack_fragment(header, payload, None, wrong_b)
     assert e.value.reason == "wrong_shape"
 
 

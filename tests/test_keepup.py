@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from diloco import report
-from diloco.algo import messages, quorum
+from diloco.algo import codec_specs, quorum
 from diloco.algo import syncer as sync
 from diloco.algo.fragments import Fragment
 from diloco.algo.outer import make_outer
@@ -64,7 +64,7 @@ def small_syncer(sizes, M=3):
                  (f"f{p}", "b"): rng.standard_normal((n - n // 8 * 8,), np.float32) * 0.02}
         frags.append(Fragment(p, tuple(sorted(theta)), n, False))
         values.append(theta)
-    pol = sync.Policy(quorum.GraceConfig(K=1), make_outer("nesterov"), down_codec=messages.codec_from_spec("int8"),
+    pol = sync.Policy(quorum.GraceConfig(K=1), make_outer("nesterov"), down_codec=codec_specs.codec_from_spec("int8"),
                       down_spec="int8", up_spec="int8")
     return pol, sync.init(pol, tuple(frags), tuple(values), {m: 0 for m in range(M)})
 
@@ -72,7 +72,7 @@ def small_syncer(sizes, M=3):
 def test_measure_times_a_copy_and_scales_close_sizes():
     pol, st = small_syncer((4000, 3800, 400))
     before = [{k: x.copy() for k, x in fs.theta.items()} for fs in st.fragments]
-    r = keepup.measure(pol, st, 3, messages.codec_from_spec("int8"), "int8")
+    r = keepup.measure(pol, st, 3, codec_specs.codec_from_spec("int8"), "int8")
     assert r.values == (4000, 3800, 400) and r.learners == 3 and r.cost_s > 0
     assert r.measured == (0, 2)  # 3800 is within 10% of 4000: scaled from it
     assert all(s > 0 for s in r.seconds)
@@ -83,7 +83,7 @@ def test_measure_times_a_copy_and_scales_close_sizes():
         assert fs.version == 0 and fs.round is None and not fs.contributions and len(fs.refs) == 1
         assert all(np.array_equal(fs.theta[k], x) for k, x in theta.items())
     # With nothing left of the budget only the largest is timed; the rest scale from it.
-    r = keepup.measure(pol, st, 3, messages.codec_from_spec("int8"), "int8", budget_s=0.0)
+    r = keepup.measure(pol, st, 3, codec_specs.codec_from_spec("int8"), "int8", budget_s=0.0)
     assert r.measured == (0,) and r.seconds[2] == pytest.approx(r.seconds[0] * 400 / 4000)
 
 

@@ -5,13 +5,13 @@ import threading
 import numpy as np
 import pytest
 
-from diloco.algo import messages
+from diloco.algo import codec_specs, messages, payloads
 from diloco.runtime.threads.mailbox import Mailbox
 
 
 def broadcast(fragment, version, merged=()):
-    tensors, payload, _ = messages.pack_fragment({("w",): np.full(3, version, np.float32)},
-                                                 messages.codec_from_spec("fp32"))
+    tensors, payload, _ = payloads.pack_fragment({("w",): np.full(3, version, np.float32)},
+                                                 codec_specs.codec_from_spec("fp32"))
     header = {"kind": "fragment", "learner": 0, "incarnation": 0, "seq": version, "fragment": fragment,
               "base_version": version, "version": version, "c_steps": 0, "c_tokens": 0, "codec": "fp32",
               "delta_against": None, "tensors": tensors, "merged": [list(k) for k in merged]}

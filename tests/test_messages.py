@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import zstandard
 
+from diloco.algo import codec_specs, payloads
 from diloco.algo import messages as msg
 from diloco.algo.codecs import make_codec
 from diloco.algo.messages import MessageError
@@ -27,7 +28,7 @@ def header(**over):
 
 
 def frame_for(values=VALUES, codec=FP32, spec="fp32", **over):
-    tensors, payload, _ = msg.pack_fragment(values, codec, {})
+    tensors, payload, _ = payloads.pack_fragment(values, codec, {})
     return msg.encode(header(codec=spec, tensors=tensors, **over), payload)
 
 
@@ -50,7 +51,7 @@ def test_round_trip_fills_length_and_checksum():
     assert m.header["checksum"] == msg.checksum(m.payload)
     assert frame[:4] == msg.MAGIC == b"DLC2"
     assert [t["path"] for t in m.header["tensors"]] == [["dense", "bias"], ["dense", "kernel"]]
-    out = msg.unpack_fragment(m.header, m.payload, FP32, EXPECTED)
+    out = payloads.unpack_fragment(m.header, m.payload, FP32, EXPECTED)
     for path, v in VALUES.items():
         np.testing.assert_array_equal(out[path], v)  # fp32 is exact
         assert out[path].dtype == np.float32
@@ -58,11 +59,11 @@ def test_round_trip_fills_length_and_checksum():
 
 def test_int4_round_trip_within_half_a_step():
     codec = make_codec("int4", error_feedback=True, zstd_level=1)
-    spec = msg.codec_spec("int4", True, 1)
+    spec = codec_specs.codec_spec("int4", True, 1)
     assert spec == "int4+ef+zstd1"
     m = msg.decode(frame_for(codec=codec, spec=spec))
     # The receiver decodes without error feedback: same wire format.
-    out = msg.unpack_fragment(m.header, m.payload, make_codec("int4", zstd_level=1), EXPECTED)
+    out = payloads.unpack_fragment(m.header, m.payload, make_codec("int4", zstd_level=1), EXPECTED)
     for path, v in VALUES.items():
         step = np.abs(v).max() / 7  # one block per tensor here
         assert np.abs(out[path] - v).max() <= step / 2 * (1 + 1e-6)
@@ -70,7 +71,7 @@ def test_int4_round_trip_within_half_a_step():
 
 def test_pack_threads_error_feedback_state():
     codec = make_codec("2bit", error_feedback=True)
-    _, _, states = msg.pack_fragment(VALUES, codec, None)
+    _, _, states = payloads.pack_fragment(VALUES, codec, None)
     assert set(states) == set(VALUES)
     assert np.abs(states[("dense", "kernel")].residual).max() > 0  # the quantization error is kept
 
@@ -119,16 +120,16 @@ def test_header_fields_are_validated():
 def test_shape_and_dtype_mismatches():
     m = msg.decode(frame_for())
     with pytest.raises(MessageError, match="wrong_shape"):
-        msg.unpack_fragment(m.header, m.payload, FP32, {**EXPECTED, ("dense", "bias"): ((4,), np.float32)})
+        payloads.unpack_fragment(m.header, m.payload, FP32, {**EXPECTED, ("dense", "bias"): ((4,), np.float32)})
     with pytest.raises(MessageError, match="wrong_shape"):
-        msg.unpack_fragment(m.header, m.payload, FP32, {("dense", "kernel"): ((4, 6), np.float32)})
+        payloads.unpack_fragment(m.header, m.payload, FP32, {("dense", "kernel"): ((4, 6), np.float32)})
     with pytest.raises(MessageError, match="wrong_dtype"):
-        msg.unpack_fragment(m.header, m.payload, FP32, {**EXPECTED, ("dense", "bias"): ((3,), np.float16)})
+        payloads.unpack_fragment(m.header, m.payload, FP32, {**EXPECTED, ("dense", "bias"): ((3,), np.float16)})
     h = {**m.header, "tensors": [dict(t, dtype="bfloat16") for t in m.header["tensors"]]}
     with pytest.raises(MessageError, match="wrong_dtype"):
-        msg.unpack_fragment(h, m.payload, FP32, EXPECTED)
+        payloads.unpack_fragment(h, m.payload, FP32, EXPECTED)
     with pytest.raises(MessageError, match="wrong_codec"):
-        msg.unpack_fragment(m.header, m.payload, make_codec("int4"), EXPECTED)
+        payloads.unpack_fragment(m.header, m.payload, make_codec("int4"), EXPECTED)
 
 
 def test_nan_payload_is_non_finite():
@@ -136,7 +137,7 @@ def test_nan_payload_is_non_finite():
     t = [{"path": ["w"], "shape": [3], "dtype": "float32", "nbytes": len(bad)}]
     m = msg.decode(msg.encode(header(tensors=t), bad))  # the frame itself is sound
     with pytest.raises(MessageError) as e:
-        msg.unpack_fragment(m.header, m.payload, FP32, {("w",): ((3,), np.float32)})
+        payloads.unpack_fragment(m.header, m.payload, FP32, {("w",): ((3,), np.float32)})
     assert e.value.reason == "non_finite"
 
 
@@ -147,20 +148,20 @@ def test_truncated_zstd_inside_a_valid_frame_is_codec_error():
     t = [{"path": ["w"], "shape": [256], "dtype": "float32", "nbytes": len(cut)}]
     m = msg.decode(msg.encode(header(codec="fp32+zstd1", tensors=t), cut))
     with pytest.raises(MessageError) as e:
-        msg.unpack_fragment(m.header, m.payload, None, {("w",): ((256,), np.float32)})
+        payloads.unpack_fragment(m.header, m.payload, None, {("w",): ((256,), np.float32)})
     assert e.value.reason == "codec_error"
 
 
 def test_codec_specs():
     for name, ef, level in [("fp32", False, 0), ("int4", True, 1), ("topk", True, 3), ("2bit", True, 0)]:
-        spec = msg.codec_spec(name, ef, level)
-        assert msg.codec_from_spec(spec).name == make_codec(name, error_feedback=ef, zstd_level=level).name
-    assert msg.codec_spec("int8", block=32) == "int8+b32"
-    assert msg.codec_from_spec("int8+b32").name == "int8(block=32)"
-    assert msg.codec_from_spec("topk+k0.05").name == "topk(fraction=0.05)"
+        spec = codec_specs.codec_spec(name, ef, level)
+        assert codec_specs.codec_from_spec(spec).name == make_codec(name, error_feedback=ef, zstd_level=level).name
+    assert codec_specs.codec_spec("int8", block=32) == "int8+b32"
+    assert codec_specs.codec_from_spec("int8+b32").name == "int8(block=32)"
+    assert codec_specs.codec_from_spec("topk+k0.05").name == "topk(fraction=0.05)"
     for bad in ["int3", "int4+zstd", "int4+zstd1+ef", "", "int4+ef+ef"]:
         with pytest.raises(MessageError, match="wrong_codec"):
-            msg.codec_from_spec(bad)
+            codec_specs.codec_from_spec(bad)
 
 
 def test_payload_bound_holds_for_real_payloads():
@@ -168,9 +169,9 @@ def test_payload_bound_holds_for_real_payloads():
     values = {("a",): rng.standard_normal((130,)), ("b",): rng.standard_normal((8, 8))}  # float64 in, fp32 on the wire
     shapes = [v.shape for v in values.values()]
     for spec in ["fp32", "int4", "int4+ef+zstd1", "topk+ef", "fp32+zstd3"]:
-        _, payload, _ = msg.pack_fragment(values, msg.codec_from_spec(spec), None)
-        assert len(payload) <= msg.payload_bound(spec, shapes), spec
-    assert msg.payload_bound("int4", shapes) == 4 * 3 + 65 + 4 * 1 + 32  # scales + packed nibbles
+        _, payload, _ = payloads.pack_fragment(values, codec_specs.codec_from_spec(spec), None)
+        assert len(payload) <= codec_specs.payload_bound(spec, shapes), spec
+    assert codec_specs.payload_bound("int4", shapes) == 4 * 3 + 65 + 4 * 1 + 32  # scales + packed nibbles
 
 
 def test_admission_reasons():

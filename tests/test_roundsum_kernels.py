@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from diloco.algo import messages, quorum, roundsum
+from diloco.algo import codec_specs, payloads, quorum, roundsum
 from diloco.algo import syncer as sync
 from diloco.algo.fragments import Fragment
 from diloco.algo.outer import make_outer
@@ -183,13 +183,13 @@ def _round(M, method, seed):
              paths[1]: rng.standard_normal((48,), np.float32) * 0.1,
              paths[2]: rng.standard_normal((CHUNK + 3,), np.float32) * 0.1}
     pol = sync.Policy(quorum.GraceConfig(K=M, gamma=0.0), make_outer("nesterov"), method, method,
-                      down_codec=messages.codec_from_spec("int8"), down_spec="int8", up_spec="int4")
+                      down_codec=codec_specs.codec_from_spec("int8"), down_spec="int8", up_spec="int4")
     st = sync.init(pol, (Fragment(0, paths, sum(x.size for x in theta.values()), False),), (theta,),
                    {m: 0 for m in range(M)})
-    codec = messages.codec_from_spec("int4")
+    codec = codec_specs.codec_from_spec("int4")
     for m in range(M):
         diff = {p: rng.standard_normal(x.shape, np.float32) * np.float32(1e-2 * (1 + m)) for p, x in theta.items()}
-        tensors, payload, _ = messages.pack_fragment(diff, codec)
+        tensors, payload, _ = payloads.pack_fragment(diff, codec)
         fr = raw_frame(tensors, payload, learner=m, seq=1, base_version=0, c_steps=4, c_tokens=4 * (8 + 3 * m),
                        spec="int4")
         st, actions = sync.on_contribution(pol, st, fr, float(m))

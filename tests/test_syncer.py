@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from diloco.algo import messages, quorum
+from diloco.algo import codec_specs, messages, payloads, quorum
 from diloco.algo import syncer as sync
 from diloco.algo.codecs import make_codec
 from diloco.algo.outer import make_outer
@@ -211,7 +211,7 @@ def decode_like_a_learner(frame_bytes, held):
     """What a LearnerUnit reconstructs from a broadcast, given the values of the version it holds."""
     msg = messages.decode(frame_bytes)
     h = msg.header
-    values = messages.unpack_fragment(h, msg.payload, None, {p: (v.shape, np.float32) for p, v in held.items()})
+    values = payloads.unpack_fragment(h, msg.payload, None, {p: (v.shape, np.float32) for p, v in held.items()})
     if h["delta_against"] is not None:
         values = {p: held[p] + values[p] for p in values}
     return h, values
@@ -222,7 +222,7 @@ def test_broadcast_is_a_quantized_delta_against_the_reference_learners_hold():
     reference bit for bit, and the rounding error is carried into the next delta, not accumulated."""
     block = 64
     down = make_codec("int8", block=block)
-    pol = policy(K=1, down_codec=down, down_spec=messages.codec_spec("int8", block=block))
+    pol = policy(K=1, down_codec=down, down_spec=codec_specs.codec_spec("int8", block=block))
     st = start(pol)
     held = {m: dict(THETA0[0]) for m in range(2)}
     rng = np.random.default_rng(1)

@@ -4,7 +4,7 @@ reason in the ledger and Theta untouched; the payload bound admits every codec; 
 import numpy as np
 import pytest
 
-from diloco.algo import messages
+from diloco.algo import codec_specs, payloads
 from diloco.algo import syncer as sync
 from diloco.algo.codecs import make_codec
 from diloco.algo.fragments import Fragment
@@ -13,7 +13,7 @@ from syncer_frames import B, FP32, THETA0, W, frame, merges, policy, raw_frame, 
 
 def _payload_with(value):
     """An fp32 payload for fragment 0 whose first value is `value` (encode refuses non-finite)."""
-    tensors, payload, _ = messages.pack_fragment({B: np.zeros(2, np.float32), W: np.zeros((2, 3), np.float32)}, FP32)
+    tensors, payload, _ = payloads.pack_fragment({B: np.zeros(2, np.float32), W: np.zeros((2, 3), np.float32)}, FP32)
     return tensors, np.float32(value).tobytes() + payload[4:]
 
 
@@ -28,7 +28,7 @@ def _bad_frame(case):
         bad = {**local, W: np.zeros((3, 2), np.float32)}
         return frame(bad, {**THETA0[0], W: np.zeros((3, 2), np.float32)}, learner=1), key, "wrong_shape"
     if case == "wrong_dtype":
-        tensors, payload, _ = messages.pack_fragment(local, FP32)
+        tensors, payload, _ = payloads.pack_fragment(local, FP32)
         tensors[0]["dtype"] = "bfloat16"
         return raw_frame(tensors, payload, learner=1), key, "wrong_dtype"
     if case == "checksum":
@@ -37,7 +37,7 @@ def _bad_frame(case):
         return bytes(good), None, "checksum"
     if case == "truncated_zstd":
         codec = make_codec("fp32", zstd_level=1)
-        tensors, payload, _ = messages.pack_fragment(local, codec)
+        tensors, payload, _ = payloads.pack_fragment(local, codec)
         tensors[-1]["nbytes"] -= 5  # header consistent with the cut payload: only zstd can tell
         return raw_frame(tensors, payload[:-5], learner=1, spec="fp32+zstd1"), key, "codec_error"
     if case == "duplicate":  # unattributed: its key is the original's, which is in the open round
@@ -113,7 +113,7 @@ def test_the_payload_bound_admits_every_codec_at_its_largest(spec):
     pol = policy(K=1)
     st = start(pol, frags=big, theta0=theta0)
     local = {W: np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)}
-    kw = messages.parse_spec(spec)
+    kw = codec_specs.parse_spec(spec)
     codec = make_codec(kw.pop("name"), **kw)
     st, actions = sync.on_contribution(pol, st, frame(local, theta0[0], codec=codec, spec=spec), 0.0)
     assert st.quarantined == {} and st.merges == 1

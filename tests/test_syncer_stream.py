@@ -11,8 +11,9 @@ import pytest
 
 from diloco.algo import close as closing
 from diloco.algo import merge as merging
-from diloco.algo import messages, outer, quorum, roundsum
+from diloco.algo import codec_specs, outer, payloads, quorum, roundsum
 from diloco.algo import syncer as sync
+from diloco.algo.syncer_state import ref_of
 from diloco.algo.fragments import Fragment
 from diloco.algo.outer import make_outer
 from diloco.runtime import syncer_ckpt
@@ -30,7 +31,7 @@ def _theta(rng):
 
 def _policy(K, method="rda", **kw):
     return sync.Policy(quorum.GraceConfig(K=K, gamma=0.0), make_outer("nesterov"), method, method,
-                       down_codec=messages.codec_from_spec("int8"), down_spec="int8", up_spec=UP, **kw)
+                       down_codec=codec_specs.codec_from_spec("int8"), down_spec="int8", up_spec=UP, **kw)
 
 
 def _start(pol, M, rng, embedding=False):
@@ -42,11 +43,11 @@ def _start(pol, M, rng, embedding=False):
 def _frame(st, rng, m, seq, base, c_steps=4, scale=1e-2):
     """(frame, local): a contribution of learner m against version `base`, int4 on the wire, and
     the local values the syncer reconstructs from it (ref[base] - decoded payload)."""
-    ref = sync._ref(st.fragments[0], base)
+    ref = ref_of(st.fragments[0], base)
     diff = {p: rng.standard_normal(x.shape, np.float32) * np.float32(scale) for p, x in ref.items()}
-    codec = messages.codec_from_spec(UP)
-    tensors, payload, _ = messages.pack_fragment(diff, codec)
-    wire = messages.unpack_fragment({"codec": UP, "tensors": tensors}, payload, codec,
+    codec = codec_specs.codec_from_spec(UP)
+    tensors, payload, _ = payloads.pack_fragment(diff, codec)
+    wire = payloads.unpack_fragment({"codec": UP, "tensors": tensors}, payload, codec,
                                     {p: (x.shape, np.float32) for p, x in ref.items()})
     local = {p: ref[p] - wire[p] for p in ref}
     fr = raw_frame(tensors, payload, learner=m, seq=seq, base_version=base, c_steps=c_steps,
@@ -62,8 +63,8 @@ def reference_round(pol, fs, items, n_live, norms):
     deltas = []
     for local, base, _, _ in items:
         anchor = fs.theta
-        if pol.anchor == "base" and sync._ref(fs, base) is not None:
-            anchor = sync._ref(fs, base)
+        if pol.anchor == "base" and ref_of(fs, base) is not None:
+            anchor = ref_of(fs, base)
         deltas.append({p: np.asarray(merging.pseudo_gradient(anchor[p], local[p])) for p in local})
     recent = [n for n in norms if n > 0]
     if pol.clip > 0 and recent:
@@ -215,7 +216,7 @@ def test_fragments_of_equal_shapes_share_one_compiled_close_and_merge_as_they_di
     for i in range(len(frags)):
         alone = sync.init(pol, (frags[i]._replace(index=0),), (thetas[i],), {0: 0})
         diff = {p: rng.standard_normal(x.shape, np.float32) * np.float32(1e-2) for p, x in thetas[i].items()}
-        tensors, payload, _ = messages.pack_fragment(diff, messages.codec_from_spec(UP))
+        tensors, payload, _ = payloads.pack_fragment(diff, codec_specs.codec_from_spec(UP))
         st, _ = sync.on_contribution(pol, st, raw_frame(tensors, payload, seq=1 + i, fragment=i, spec=UP), 1.0)
         alone, _ = sync.on_contribution(pol, alone, raw_frame(tensors, payload, spec=UP), 1.0)
         for path in thetas[i]:
@@ -230,8 +231,8 @@ def test_an_overflowing_contribution_is_dropped_and_the_rest_merge_from_a_rebuil
     pol = _policy(3, theta_norm_bound=0.0)
     st0 = _start(pol, 3, rng)
     good = [_frame(st0, rng, m, 1, 0)[0] for m in range(2)]
-    codec = messages.codec_from_spec(UP)
-    tensors, payload, _ = messages.pack_fragment(
+    codec = codec_specs.codec_from_spec(UP)
+    tensors, payload, _ = payloads.pack_fragment(
         {p: np.full(x.shape, 1e38, np.float32) for p, x in st0.fragments[0].theta.items()}, codec)
     huge = raw_frame(tensors, payload, learner=2, spec=UP)
     st = st0

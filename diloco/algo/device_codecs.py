@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco.algo import codecs, messages
+from diloco.algo import codec_specs, codecs, messages
 from diloco.algo.codec_base import FP4, INT
 
 _TINY = np.float32(2.0**-126)
@@ -60,7 +60,7 @@ class DeviceCodec(NamedTuple):
 def for_spec(spec: str) -> DeviceCodec | None:
     """The device encoder of a contribution codec spec ("int4+ef+zstd1"), or None for a codec
     that has none (fp32, bf16, topk: they encode on the host)."""
-    kw = messages.parse_spec(spec)
+    kw = codec_specs.parse_spec(spec)
     fmt = codecs.BLOCK_FORMATS.get(kw["name"])
     if fmt is None:
         return None
@@ -223,8 +223,8 @@ class DeviceDecoder(NamedTuple):
 def decoder_for(spec: str) -> DeviceDecoder | None:
     """The device decoder of a broadcast spec: fp32 full copies and the zstd-free block formats
     (the run's down codecs); None for the rest, which decode on the host."""
-    messages.codec_from_spec(spec)  # a spec the host decoder refuses (a block of 0 or 2^20) is refused here
-    kw = messages.parse_spec(spec)
+    codec_specs.codec_from_spec(spec)  # a spec the host decoder refuses (a block of 0 or 2^20) is refused here
+    kw = codec_specs.parse_spec(spec)
     if kw.get("zstd_level") or (kw["name"] != "fp32" and kw["name"] not in codecs.BLOCK_FORMATS):
         return None
     return _decoder(spec, kw["name"], 1 if kw["name"] == "fp32" else kw.get("block", 64))

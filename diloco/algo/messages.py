@@ -7,27 +7,22 @@ a frame from a crashed, buggy or hostile peer can at worst be rejected, never ex
 rejection is a `MessageError` whose `reason` is one of QUARANTINE_REASONS, so the syncer can
 quarantine the message and book its tokens under that reason in the ledger.
 
-The payload of a fragment is the concatenation, in header order, of each tensor's codec payload;
-`tensors[i].nbytes` says where one ends. Tensors are float32 on the wire whatever the codec:
-decoding and merging happen in FP32 (docs/algorithm.md#codecs).
+This module holds the frame (encode, decode, the header's validation, the payload's checksum), the
+quarantine reasons and the syncer's admission rule (check_admission). A fragment's payload is
+packed and unpacked in diloco/algo/payloads.py; the header's codec string is read in
+diloco/algo/codec_specs.py.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import math
-import re
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-import numpy as np
-
-from diloco.algo import auth, hostpool
+from diloco.algo import auth
 from diloco.algo.bounds import loads_json
 from diloco.algo.checksum import checksum
-from diloco.algo.codecs import Codec, CodecError, NonFiniteError, make_codec
 
 Path = tuple[str, ...]
 
@@ -43,11 +38,10 @@ MAX_HEADER_DEPTH = 16
 # Every int a header holds is below 2**53: exact as a float64, so a counter's square (the token
 # weight) and a norm divided by it stay finite; 2**53 steps or tokens is far beyond any run.
 MAX_COUNT = 1 << 53
-MAX_SPEC_CHARS = 64  # "int4+ef+zstd22+b4096+k0.0001" is 28
 KINDS = ("contribution", "fragment", "ack")
-DTYPES = ("float32",)  # the wire dtype; codecs decode to float32 and merges run in FP32
 
-# Frame and header faults (decode), payload faults (unpack_fragment), admission faults (check_admission).
+# Frame and header faults (decode), payload faults (payloads.unpack_fragment), admission faults
+# (check_admission).
 FRAME_REASONS = ("bad_magic", "bad_header", "truncated", "trailing_bytes", "too_large", "checksum",
                  "bad_counter",
                  "unauthenticated")  # its tag does not verify: nothing in the header can be believed
@@ -231,215 +225,6 @@ def payload_fault(msg: Message) -> MessageError | None:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")  # NaN / Infinity are Python extensions, not JSON
-
-
-# Digit counts are bounded so int() never sees thousands of digits; a block above MAX_BLOCK is refused
-# by the codec itself, before it allocates anything.
-_SPEC_PART = re.compile(r"^(ef|zstd([0-9]{1,3})|b([0-9]{1,12})|k([0-9.eE+-]{1,32}))$")
-_DEFAULT_BLOCK, _DEFAULT_TOPK = 64, 0.01
-
-
-def codec_spec(name: str, error_feedback: bool = False, zstd_level: int = 0, *,
-               block: int = _DEFAULT_BLOCK, topk_fraction: float = _DEFAULT_TOPK) -> str:
-    """The header's codec string, e.g. "int4+ef+zstd1"; non-default block / top-k fraction are
-    spelled out ("int8+b32", "topk+k0.05") because the receiver needs them to decode."""
-    parts = [name]
-    if error_feedback:
-        parts.append("ef")
-    if zstd_level:
-        parts.append(f"zstd{int(zstd_level)}")
-    if block != _DEFAULT_BLOCK:
-        parts.append(f"b{int(block)}")
-    if topk_fraction != _DEFAULT_TOPK:
-        parts.append(f"k{topk_fraction!r}")
-    return "+".join(parts)
-
-
-def parse_spec(spec: str) -> dict[str, Any]:
-    """make_codec's keyword arguments for a codec string; MessageError("wrong_codec") if malformed.
-
-    Nothing else escapes: the spec comes from a peer's header, so every parse fault is the peer's.
-    """
-    if not isinstance(spec, str) or len(spec) > MAX_SPEC_CHARS:
-        raise MessageError("wrong_codec", f"codec spec must be a str of at most {MAX_SPEC_CHARS} chars, "
-                                          f"got {str(spec)[:MAX_SPEC_CHARS]!r}...")
-    name, *rest = spec.split("+")
-    kw: dict[str, Any] = {"name": name}
-    for part in rest:
-        m = _SPEC_PART.match(part)
-        if not name or m is None:
-            raise MessageError("wrong_codec", f"cannot parse codec spec {spec!r} at {part!r}")
-        if part == "ef":
-            kw["error_feedback"] = True
-        elif m.group(2) is not None:
-            kw["zstd_level"] = int(m.group(2))
-        elif m.group(3) is not None:
-            kw["block"] = int(m.group(3))
-        else:
-            try:
-                kw["topk_fraction"] = float(m.group(4))
-            except ValueError:  # "..", "1e", "-": the character class admits what float() refuses
-                raise MessageError("wrong_codec", f"cannot parse codec spec {spec!r} at {part!r}") from None
-    if codec_spec(**kw) != spec:  # one spelling per codec, so spec equality means codec equality
-        raise MessageError("wrong_codec", f"{spec!r} is not canonical; write {codec_spec(**kw)!r}")
-    return kw
-
-
-def codec_from_spec(spec: str) -> Codec:
-    """The codec a header names; MessageError("wrong_codec") for unknown or malformed specs.
-
-    A codec is pure functions, so each spec's is built once and shared: building one (its lookup
-    tables) cost about 6 ms, paid twice per contribution the syncer decoded."""
-    return _codec_from_spec(spec) if isinstance(spec, str) else _build_codec(spec)
-
-
-@functools.lru_cache(maxsize=64)
-def _codec_from_spec(spec: str) -> Codec:
-    return _build_codec(spec)
-
-
-def _build_codec(spec: str) -> Codec:
-    kw = parse_spec(spec)
-    name = kw.pop("name")
-    try:
-        return make_codec(name, **kw)
-    except (CodecError, ValueError, KeyError) as e:
-        raise MessageError("wrong_codec", f"{spec!r}: {e}") from None
-
-
-def pack_fragment(
-    values: Mapping[Path, Any], codec: Codec, states: Mapping[Path, Any] | None = None,
-) -> tuple[list[dict[str, Any]], bytes, dict[Path, Any]]:
-    """Encode a fragment's tensors, in sorted path order (the order of Fragment.paths).
-
-    `states` holds each tensor's codec state (error-feedback residual); a missing one starts from
-    codec.init. Returns the header's tensors list, the payload and the new states.
-    """
-    states = {} if states is None else states
-    tensors, chunks, new_states = [], [], {}
-    for path in sorted(values):
-        x = np.asarray(values[path])
-        if not np.issubdtype(x.dtype, np.floating):
-            raise TypeError(f"{path}: only floating tensors travel as fragments, got {x.dtype}")
-        x = x.astype(np.float32, copy=False)  # lossless from bf16/f16; the wire dtype is float32
-        state = states[path] if path in states else codec.init(x.shape)
-        chunk, new_states[path] = codec.encode(x, state)
-        chunks.append(chunk)
-        tensors.append({"path": list(path), "shape": list(x.shape), "dtype": "float32", "nbytes": len(chunk)})
-    return tensors, b"".join(chunks), new_states
-
-
-def unpack_fragment(
-    header: Mapping[str, Any], payload: bytes, codec: Codec | None,
-    expected: Mapping[Path, tuple[Iterable[int], Any]],
-) -> dict[Path, np.ndarray]:
-    """Decode and check a fragment's tensors against `expected` {path: (shape, dtype)}.
-
-    `codec=None` decodes with the codec the header names; a given codec must match the header's
-    spec (compared through codec_from_spec, since the wire names the codec by its spec).
-    """
-    named = codec_from_spec(header["codec"])
-    if codec is None:
-        codec = named
-    elif _decoder_name(codec.name) != _decoder_name(named.name):
-        raise MessageError("wrong_codec", f"header codec {header['codec']!r}, receiver decodes {codec.name!r}")
-    _check_paths(header, expected)
-    # Checked in tensor order, the first fault raised, as a loop would; the decodes themselves
-    # run concurrently (zstd and the block kernels release the GIL; hostpool.py).
-    jobs, fault, offset = [], None, 0
-    for t in header["tensors"]:
-        path, shape = tuple(t["path"]), tuple(t["shape"])
-        fault = _tensor_fault(t, expected)
-        if fault is not None:
-            break
-        jobs.append((path, shape, payload[offset:offset + t["nbytes"]]))
-        offset += t["nbytes"]
-    decoded = hostpool.run([lambda job=job: _decode_one(codec, *job) for job in jobs], len(payload) >= hostpool.CHUNK)
-    out: dict[Path, np.ndarray] = {}
-    for (path, _, _), x in zip(jobs, decoded):
-        if isinstance(x, MessageError):
-            raise x
-        # Finite already: every codec refuses non-finite values on decode (NonFiniteError), so a
-        # second pass over the values here would only cost time (docs/algorithm.md#codecs).
-        out[path] = x
-    if fault is not None:
-        raise fault
-    if offset != len(payload):
-        raise MessageError("codec_error", f"tensors cover {offset} bytes of a {len(payload)}-byte payload")
-    return out
-
-
-def _decode_one(codec: Codec, path: Path, shape: tuple, chunk: bytes) -> np.ndarray | MessageError:
-    """One tensor decoded and checked, or the MessageError saying why not."""
-    try:
-        x = np.asarray(codec.decode(chunk, shape))
-    except CodecError as e:
-        return MessageError("non_finite" if isinstance(e, NonFiniteError) else "codec_error", f"{path}: {e}")
-    if x.shape != shape or x.dtype != np.float32:
-        return MessageError("codec_error", f"{path}: decoded {x.dtype}{list(x.shape)}, want float32{list(shape)}")
-    return x
-
-
-def _check_paths(header: Mapping[str, Any], expected: Mapping[Path, Any]) -> None:
-    got = {tuple(t["path"]) for t in header["tensors"]}
-    if got != set(expected):
-        missing, extra = sorted(set(expected) - got), sorted(got - set(expected))
-        raise MessageError("wrong_shape", f"missing tensors {missing}, unexpected tensors {extra}")
-
-
-def _tensor_fault(t: Mapping[str, Any], expected: Mapping[Path, tuple[Iterable[int], Any]]) -> MessageError | None:
-    """Why a header's tensor entry does not match what the receiver expects, or None."""
-    path, shape = tuple(t["path"]), tuple(t["shape"])
-    want_shape, want_dtype = expected[path]
-    if shape != tuple(want_shape):
-        return MessageError("wrong_shape", f"{path}: header shape {shape}, expected {tuple(want_shape)}")
-    if t["dtype"] not in DTYPES or np.dtype(want_dtype) != np.dtype(t["dtype"]):
-        return MessageError("wrong_dtype", f"{path}: header dtype {t['dtype']}, expected {np.dtype(want_dtype)}")
-    return None
-
-
-def tensor_layout(header: Mapping[str, Any], expected: Mapping[Path, tuple[Iterable[int], Any]]
-                  ) -> list[tuple[Path, tuple[int, ...]]]:
-    """Each tensor's (path, shape) in payload order, checked against `expected` {path: (shape,
-    dtype)} as unpack_fragment checks them: for a receiver that decodes the payload elsewhere
-    (a learner's devices, diloco/algo/device_codecs.py)."""
-    _check_paths(header, expected)
-    for t in header["tensors"]:
-        fault = _tensor_fault(t, expected)
-        if fault is not None:
-            raise fault
-    return [(tuple(t["path"]), tuple(t["shape"])) for t in header["tensors"]]
-
-
-def _decoder_name(name: str) -> str:
-    """A codec's name without its error_feedback(...) wrapper, which changes encode but not decode."""
-    start = name.find("error_feedback(")
-    if start < 0:
-        return name
-    i, depth = start + len("error_feedback("), 1
-    inner = i
-    while depth:
-        depth += {"(": 1, ")": -1}.get(name[i], 0)
-        i += 1
-    return name[:start] + name[inner:i - 1] + name[i:]
-
-
-def payload_bound(spec: str, shapes: Iterable[Iterable[int]]) -> int:
-    """An upper bound on a fragment's payload at a codec's rate, for decode(max_payload=...).
-
-    Exact for fixed-rate codecs; a codec of unknown size counts as fp32, and zstd adds its
-    worst-case expansion (ZSTD_COMPRESSBOUND: n + n/256 + a little per frame).
-    """
-    kw = parse_spec(spec)
-    level = kw.pop("zstd_level", 0)
-    base = make_codec(kw.pop("name"), **kw)
-    total = 0
-    for shape in shapes:
-        shape = tuple(shape)
-        n = base.payload_bytes(shape)
-        n = 4 * math.prod(shape) + 64 if n is None else n
-        total += n + (n >> 8) + 256 if level else n
-    return total
 
 
 def check_admission(

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
-from diloco.algo import hostpool, messages
+from diloco.algo import codec_specs, hostpool
 from diloco.algo.merge import MergeRule, fragment_norm
 from diloco.algo.codec_base import Codec
 
@@ -105,7 +105,7 @@ class Local(Mapping):
 
 
 def local(ref: Values, header: Mapping[str, Any], payload: bytes) -> Local:
-    return Local(ref, messages.codec_from_spec(header["codec"]), header["tensors"], payload)
+    return Local(ref, codec_specs.codec_from_spec(header["codec"]), header["tensors"], payload)
 
 
 def owned(x: np.ndarray) -> np.ndarray:

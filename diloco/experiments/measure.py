@@ -88,7 +88,7 @@ def contributions(run_dir: Path) -> tuple[set[int], dict[tuple, float]]:
     """(fragments holding the embedding, {contribution key: norm} for the others), from the
     syncer's recorded inputs. A contribution carries Theta(base version) - local weights, so its
     decoded payload is that learner's own delta, whatever the merge rule then does with it."""
-    from diloco.algo import messages
+    from diloco.algo import messages, payloads
     from diloco.model import is_embedding
     from diloco.runtime.runlog import read_inputs
 
@@ -103,7 +103,7 @@ def contributions(run_dir: Path) -> tuple[set[int], dict[tuple, float]]:
         if embedding.setdefault(h["fragment"], any(is_embedding(tuple(t["path"])) for t in h["tensors"])):
             continue
         expected = {tuple(t["path"]): (t["shape"], np.float32) for t in h["tensors"]}
-        wire = messages.unpack_fragment(h, msg.payload, None, expected)
+        wire = payloads.unpack_fragment(h, msg.payload, None, expected)
         key = (h["learner"], h["incarnation"], h["seq"])
         norms[key] = float(np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in wire.values())))
     return {f for f, emb in embedding.items() if emb}, norms

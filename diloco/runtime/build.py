@@ -18,7 +18,7 @@ from diloco.algo.auth import MIN_SECRET_BYTES, Secret
 from diloco.algo import syncer as sync
 from diloco.algo.codecs import make_codec
 from diloco.algo.fragments import Fragment, extract, make_fragments, make_schedule
-from diloco.algo.messages import codec_spec
+from diloco.algo.codec_specs import codec_spec
 from diloco.algo.outer import make_outer
 from diloco.config import ConfigError, MeshConfig, TrainConfig
 from diloco.data import Corpus

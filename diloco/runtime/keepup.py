@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from diloco.algo import hostpool, messages
+from diloco.algo import hostpool, messages, payloads
 from diloco.algo import syncer as sync
 from diloco.algo.codecs import Codec
 from diloco.config import TrainConfig
@@ -84,7 +84,7 @@ def random_payloads(theta: dict, M: int, codec: Codec, rng) -> list[tuple[list, 
     out = []
     for _ in range(M):
         diff = {path: rng.standard_normal(x.shape, np.float32) * 1e-3 for path, x in theta.items()}
-        out.append(messages.pack_fragment(diff, codec)[:2])
+        out.append(payloads.pack_fragment(diff, codec)[:2])
     return out
 
 

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from diloco.algo import device_codecs
 from diloco.algo import learner as lsm
-from diloco.algo import messages
+from diloco.algo import messages, payloads
 from diloco.algo.codecs import Codec, ErrorFeedbackState
 from diloco.algo.fragments import Fragment, Path, Schedule, assemble, get_path, set_path
 from diloco.algo.merge import pseudo_gradient
@@ -361,7 +361,7 @@ class LearnerUnit:
             self.sent_local[send.fragment] = local
         diff = pseudo_gradient({path: anchor[path] for path in frag.paths}, local)
         states = {p: self.codec_states[p] for p in frag.paths if p in self.codec_states}
-        tensors, payload, new_states = messages.pack_fragment(diff, self.spec.up_codec, states)
+        tensors, payload, new_states = payloads.pack_fragment(diff, self.spec.up_codec, states)
         self.codec_states.update(new_states)
         return tensors, payload
 
@@ -378,11 +378,11 @@ class LearnerUnit:
             expected = {path: (get_path(self.state.params, path).shape, np.float32) for path in frag.paths}
             decoder = None if self.device_codec is None else device_codecs.decoder_for(h["codec"])
             if decoder is not None:
-                layout = messages.tensor_layout(h, expected)
+                layout = payloads.tensor_layout(h, expected)
                 raw = decoder.check(h, msg.payload, [shape for _, shape in layout])
                 decoder = None if raw is None else decoder
             if decoder is None:
-                values = messages.unpack_fragment(h, msg.payload, None, expected)
+                values = payloads.unpack_fragment(h, msg.payload, None, expected)
         except (messages.MessageError, IndexError, KeyError):
             self.dropped_frames += 1
             return None

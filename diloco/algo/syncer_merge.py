@@ -1,0 +1,134 @@
+"""Closing a fragment's round in the syncer: the admitted contributions' running sums, clipping,
+the merge and outer step (one jitted pass, diloco/algo/close.py), dropping a contribution that
+would make Theta non-finite, and the decision record (docs/algorithm.md#merge).
+
+Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 4.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from diloco.algo import close as closing
+from diloco.algo import merge as merging
+from diloco.algo import messages, quorum, roundsum
+from diloco.algo import syncer_publish as publishing
+from diloco.algo.codecs import NonFiniteError
+from diloco.algo.syncer_state import (
+    Contribution, FragmentState, Outcome, Policy, Publish, SyncerState, anchor_of, decision_record, merge_rule,
+    quarantine, with_fragment,
+)
+
+
+def prepare(cfg: Policy, fs: FragmentState, c: Contribution) -> tuple[list, tuple[float, ...]]:
+    """c's deltas (fresh arrays, path order) against the anchor of fs's round, and their norms."""
+    anchor = anchor_of(cfg, fs, c.base_version)
+    deltas, norms = [], []
+    for path in fs.theta:
+        if isinstance(c.local, roundsum.Local):  # the same arithmetic as at its arrival, bit for bit
+            d, _, n = roundsum.delta(anchor[path], c.local.ref[path], c.local.wire(path))
+        else:  # restored from a checkpoint as local values: anchor - local, the same bits again
+            d, n = roundsum.delta_of_local(anchor[path], c.local[path])
+        deltas.append(d)
+        norms.append(n)
+    return deltas, tuple(norms)
+
+
+def round_sums(cfg: Policy, fs: FragmentState, inside, scales=None) -> roundsum.RoundSum:
+    """The running sums of `inside`: fs.sums when they are exactly those, else rebuilt by folding
+    them again in order (REPEAT, overflow, clipped averages, a restored checkpoint: all rare)."""
+    keys = tuple(c.key for c in inside)
+    if scales is None and fs.sums is not None and fs.sums.keys == keys:
+        return fs.sums
+    rule = merge_rule(cfg, fs)
+    rs = roundsum.empty(fs.theta)
+    for i, c in enumerate(inside):
+        deltas, norms = prepare(cfg, fs, c)
+        rs = roundsum.fold(rs, c.key, merging.token_weight(c.c_tokens, c.c_steps), deltas, norms, rule,
+                           1.0 if scales is None else scales[i])
+    return rs
+
+
+def merge_round(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
+           now: float) -> tuple[SyncerState, tuple]:
+    fs = st.fragments[p]
+    inside = [c for c in fs.contributions if c.key[0] in decision.admitted]
+    rs = round_sums(cfg, fs, inside)
+    fs = fs._replace(round=None, contributions=(), sums=None)
+    st = with_fragment(st, p, fs)
+    rule = merge_rule(cfg, fs)
+    scales, clipped = _clipped(cfg, fs, inside, rs)
+    if rule.clip_rebuilds and clipped:  # a clipped delta is in the sum whole: sum again, scaled
+        rs = round_sums(cfg, fs, inside, scales)
+    dropped: tuple = ()
+    while True:
+        weights = [merging.token_weight(c.c_tokens, c.c_steps) for c in inside]
+        if not inside or sum(weights) <= 0:  # nothing with weight: no step, nothing published
+            return st, dropped + tuple(Outcome(c.key, "excluded") for c in inside)
+        stepped = _step(cfg, st, fs, p, rs, weights, scales, rule, tuple(c.key for c in inside))
+        if stepped is not None:
+            break
+        # Non-finite: drop the largest pseudo-gradient (every one was finite, so only size can
+        # overflow) and merge the rest; Theta, its optimizer state and the version stay as they were.
+        worst = max(range(len(inside)), key=lambda i: scales[i] * rs.parts[i].norm)
+        c = inside.pop(worst)
+        del scales[worst]
+        rs = round_sums(cfg, fs, inside, scales if rule.clip_rebuilds else None)
+        st, quarantined = quarantine(st, "overflow", c.key, now, f"merging it into fragment {p} "
+                                      f"version {fs.version + 1} would make Theta non-finite")
+        dropped += quarantined
+    st, publish, delta_norm = stepped
+    record = {
+        **decision_record("merge", decision, None), "version": fs.version + 1, "method": rule.name,
+        "learners": [c.key[0] for c in inside], "weights": weights,
+        "staleness": [fs.version - c.base_version for c in inside],
+        "delta_norm": delta_norm, "clipped": [c.key[0] for c in inside if c.key in clipped],
+    }
+    st = st._replace(merges=st.merges + 1, decisions=st.decisions.add(record))
+    return st, dropped + (publish,) + tuple(Outcome(c.key, "merged") for c in inside)
+
+
+def _clipped(cfg: Policy, fs: FragmentState, inside: list[Contribution],
+             rs: roundsum.RoundSum) -> tuple[list[float], set[tuple[int, int, int]]]:
+    """Each delta's clip factor: with norm per step above cfg.clip x the median of the fragment's
+    recent nonzero ones it is scaled down onto that bar (direction kept); and the keys scaled."""
+    recent = [n for n in fs.norms if n > 0]
+    scales = [1.0] * len(inside)
+    if cfg.clip <= 0 or not recent:
+        return scales, set()
+    bar = cfg.clip * float(np.median(recent))
+    clipped = set()
+    for i, (c, part) in enumerate(zip(inside, rs.parts)):
+        allowed = bar * max(c.c_steps, 1)
+        if part.norm > allowed:
+            scales[i] = float(np.float32(allowed / part.norm))  # the float32 factor a delta was scaled by
+            clipped.add(c.key)
+    return scales, clipped
+
+
+def _step(cfg: Policy, st: SyncerState, fs: FragmentState, p: int, rs: roundsum.RoundSum,
+          weights: list[float], scales: list[float], rule: merging.MergeRule,
+          keys: tuple[tuple[int, int, int], ...]) -> tuple[SyncerState, Publish, float] | None:
+    """Merge, take the outer step and publish; None if anything published or kept would be
+    non-finite (an encoder would refuse it, and a non-finite Theta never recovers)."""
+    if not all(math.isfinite(part.norm) for part in rs.parts):  # a delta overflowed float32 itself
+        return None
+    live = len(keys) / len(st.live) if cfg.scale == "live" and len(keys) < len(st.live) else 1.0
+    gains = [g * live for g in rule.gains(weights, scales, [part.norms for part in rs.parts], rs.scales)]
+    sums = {path: (s if s is not None else np.zeros(x.shape, np.float32))
+            for (path, x), s in zip(fs.theta.items(), rs.sums)}
+    with np.errstate(over="ignore"):  # a gain past float32 is inf: non-finite, refused below
+        gains = {path: np.float32(g) for path, g in zip(fs.theta, gains)}
+    done = closing.close(cfg.outer, rule.per, sums, gains, fs.theta, fs.outer_state, fs.refs[-1][1])
+    if not done.finite:
+        return None
+    fs = fs._replace(theta=done.theta, outer_state=jax.tree.map(np.asarray, done.outer_state),
+                     version=fs.version + 1, theta_norm=done.theta_norm)
+    try:
+        st, publish = publishing.publish(cfg, st, fs, p, keys, done.diff)
+    except (NonFiniteError, messages.MessageError):  # the broadcast codec's rounding overflowed
+        return None
+    return st, publish, done.delta_norm
