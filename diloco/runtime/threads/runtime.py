@@ -16,13 +16,9 @@ syncer has booked everything (FIFO), fires the pending grace deadlines as they f
 those merges and closes the inboxes. An exception in any thread sets a stop event that every
 blocking call polls; the main thread joins all threads and re-raises the first error.
 
-Ctrl-C or SIGTERM (docs/design.md#stopping-a-run) stops the same way, then: each learner saves a
-final checkpoint where it stopped, the main thread (the host's owner once the syncer thread has
-ended) books the events still queued, saves a final syncer checkpoint (diloco/runtime/syncer_ckpt.py:
-the syncer state, the ledgers, the host's and this runtime's bookkeeping) and raises RunStopped
-with the partial summary. `run.resume=true` restores that checkpoint, books every learner still
-live dead at the stop, and brings each learner not done back as its next incarnation through the
-rejoin rule, on a clock that continues where the stopped run ended.
+Ctrl-C or SIGTERM stops the same way, then saves the run so it can resume (StopAndResume,
+diloco/runtime/threads/stopping.py). `run` (diloco/runtime/threads/driver.py) sets a run up and
+writes its outputs.
 """
 
 from __future__ import annotations
@@ -30,35 +26,34 @@ from __future__ import annotations
 import heapq
 import logging
 import queue
-import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import numpy as np
 
 from diloco import report
-from diloco import watch as run_watch
 from diloco.algo import quorum
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
 from diloco.chaos import tapes
-from diloco.config import ConfigError, TrainConfig
+from diloco.config import TrainConfig
 from diloco.runtime import events as ev
 from diloco.runtime.crew import Crew, Stopped
 from diloco.runtime import keepup
 from diloco.runtime.host import HostedRuntime, SyncerHost
-from diloco.runtime.stop import RunStopped, signals_as_interrupt
-from diloco.runtime.syncer_ckpt import SYNCER_DIR, SyncerCheckpoints, host_in, host_out, pairs
+from diloco.runtime.stop import signals_as_interrupt
+from diloco.runtime.syncer_ckpt import SyncerCheckpoints
 from diloco.runtime.threads.mailbox import Mailbox
+from diloco.runtime.threads.stopping import ComeBack, StopAndResume
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.build import Setup, new_unit
-from diloco.runtime.runlog import InputLog, learner_rates, run_outputs, write_decisions
+from diloco.runtime.runlog import InputLog
 from diloco.runtime.learner_loop import run_incarnation
 from diloco.runtime.pace import Pace, StallWatch
 from diloco.runtime.unit import LearnerUnit
-from diloco.runtime.walltape import WallTape, run_tape
+from diloco.runtime.walltape import WallTape
 from diloco.train import profile
 
 log = logging.getLogger(__name__)
@@ -71,16 +66,7 @@ class _Killed(Exception):
     """Raised inside learner m's thread after `kill(m)`: the learner crashes at once."""
 
 
-class _ComeBack(NamedTuple):
-    """How learner m comes back in a resumed run: as `incarnation`, its predecessor having stopped
-    at `step` (as the syncer booked it) and died at `died_at` (the stop, on the run's clock)."""
-
-    incarnation: int
-    step: int
-    died_at: float
-
-
-class Threads(HostedRuntime):
+class Threads(StopAndResume, HostedRuntime):
     """One run on the wall clock; `run` drives it to the end. Holds no module-level state.
 
     Each attribute has one writer: units[m] learner m; syncer, tokens, bytes, time, stalls, inputs,
@@ -126,7 +112,7 @@ class Threads(HostedRuntime):
         self.end = 0.0  # clock time when the syncer published its last merge (or the run stopped)
         self.deadlines: list[tuple[float, int, int]] = []  # grace timers (at, order, fragment), a heap
         self._order = 0
-        self.comeback: dict[int, _ComeBack] = {}
+        self.comeback: dict[int, ComeBack] = {}
         self.up: queue.Queue = queue.Queue(maxsize=r.queue_size)
         self.leftover: list[ev.Event] = []  # events learners could not queue once the stop was set
         self._booking_stop = False  # the main thread books what is left: no eval requests then
@@ -151,59 +137,6 @@ class Threads(HostedRuntime):
     def finished_at(self) -> dict[int, float]:
         """learner -> clock time of its `done`."""
         return self.host.finished_at
-
-    # --- stop and resume (docs/design.md#stopping-a-run) -----------------------------------------
-    def _restore(self, state, arrays: dict, meta: dict) -> None:
-        """Take up a stopped run: its syncer and ledgers as saved, every learner still live booked
-        dead at the stop, and a plan for each one not done to come back as its next incarnation."""
-        extra = meta["extra"]
-        host_in(self.host, state, arrays.get("extra", {}), extra)
-        self.steps.update(dict(extra["steps"]))
-        self.died_at = dict(extra["died_at"])
-        self.deadlines = [tuple(d) for d in extra["deadlines"]]  # saved in heap order: still a heap
-        self._order = extra["order"]
-        self.offset = self.end = extra["clock"]
-        for m in sorted(self.host.alive - self.host.done):  # before any thread runs: the host is ours
-            self._on_event(ev.Died(m, self.host.incarnations[m], self.offset), self.offset)
-        self.comeback = {m: _ComeBack(self.host.incarnations[m] + 1, self.steps[m], self.died_at.get(m, self.offset))
-                         for m in range(self.M) if m not in self.host.done}
-
-    def _stopped(self) -> RunStopped:
-        """After a Ctrl-C / SIGTERM, every thread joined (or a forced stop): book what the learners
-        emitted, save the final syncer checkpoint, and the partial summary."""
-        forced = self.crew.forced
-        if self._syncer_thread.is_alive():  # it still owns the host: nothing can be saved safely
-            return RunStopped(self.run_dir, None, self._resumable(), forced=True)
-        self._booking_stop = True
-        while True:
-            try:
-                self._on_event(self.up.get_nowait(), self.clock())
-            except queue.Empty:
-                break
-        for event in list(self.leftover):  # after the queued ones: each learner's order holds
-            self._on_event(event, self.clock())
-        # The run ends where the signal came or its last booked interval does, whichever is later;
-        # saving the checkpoints afterwards is not the run's time (a resumed clock starts here).
-        self.end = max([self.end, self.stopped_at, *(v[2] for v in self.host.time.open.values())])
-        saved = self._save_stop()
-        try:
-            summary = self.summary()
-        except Exception as err:  # noqa: BLE001 - the stop must still end cleanly and say how to resume
-            log.error("no partial summary: %s: %s", type(err).__name__, err)
-            summary = None
-        return RunStopped(self.run_dir, summary, saved or self._resumable(), forced=forced)
-
-    def _save_stop(self) -> bool:
-        if self.syncer_ckpts is None:
-            return False
-        arrays, meta = host_out(self.host)
-        meta.update({"steps": pairs(self.steps), "died_at": pairs(self.died_at),
-                     "deadlines": [list(d) for d in self.deadlines], "order": self._order, "clock": self.end})
-        with self._ckpt_lock:  # learners of a forced stop may still be saving theirs
-            return self.syncer_ckpts.save(self.host.state, self.host.inputs_seen, extra=(arrays, meta))
-
-    def _resumable(self) -> bool:
-        return self.syncer_ckpts is not None and bool(self.syncer_ckpts.manager.all_steps())
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -472,54 +405,3 @@ class _ThreadPort:
 
     def log(self, record: dict) -> None:
         self.rt._write(record)
-
-
-def latest_stop(cfg: TrainConfig, setup: Setup, ckpts: SyncerCheckpoints, run_dir: Path) -> tuple:
-    """(state, arrays, meta) of the newest usable syncer checkpoint a stop saved in `run_dir`;
-    ConfigError if there is none (a run that finished, or was killed before it could save one)."""
-    found = ckpts.latest_raw(setup.policy, setup.fragments)
-    if found is None or "extra" not in found[2]:
-        raise ConfigError(f"run.resume=true but {run_dir / SYNCER_DIR} holds no usable syncer checkpoint: "
-                          "a threads run saves one when Ctrl-C or SIGTERM stops it; this one finished "
-                          "or was killed before it could")
-    return found
-
-
-def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
-        evaluate: Callable[[dict], float] | None) -> tuple[Threads, dict]:
-    """Run Decoupled DiLoCo on the wall clock; returns the finished runtime (for its state) and a
-    summary with the same keys as sim's. With run.resume it continues the run a stop saved in
-    run_dir; a Ctrl-C or SIGTERM raises RunStopped (the partial decision records written)."""
-    ckpts, found = None, None
-    if run_dir is not None:
-        if not cfg.run.resume:  # a new run must never resume from an earlier run's syncer
-            shutil.rmtree(run_dir / SYNCER_DIR, ignore_errors=True)
-        ckpts = SyncerCheckpoints(run_dir / SYNCER_DIR, 0, cfg.run.keep_checkpoints, async_save=False)
-    try:
-        if cfg.run.resume and ckpts is not None:
-            found = latest_stop(cfg, setup, ckpts, run_dir)
-        # The input log continues from the checkpoint: inputs after it (a forced stop) are dropped.
-        with run_outputs(run_dir, run_watch.for_run(cfg, run_dir, "wall"), learner_rates(cfg, setup, "wall"),
-                         found[2]["inputs_seen"] if found else None) as (writer, inputs):
-            rt = Threads(cfg, setup, writer, evaluate, inputs,
-                         None if run_dir is None else run_dir / "learners", run_tape(cfg, run_dir),
-                         syncer_ckpts=ckpts, restored=found, run_dir=run_dir)
-            start = int(rt.tokens.processed[0])  # a resumed run's, from its checkpoint
-            try:
-                summary = rt.run()  # every thread has been joined when it returns or raises
-            except RunStopped:
-                if run_dir is not None:
-                    write_decisions(run_dir / "decisions.jsonl", rt.syncer.decisions)
-                raise
-            summary["tokens_at_start"] = start  # a resumed run's rates are its own (run.py)
-            if evaluate is not None:
-                rt._eval(rt.end, rt.steps[0], sync.theta(rt.syncer), int(rt.tokens.processed[0]),
-                         rt.syncer.merges)
-                summary["eval_loss"] = rt.evals[-1][2]
-            if run_dir is not None:
-                write_decisions(run_dir / "decisions.jsonl", rt.syncer.decisions)
-                writer.summary(summary)
-            return rt, summary
-    finally:
-        if ckpts is not None:
-            ckpts.close()
