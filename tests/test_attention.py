@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model
 
 from diloco.config import ConfigError, ModelConfig
 from diloco.config.checks import ATTENTION_KERNELS, model_errors
@@ -16,7 +17,7 @@ from diloco.model.attention import attend, cudnn_fits, implementation, reference
 from diloco.model.generate import init_cache, left_pad
 
 VOCAB = 97
-TINY = ModelConfig(name="tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
+TINY = tiny_model(d_model=64)
 # Our decoder and each imported family's variants (docs/models.md): Qwen3's qk-norm and own head dim,
 # Qwen2's qkv bias, GPT-2's LayerNorm, GELU, biases and learned positions, Llama 3.1's RoPE scaling.
 FAMILIES = {
@@ -63,7 +64,7 @@ def test_xla_masked_and_fully_masked_rows_equal_the_reference_without_nan():
     # A row seeing nothing averages every value, as the reference does, instead of NaN.
     np.testing.assert_allclose(got[0, 3], jnp.broadcast_to(v[0].mean(0).repeat(2, axis=0), (4, 16)), **F32_TOL)
     # Mask and causal together: the reference of their intersection.
-    both = mask_BxLxS & jnp.tril(jnp.ones((12, 12), bool))
+    both = mask_BxLxS & jnp.tril(jnp.ones((1, 12, 12), bool))
     np.testing.assert_allclose(attend("xla", q, k, v, mask_BxLxS, causal=True),
                                reference_attention(q, k, v, both), **F32_TOL)
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model
 import yaml
 from flax import nnx
 
@@ -17,7 +18,7 @@ from diloco.model import abstract_params, build, count_params, is_embedding
 from diloco.model.transformer import Attention, rotary
 
 VOCAB = 256
-TINY = ModelConfig(name="tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=128)
+TINY = tiny_model(d_model=64, d_ff=192, max_seq_len=128)  # wider than the runs' tiny model; shared with the hf tests
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "model"
 
 

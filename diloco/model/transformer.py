@@ -64,7 +64,7 @@ def rotary(x_BxLxHxE: jax.Array, positions: jax.Array, theta: float = 10000.0,
     half = x_BxLxHxE.shape[-1] // 2
     if inv_freq_half is None:
         inv_freq_half = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[..., None] * inv_freq_half
+    angle = jnp.multiply.outer(positions.astype(jnp.float32), inv_freq_half)  # positions' shape + [E/2]
     angle_BxLxE2 = angle if angle.ndim == 3 else angle[None]
     # Broadcast over heads; the rotation is done in float32 so bf16 keeps exact angles.
     cos_Bx1xLx1xE2 = jnp.cos(angle_BxLxE2)[:, :, None, :]
@@ -201,7 +201,7 @@ class Transformer(nnx.Module):
         """Final-norm hidden states [B, L, D] in the compute dtype, and with `cache` its new layers."""
         x_BxLxD = self.embed(tokens_BxL)
         if hasattr(self, "pos_embed"):
-            x_BxLxD = x_BxLxD + self.pos_embed(positions)
+            x_BxLxD = x_BxLxD + jnp.broadcast_to(self.pos_embed(positions), x_BxLxD.shape)  # positions [L] or [B, L]
 
         def block_out(block: Block, x_BxLxD, positions, mask_BxLxS):
             return block(x_BxLxD, positions, None, mask_BxLxS, causal)[0]
