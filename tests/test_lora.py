@@ -6,6 +6,7 @@ merged full model; bad settings are one ConfigError naming the value."""
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from diloco.data import train_batch
 from diloco.inputs import full_params, load_inputs
 from diloco.model import build, count_params, lora, with_params
 from diloco.run import export_model, run
+from diloco.train.step import make_eval_step, make_loss
 from test_finetune import TINY, make_cfg, write_files
 
 LORA = LoraConfig(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
@@ -80,6 +82,36 @@ def test_the_adapter_forward_is_the_merged_weights_forward(files):
             + 2.0 * np.asarray(a[path], np.float64) @ np.asarray(b["blocks"]["0"]["mlp"]["w_up"]["lora_b"], np.float64))
     np.testing.assert_allclose(np.asarray(full["blocks"]["0"]["mlp"]["w_up"]["kernel"]), want, rtol=1e-6, atol=1e-6)
     assert full["embed"]["embedding"] is pre.model.params["embed"]["embedding"]
+
+
+def test_the_compiled_steps_take_the_frozen_weights_as_one_placed_argument(files):
+    """A LoRA model's train, eval and vmapped steps share one copy of the frozen checkpoint on
+    their mesh, passed as an argument: their programs hold no constant the checkpoint's size (a
+    closure would embed every frozen weight in each one), and they compute what the closure did."""
+    from diloco.train.mesh import make_mesh
+    from diloco.train.trainer import compile_steps
+
+    cfg, corpus, model, pre = load_inputs(lora_cfg(files, "frozen"))
+    assert model.frozen is pre.model.params and model.thaw(model.frozen).params.keys() == model.params.keys()
+    compiled = compile_steps(model, cfg, make_mesh(cfg.mesh, cfg.data.batch_size))
+    frozen_bytes = sum(x.nbytes for x in jax.tree.leaves(model.frozen))
+    batch = jax.device_put(train_batch(corpus.train, seed=0, learner=0, num_learners=1, step=0,
+                                       batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len),
+                           compiled.batch_sharding)
+    state = compiled.init(jax.device_put(random_b(model.params, 2), compiled.state_sharding.params))
+    texts = [compiled.train_step.lower(state, batch).as_text(),
+             compiled.eval_step.lower(state.params, batch).as_text(),
+             compiled.train_many(2).lower((state, state), (batch, batch)).as_text()]
+    embedded = [sum(len(h) // 2 for h in re.findall(r'dense<"0x([0-9A-F]+)">', text)) for text in texts]
+    assert max(embedded) < frozen_bytes / 4, (embedded, frozen_bytes)  # the As, small, remain constants
+    closure = jax.jit(make_eval_step(make_loss(model, True))).lower(state.params, batch).as_text()
+    assert sum(len(h) // 2 for h in re.findall(r'dense<"0x([0-9A-F]+)">', closure)) >= frozen_bytes
+    placed = compiled.train_step.last
+    assert compiled.eval_step.last is placed and compiled.train_many(2).last is placed
+    loss, tokens = compiled.eval_step(state.params, batch)
+    closure = jax.jit(make_eval_step(make_loss(model, True)))(state.params, batch)
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(closure[0]), rtol=1e-6)
+    assert float(tokens) == float(closure[1])
 
 
 def test_with_a_shared_a_merging_the_bs_merges_the_products(files):

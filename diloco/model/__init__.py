@@ -35,6 +35,12 @@ class Model(NamedTuple):
     # final-norm hidden states and the head h_NxD -> logits_NxV float32 that apply and packed end
     # with, for a loss that computes the logits a chunk at a time (diloco/train/step.py)
     features: Callable | None = None
+    # Weights that never train (a LoRA model's checkpoint, diloco/model/lora.py), None when every
+    # weight trains; thaw(frozen) is this model with its functions over the given frozen tree, so a
+    # compiled step can take the frozen weights as an argument instead of embedding them as
+    # constants (docs/design.md#lora).
+    frozen: Params | None = None
+    thaw: Callable[[Params], "Model"] | None = None
 
 
 def _split(cfg: ModelConfig, vocab_size: int, seed: int) -> tuple[nnx.GraphDef, Params]:

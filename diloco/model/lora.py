@@ -86,29 +86,34 @@ def merge(cfg: LoraConfig, base: Params, adapters: Params, a: dict[Path, jax.Arr
 
 def adapt(cfg: LoraConfig, base: Model) -> Model:
     """`base` with its weights frozen: params are the adapters, and apply, packed, features and
-    decode run the base model on the merged weights. Under jit the frozen weights and the As are
-    constants of the compiled step, so no optimizer state, fragment, merge or wire byte is ever
-    spent on them."""
+    decode run the base model on the merged weights, so no optimizer state, fragment, merge or
+    wire byte is ever spent on the frozen weights. They are the returned model's `frozen`, and
+    `thaw` rebuilds its functions over a frozen tree given as an argument: the compiled steps
+    (train/trainer.py) take them that way, one copy on a mesh for every step compiled on it, where
+    a closure would embed them as constants in each compiled program."""
     if cfg.rank <= 0:
         raise ValueError(f"finetune.lora.rank={cfg.rank}: adapt needs rank > 0 (0 is a full fine-tune)")
-    frozen, a = base.params, frozen_a(cfg, base.params)
+    a = frozen_a(cfg, base.params)
 
-    def full(adapters: Params) -> Params:
-        return merge(cfg, frozen, adapters, a)
+    def over(frozen: Params) -> Model:
+        def full(adapters: Params) -> Params:
+            return merge(cfg, frozen, adapters, a)
 
-    def apply(adapters, tokens_BxL):
-        return base.apply(full(adapters), tokens_BxL)
+        def apply(adapters, tokens_BxL):
+            return base.apply(full(adapters), tokens_BxL)
 
-    def decode(adapters, tokens_BxL, mask_BxL, cache):
-        return base.decode(full(adapters), tokens_BxL, mask_BxL, cache)
+        def decode(adapters, tokens_BxL, mask_BxL, cache):
+            return base.decode(full(adapters), tokens_BxL, mask_BxL, cache)
 
-    def packed(adapters, tokens_BxL, segments_BxL, positions_BxL):
-        return base.packed(full(adapters), tokens_BxL, segments_BxL, positions_BxL)
+        def packed(adapters, tokens_BxL, segments_BxL, positions_BxL):
+            return base.packed(full(adapters), tokens_BxL, segments_BxL, positions_BxL)
 
-    def features(adapters, tokens_BxL, segments_BxL=None, positions_BxL=None):
-        return base.features(full(adapters), tokens_BxL, segments_BxL, positions_BxL)
+        def features(adapters, tokens_BxL, segments_BxL=None, positions_BxL=None):
+            return base.features(full(adapters), tokens_BxL, segments_BxL, positions_BxL)
 
-    return Model(apply=apply, params=init_adapters(cfg, frozen),
-                 decode=None if base.decode is None else decode,
-                 packed=None if base.packed is None else packed,
-                 features=None if base.features is None else features)
+        return Model(apply=apply, params=init_adapters(cfg, frozen),
+                     decode=None if base.decode is None else decode,
+                     packed=None if base.packed is None else packed,
+                     features=None if base.features is None else features, frozen=frozen, thaw=over)
+
+    return over(base.params)

@@ -47,36 +47,82 @@ def compile_steps(model: Model, cfg: TrainConfig, mesh: Mesh) -> Compiled:
     abstract = jax.eval_shape(lambda p: init_state(p, optimizer), model.params)
     state_sh = tree_shardings(mesh, abstract)
     sft = cfg.data.source == "sft"
-    loss = make_loss(model, sft, cfg.model.loss_chunk)
     # Every array of a fine-tuning batch (diloco/data/sft.py) is [B, ...], split over B like windows.
     batch_sh = batch_sharding(mesh)
     if sft:
         batch_sh = {k: batch_sh for k in ("tokens", "segments", "positions", "targets")}
     rep = replicated(mesh)
+    frozen = _Frozen(model, mesh)
+
+    def train(m: Model) -> Callable:
+        return make_train_step(make_loss(m, sft, cfg.model.loss_chunk), optimizer, schedule)
+
+    def evaluation(m: Model) -> Callable:
+        return make_eval_step(make_loss(m, sft, cfg.model.loss_chunk))
+
     init = jax.jit(lambda p: init_state(p, optimizer), out_shardings=state_sh)
-    train_step = jax.jit(make_train_step(loss, optimizer, schedule),
-                         in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep),
-                         donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(loss), in_shardings=(state_sh.params, batch_sh),
-                        out_shardings=rep)
+    train_step = frozen.jit(train, (state_sh, batch_sh), (state_sh, rep), donate_argnums=0)
+    eval_step = frozen.jit(evaluation, (state_sh.params, batch_sh), rep)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, state_sh)
     return Compiled(init, train_step, eval_step, state_sh, batch_sh, abstract,
-                    _stepper(make_train_step(loss, optimizer, schedule), state_sh, batch_sh, rep))
+                    _stepper(frozen, train, state_sh, batch_sh, rep))
 
 
-def _stepper(step: Callable, state_sh, batch_sh, rep) -> Callable[[int], Callable]:
+class _Frozen:
+    """The frozen weights of a model (LoRA's checkpoint; none for a full model) placed once on a
+    mesh, and jit for a step built from the model: with frozen weights the step takes them as a
+    last argument, bound to that one copy, so the train, eval and vmapped steps share it instead
+    of each embedding them as constants (docs/design.md#lora)."""
+
+    def __init__(self, model: Model, mesh: Mesh):
+        self.model = model
+        if model.frozen is not None:
+            self.sharding = jax.tree.map(lambda _: replicated(mesh), model.frozen)
+            self.placed = jax.device_put(model.frozen, self.sharding)
+
+    def jit(self, build: Callable[[Model], Callable], in_shardings, out_shardings, **kw):
+        """build(model) -> step; jitted with the given shardings (and the frozen tree's)."""
+        if self.model.frozen is None:
+            return jax.jit(build(self.model), in_shardings=in_shardings, out_shardings=out_shardings, **kw)
+        jitted = jax.jit(lambda *args: build(self.model.thaw(args[-1]))(*args[:-1]),
+                         in_shardings=(*in_shardings, self.sharding), out_shardings=out_shardings, **kw)
+        return _Bound(jitted, self.placed)
+
+
+class _Bound:
+    """A jitted function with its last argument bound (called and lowered alike)."""
+
+    def __init__(self, jitted, last):
+        self.jitted, self.last = jitted, last
+
+    def __call__(self, *args):
+        return self.jitted(*args, self.last)
+
+    def lower(self, *args):
+        return self.jitted.lower(*args, self.last)
+
+    def _cache_size(self) -> int:
+        return self.jitted._cache_size()
+
+
+def _stepper(frozen: _Frozen, train: Callable[[Model], Callable], state_sh, batch_sh, rep) -> Callable[[int], Callable]:
     """n -> one jitted step of n learners: their states and batches stacked on a leading axis,
-    the step vmapped over it, the results taken apart again; compiled once per n."""
+    the step vmapped over it (the frozen weights, if any, shared), the results taken apart
+    again; compiled once per n."""
 
     @functools.lru_cache(maxsize=None)
     def train_many(n: int) -> Callable:
-        def many(states, batches):
-            stacked = jax.vmap(step)(*(jax.tree.map(lambda *xs: jnp.stack(xs), *t) for t in (states, batches)))
-            return tuple(zip(*(tuple(jax.tree.map(lambda x: x[i], tree) for i in range(n)) for tree in stacked)))
+        def build(m: Model) -> Callable:
+            step = train(m)
 
-        return jax.jit(many, in_shardings=((state_sh,) * n, (batch_sh,) * n),
-                       out_shardings=tuple((state_sh, rep) for _ in range(n)), donate_argnums=0)
+            def many(states, batches):
+                stacked = jax.vmap(step)(*(jax.tree.map(lambda *xs: jnp.stack(xs), *t) for t in (states, batches)))
+                return tuple(zip(*(tuple(jax.tree.map(lambda x: x[i], tree) for i in range(n)) for tree in stacked)))
+            return many
+
+        return frozen.jit(build, ((state_sh,) * n, (batch_sh,) * n),
+                          tuple((state_sh, rep) for _ in range(n)), donate_argnums=0)
 
     return train_many
 
