@@ -5,8 +5,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from diloco.config import (ConfigError, DataConfig, MeshConfig, ModelConfig, TrainConfig,
-                           from_dict, load, to_dict, validate)
+from diloco.config import ConfigError, MeshConfig, TrainConfig, load, to_dict, validate
 from diloco.config.checks import mesh_errors
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -94,7 +93,8 @@ def _all_compositions():
 
 @pytest.mark.parametrize("override", list(_all_compositions()))
 def test_every_config_file_composes_and_validates(override):
-    """Every group file composes with the rest of train.yaml into a valid TrainConfig."""
+    """Every group file composes with the rest of train.yaml into a valid TrainConfig that holds
+    every composed value, the file's own ones included (but those train.yaml sets over it)."""
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         raw = compose(config_name="train", overrides=[override, "run.out_dir=runs/test"])
     from omegaconf import OmegaConf
@@ -102,8 +102,17 @@ def test_every_config_file_composes_and_validates(override):
     data = OmegaConf.to_container(raw, resolve=True)
     if override.startswith("model="):  # big models may need a longer context than the default data
         data["data"]["seq_len"] = min(data["data"]["seq_len"], data["model"]["max_seq_len"])
-    cfg = load(data)
-    assert isinstance(cfg.model, ModelConfig) and isinstance(cfg.data, DataConfig)
+    loaded = to_dict(load(data))
+    assert {s: {k: loaded[s][k] for k in v} if isinstance(v, dict) else loaded[s] for s, v in data.items()} == data
+    group, option = override.split("=")
+    own = OmegaConf.to_container(OmegaConf.load(CONFIGS / group / f"{option}.yaml"))
+    own.pop("defaults", None)
+    # train.yaml's own values come after the groups (its _self_), a preset's after train.yaml.
+    after = {} if group == "preset" else OmegaConf.to_container(OmegaConf.load(CONFIGS / "train.yaml")).get(group) or {}
+    for section, values in (own if group == "preset" else {group: own}).items():
+        for key, value in values.items():
+            if key not in after and (section, key) != ("data", "seq_len"):
+                assert loaded[section][key] == value, (section, key, loaded[section][key], value)
 
 
 GROUP_TYPES = {"model": "ModelConfig", "data": "DataConfig", "inner": "InnerConfig", "mesh": "MeshConfig",

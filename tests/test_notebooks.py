@@ -42,4 +42,36 @@ def test_notebook_executes(path, run_dir):
             namespace["RUN_DIR"] = str(run_dir)
             continue
         exec(compile("".join(cell["source"]), f"{path.name}", "exec"), namespace)
-    assert namespace["records"], "the notebook read no records"
+    CHECKS[path.stem](namespace["records"], run_dir)
+
+
+def _curves(records, run_dir):  # every line of metrics.jsonl, in order
+    assert records == [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _dynamics(records, run_dir):  # one run directory: its eval points, on steps (its evals have no clock)
+    written = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records == [{**r, "time": r["step"]} for r in written if r["kind"] == "eval"]
+
+
+def _bandwidth(records, run_dir):  # Table 4: each model, method and target utilisation once
+    from diloco.bandwidth import table4
+
+    cells = [(r["model"], r["method"], r["target"]) for r in records]
+    assert sorted(cells) == sorted((m, k, t) for m in table4.MODELS for k in table4.METHODS for t in table4.TARGETS)
+
+
+def _goodput(records, run_dir):  # no goodput.json here: the quick study, each row at each of its chip counts
+    from diloco.chaos import study
+
+    quick = study.load({"quick": True})
+    chips = quick.chips
+    rows = {(r["mode"], r["learners"]) for r in records}
+    assert ("dp", 1) in rows and {m for _, m in rows} >= set(quick.learners), rows
+    assert sorted((r["mode"], r["learners"], r["requested_chips"]) for r in records) == sorted(
+        (mode, m, c) for mode, m in rows for c in chips)
+    assert all(0 < r["goodput"] <= 1 for r in records), records
+
+
+# What each notebook's `records` must hold on the run directory above.
+CHECKS = {"training_curves": _curves, "training_dynamics": _dynamics, "bandwidth": _bandwidth, "goodput": _goodput}
