@@ -10,12 +10,12 @@ from unittest import mock
 import jax
 import numpy as np
 import pytest
+from conftest import SGD, override, tiny_cfg, tiny_model
 
 from diloco.algo import ledger, messages, timeline
 from diloco.algo import syncer as sync
 from diloco.algo.outer import make_outer
-from diloco.config import (CodecConfig, DataConfig, FragmentsConfig, InnerConfig, ModelConfig, OuterConfig,
-                           RunConfig, RuntimeConfig, SyncerConfig, TrainConfig, validate)
+from diloco.config import TrainConfig
 from diloco.data import batch_at, load_corpus
 from diloco.model import build as build_model
 from diloco.model import count_params
@@ -26,27 +26,16 @@ from diloco.runtime import build as setup_mod
 from diloco.runtime.sim.runtime import Sim
 from diloco.train.trainer import compile_steps
 
-TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
-SGD = InnerConfig(optimizer="sgd", lr=0.1, schedule="constant", warmup_steps=0, clip_norm=0.0, weight_decay=0.0)
-
 
 def make_cfg(tmp, steps=6, **groups) -> TrainConfig:
-    """M = 2 learners of 1 device, P = 1, H = 2, tau = 0, K = M, outer average, fp32 both ways;
-    `groups` override fields per config group, e.g. runtime=dict(speeds=(1.0, 2.0))."""
-    data = DataConfig(source="synthetic", seq_len=16, batch_size=8, data_dir=str(tmp / "data"),
-                      synthetic_vocab=16, synthetic_tokens=40_000, synthetic_branching=2)
-    base = {
-        "fragments": FragmentsConfig(count=1, H=2, tau=0),
-        "outer": OuterConfig(name="average", lr=1.0, momentum=0.0),
-        "codec": CodecConfig(up="fp32", down="fp32", zstd_level=0),
-        "syncer": SyncerConfig(quorum=2, merge="average"),
-        "runtime": RuntimeConfig(learners=2, devices_per_learner=1),
-    }
-    for group, over in groups.items():
-        base[group] = replace(base[group], **over)
-    run = RunConfig(steps=steps, log_every=0, eval_every=0, eval_batches=1, out_dir=str(tmp / "run"),
-                    progress=False, plot=False)
-    return validate(TrainConfig(model=TINY, data=data, inner=SGD, run=run, algo="diloco", **base))
+    """The tests' tiny run (tests/conftest.py) with M = 2 learners of 1 device, P = 1, H = 2,
+    tau = 0, K = M, inner SGD, outer average, fp32 both ways, no logs; `groups` override fields per
+    config group, e.g. runtime=dict(speeds=(1.0, 2.0))."""
+    cfg = tiny_cfg(tmp, data=dict(seq_len=16, batch_size=8), inner=SGD,
+                   run=dict(steps=steps, log_every=0, eval_every=0, eval_batches=1),
+                   fragments=dict(count=1, H=2, tau=0), outer=dict(name="average", lr=1.0, momentum=0.0),
+                   codec=dict(up="fp32", down="fp32", zstd_level=0), syncer=dict(quorum=2, merge="average"))
+    return override(cfg, **groups)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +45,7 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(corpus):
-    return build_model(TINY, corpus.vocab_size, seed=0)
+    return build_model(tiny_model(), corpus.vocab_size, seed=0)
 
 
 @pytest.fixture(scope="module")

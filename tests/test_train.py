@@ -9,7 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from diloco.config import DataConfig, InnerConfig, MeshConfig, ModelConfig, RunConfig, TrainConfig, validate
+from conftest import tiny_cfg, tiny_model
+
+from diloco.config import InnerConfig, MeshConfig, TrainConfig
 from diloco.data import batch_at, load_corpus
 from diloco.model import build
 from diloco.train.mesh import make_mesh
@@ -17,17 +19,11 @@ from diloco.train.optim import lr_schedule, make_optimizer
 from diloco.train.trainer import compile_steps, train_dp
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_loss.json"
-TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
 
 
 def make_cfg(tmp_path, steps=20, mesh=MeshConfig(), **run) -> TrainConfig:
-    data = DataConfig(source="synthetic", seq_len=32, batch_size=16, data_dir=str(tmp_path / "data"),
-                      synthetic_vocab=16, synthetic_tokens=40_000, synthetic_branching=2)
-    run = {"checkpoint_every": 10, **run}
-    run_cfg = RunConfig(steps=steps, log_every=5, eval_every=10, eval_batches=2,
-                        out_dir=str(tmp_path / "run"), progress=False, plot=False, **run)
-    return validate(TrainConfig(model=TINY, data=data, inner=InnerConfig(lr=1e-2, warmup_steps=5),
-                                mesh=mesh, run=run_cfg))
+    """The tests' tiny run (tests/conftest.py), data-parallel, checkpointed every 10 steps."""
+    return tiny_cfg(tmp_path, algo="dp", mesh=mesh, run={"checkpoint_every": 10, **run, "steps": steps})
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +114,7 @@ def test_learns_toward_entropy_floor(tmp_path, corpus):
 def test_resume_is_bit_identical(tmp_path, corpus):
     """10 steps, checkpoint, restart the process state, 10 more == 20 uninterrupted steps, exactly."""
     mesh = make_mesh(MeshConfig(), 16)
-    model = build(TINY, corpus.vocab_size, seed=0)
+    model = build(tiny_model(), corpus.vocab_size, seed=0)
     straight = make_cfg(tmp_path / "a", steps=20)
     full, _ = train_dp(straight, corpus, model, mesh, Path(straight.run.out_dir))
 
