@@ -15,7 +15,7 @@ from diloco.data import load_corpus
 from diloco.model import build as build_model
 from diloco.model import count_params
 from diloco.runtime import build as setup_mod
-from diloco.runtime.sim import runtime as simrt
+from diloco.runtime import sim as simrt
 from diloco.train import footprint
 
 MIB = 1 << 20

@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from diloco.algo import codecs
+
 BF16_BITS = 16  # data parallel all-reduces bf16 gradients (docs/experiments.md#analytic-model)
 
-# Bits per value of each codec in diloco/algo/codecs.py: block formats add one float32 scale per
-# block (32 / block bits per value); top-k sends a uint32 index and a float32 value per kept value.
-_CODE_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "fp4": 4, "2bit": 2}
-_BLOCK_CODECS = ("int8", "int4", "fp4", "2bit")
-CODECS = (*_CODE_BITS, "topk")
+# The codecs the model covers: every registered one. Their byte layouts are the codecs' own
+# (Codec.payload_bytes), so the model and the wire cannot drift apart.
+CODECS = tuple(codecs.CODECS)
 
 
 def positive(name: str, value: float) -> float:
@@ -82,31 +82,33 @@ def bandwidth_ratio(P: int, tau: float, bits: float, T_step: float = 1.0, T_wind
 
 
 def wire_bits(codec: str, block: int = 64, topk_fraction: float = 0.01) -> float:
-    """Bits per value a codec of diloco/algo/codecs.py puts on the wire, block scales included.
+    """Bits per value a codec of diloco/algo/codecs.py puts on the wire, block scales included, read
+    from the codec's own payload size: of one whole block for a block format (its scale and codes),
+    of one value for the others, and for top-k of one kept value times the fraction kept.
 
     zstd is not counted: what it saves depends on the data (a few % on int4 deltas, measured).
     """
     if codec == "topk":
         if not 0 < topk_fraction <= 1:
             raise ValueError(f"topk_fraction must lie in (0, 1], got {topk_fraction!r}")
-        return 64 * topk_fraction
-    if codec not in _CODE_BITS:
+        return 8 * _codec("topk", block, 1.0).payload_bytes((1,)) * topk_fraction
+    if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; known: {list(CODECS)}")
-    scale = 32 / count("block", block) if codec in _BLOCK_CODECS else 0.0
-    return _CODE_BITS[codec] + scale
+    n = count("block", block) if codec in codecs.BLOCK_FORMATS else 1
+    return 8 * _codec(codec, block, topk_fraction).payload_bytes((n,)) / n
 
 
 def payload_bytes(codec: str, n: int, block: int = 64, topk_fraction: float = 0.01) -> int:
-    """Exact payload bytes of one tensor of n values, as codecs.py lays it out (no header, no zstd)."""
+    """Exact payload bytes of one tensor of n values: the codec's own layout (Codec.payload_bytes),
+    no header, no zstd."""
     n = count("n (values)", n, minimum=0)
-    if codec == "topk":
-        wire_bits(codec, topk_fraction=topk_fraction)  # validates the fraction
-        return 8 * math.ceil(topk_fraction * n)
-    bits = wire_bits(codec, block)  # validates codec and block
-    if codec not in _BLOCK_CODECS:
-        return int(bits) * n // 8
-    per_byte = 8 // _CODE_BITS[codec]
-    return 4 * -(-n // block) + -(-n // per_byte)
+    wire_bits(codec, block, topk_fraction)  # validates codec, block and fraction, naming the bad one
+    return _codec(codec, block, topk_fraction).payload_bytes((n,))
+
+
+def _codec(codec: str, block: int, topk_fraction: float) -> codecs.Codec:
+    """The registered codec, built with only the options it takes (make_codec)."""
+    return codecs.make_codec(codec, block=block, topk_fraction=topk_fraction)
 
 
 def dp_bytes_per_step(N: float, M: int, bits: float = BF16_BITS) -> float:

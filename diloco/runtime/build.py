@@ -16,7 +16,7 @@ import numpy as np
 from diloco.algo import quorum
 from diloco.algo.auth import MIN_SECRET_BYTES, Secret
 from diloco.algo import syncer as sync
-from diloco.algo.codecs import make_codec
+from diloco.algo.codecs import Codec, make_codec
 from diloco.algo.fragments import Fragment, extract, make_fragments, make_schedule
 from diloco.algo.codec_specs import codec_spec
 from diloco.algo.outer import make_outer
@@ -80,18 +80,37 @@ def auth_secret(cfg: TrainConfig) -> Secret | None:
     return Secret(raw)
 
 
-def policy(cfg: TrainConfig) -> sync.Policy:
+class Codecs(NamedTuple):
+    """The run's codecs and the specs its frames name them by, built once from cfg.codec."""
+
+    up: Codec
+    up_spec: str
+    down: Codec | None  # None: broadcasts carry full FP32 values
+    down_spec: str
+
+
+def run_codecs(cfg: TrainConfig) -> Codecs:
+    """cfg.codec's up and down codecs with their specs, the one place they are made."""
+    c = cfg.codec
+    return Codecs(
+        make_codec(c.up, error_feedback=c.error_feedback, zstd_level=c.zstd_level, block=c.block,
+                   topk_fraction=c.topk_fraction),
+        codec_spec(c.up, c.error_feedback, c.zstd_level, block=c.block, topk_fraction=c.topk_fraction),
+        None if c.down == "fp32" else make_codec(c.down, block=c.block, topk_fraction=c.topk_fraction),
+        codec_spec(c.down, block=c.block, topk_fraction=c.topk_fraction))
+
+
+def policy(cfg: TrainConfig, wire: Codecs | None = None) -> sync.Policy:
     """The syncer's rules, with the bounds a contribution's claims are checked against: the run's own
-    up codec only, at most run.steps steps and one full batch of tokens per step."""
-    s, c = cfg.syncer, cfg.codec
-    up_spec = codec_spec(c.up, c.error_feedback, c.zstd_level, block=c.block, topk_fraction=c.topk_fraction)
+    up codec only, at most run.steps steps and one full batch of tokens per step. `wire`: the run's
+    codecs when the caller has built them (build), else built here."""
+    s = cfg.syncer
+    wire = run_codecs(cfg) if wire is None else wire
     grace = quorum.GraceConfig(K=s.quorum, gamma=s.gamma, cap_steps=s.grace_cap_steps, tau=cfg.fragments.tau)
-    down = None if c.down == "fp32" else make_codec(c.down, block=c.block, topk_fraction=c.topk_fraction)
-    down_spec = codec_spec(c.down, block=c.block, topk_fraction=c.topk_fraction)
     return sync.Policy(grace, outer_optimizer(cfg), s.merge, s.embedding_merge,
-                       None if s.max_staleness < 0 else s.max_staleness, s.history, down, down_spec,
+                       None if s.max_staleness < 0 else s.max_staleness, s.history, wire.down, wire.down_spec,
                        grace_budget=s.grace_budget, anchor=s.anchor, scale=s.scale, norm_bound=s.norm_bound,
-                       norm_window=s.norm_window, up_spec=up_spec, max_steps=cfg.run.steps,
+                       norm_window=s.norm_window, up_spec=wire.up_spec, max_steps=cfg.run.steps,
                        step_tokens=cfg.data.batch_size * cfg.data.seq_len, theta_norm_bound=s.theta_norm_bound,
                        auth=auth_secret(cfg), clip=s.clip)
 
@@ -141,7 +160,7 @@ def learner_meshes(cfg: TrainConfig) -> list:
 
 
 def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
-    f, c = cfg.fragments, cfg.codec
+    f = cfg.fragments
     # One fragment holds everything: there is nothing to separate embeddings from.
     flag = is_embedding if f.count > 1 else None
     try:
@@ -149,16 +168,13 @@ def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
     except ValueError as e:  # the count suits the model only once it is built (a LoRA's adapters)
         raise ConfigError(f"fragments.count={f.count} does not fit this model: {e}") from None
     schedule = make_schedule(f.count, f.H, f.tau, f.alpha, f.keep_overlap, f.others)
-    up = make_codec(c.up, error_feedback=c.error_feedback, zstd_level=c.zstd_level, block=c.block,
-                    topk_fraction=c.topk_fraction)
-    up_spec = codec_spec(c.up, c.error_feedback, c.zstd_level, block=c.block, topk_fraction=c.topk_fraction)
+    wire = run_codecs(cfg)
     spec = UnitSpec(corpus.train, cfg.run.seed, cfg.runtime.learners, cfg.data.batch_size, cfg.data.seq_len,
-                    fragments, schedule, up, up_spec, cfg.data.shard_block,
-                    down_spec=codec_spec(c.down, block=c.block, topk_fraction=c.topk_fraction))
+                    fragments, schedule, wire.up, wire.up_spec, cfg.data.shard_block, down_spec=wire.down_spec)
     compiled = tuple(compile_steps(model, cfg, mesh) for mesh in learner_meshes(cfg))
     host = jax.device_get(model.params)
     theta0 = tuple({p: np.asarray(v, np.float32) for p, v in extract(host, frag).items()} for frag in fragments)
-    return Setup(fragments, policy(cfg), spec, compiled, theta0, flops.of_run(cfg, model.apply, model.params))
+    return Setup(fragments, policy(cfg, wire), spec, compiled, theta0, flops.of_run(cfg, model.apply, model.params))
 
 
 def new_unit(setup: Setup, learner: int, incarnation: int, syncer_state: sync.SyncerState,

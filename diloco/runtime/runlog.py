@@ -14,7 +14,7 @@ import json
 import struct
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from diloco import report
 
@@ -154,3 +154,17 @@ def run_outputs(run_dir: Path | None, watch=None, rates=None,
         for closable in (writer, inputs):
             if closable is not None:
                 closable.close()
+
+
+def close_run(run_dir: Path | None, writer: report.MetricsWriter | None, summary: dict, start: int,
+              last_eval: Callable[[], float] | None, decisions: Iterable[dict]) -> dict:
+    """The end of a finished sim or threads run: `summary` with the tokens it started from (a
+    resumed run's rates are its own, run.py) and the global model's last evaluation, and, with a
+    run dir, the decision records and the summary written."""
+    summary["tokens_at_start"] = start
+    if last_eval is not None:
+        summary["eval_loss"] = last_eval()
+    if run_dir is not None:
+        write_decisions(run_dir / "decisions.jsonl", decisions)
+        writer.summary(summary)
+    return summary

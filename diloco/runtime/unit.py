@@ -2,6 +2,9 @@
 learner state machine (diloco.algo.learner). Every runtime runs its learners through this class.
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), docs/algorithm.md#learner.
+
+One class of about 400 lines, not split: its step, send (deferred and device encodes) and receive
+paths all read and write the one device state and codec state the unit owns.
 """
 
 from __future__ import annotations

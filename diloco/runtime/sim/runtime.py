@@ -14,15 +14,14 @@ its old incarnation's messages. When its slices return it restarts for `runtime.
 under a new incarnation from the syncer's current Theta (diloco/runtime/rejoin.py) and fetches a
 full copy of every fragment. Scavenged learners are added and removed the same way. A failure
 takes effect at the learner's next step boundary: the step in progress finishes.
+
+The entry, `run` (a run's snapshots, outputs and signals), is diloco/runtime/sim/driver.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import logging
-import signal
-import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,7 +29,6 @@ import jax
 import numpy as np
 
 from diloco import report
-from diloco import watch as run_watch
 from diloco.algo import hostpool
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
@@ -44,10 +42,8 @@ from diloco.runtime.stop import RunStopped
 from diloco.runtime.rejoin import LearnerCheckpoints, Rejoin, rejoin_unit
 from diloco.runtime.build import Setup, new_unit
 from diloco.runtime.sim import batched
-from diloco.runtime.sim.snapshots import SimSnapshots, restore
-from diloco.runtime.runlog import InputLog, learner_rates, run_outputs, write_decisions
-from diloco.runtime.walltape import run_tape
-from diloco.train.profile import Trace, for_run as trace_for
+from diloco.runtime.runlog import InputLog
+from diloco.train.profile import Trace
 
 log = logging.getLogger(__name__)
 
@@ -343,65 +339,3 @@ def _removed(tape: tapes.Tape, m: int, t: float) -> bool:
     """Learner m's last tape event by time t took it out of the run (as opposed to failing it)."""
     last = [e.kind for e in tape.events if e.learner == m and e.time <= t]
     return bool(last) and last[-1] == "learner_remove"
-
-
-@contextlib.contextmanager
-def _interruptible(sim: Sim):
-    """SIGINT or SIGTERM (main thread only) lets the sim finish the step in progress, save a final
-    snapshot and raise KeyboardInterrupt; `run.resume=true` continues from it bit-identically.
-    A second signal interrupts at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        if sim.interrupted:
-            raise KeyboardInterrupt
-        log.warning("signal %d: stopping after the current step with a final snapshot", signum)
-        sim.interrupted = True
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable[[dict], float] | None,
-        stop: Callable[[Sim], bool] | None = None) -> tuple[Sim, dict | None]:
-    """Run Decoupled DiLoCo in virtual time; returns the finished Sim (for its state) and a summary
-    (None if `stop` ended it early). With run.resume it continues from the run's latest snapshot."""
-    every = cfg.run.checkpoint_every * cfg.runtime.learners
-    snapshots = SimSnapshots(None if run_dir is None else run_dir / "sim", every, cfg.run.keep_checkpoints)
-    found = snapshots.latest() if cfg.run.resume else None
-    try:
-        # The input log restarts from the snapshot: inputs after it are delivered again.
-        with run_outputs(run_dir, run_watch.for_run(cfg, run_dir, "virtual"), learner_rates(cfg, setup, "virtual"),
-                         found[1]["inputs_seen"] if found else None) as (writer, inputs), \
-                trace_for(cfg, run_dir) as trace:
-            tape = run_tape(cfg, run_dir)
-            # Only a rejoin reads a learner checkpoint, and without a failure tape no sim learner
-            # dies (a resume restores every learner from the run's snapshot), so none are written.
-            every = cfg.runtime.learner_checkpoint_every if tape is not None else 0
-            ckpts = LearnerCheckpoints(None if run_dir is None else run_dir / "learners", every,
-                                       cfg.run.keep_checkpoints)
-            sim = Sim(cfg, setup, writer, evaluate, inputs, tape, ckpts, trace)
-            with _interruptible(sim):
-                if found is None:
-                    start, summary = 0, sim.run(snapshots, stop)
-                else:
-                    restore(sim, *found)
-                    start, summary = int(sim.tokens.processed[0]), sim.loop(snapshots, stop)
-            if summary is None:
-                return sim, None
-            summary["tokens_at_start"] = start  # a resumed run's rates are its own (run.py)
-            if evaluate is not None:
-                sim._eval(sim.now)
-                summary["eval_loss"] = sim.evals[-1][2]
-            if run_dir is not None:
-                write_decisions(run_dir / "decisions.jsonl", sim.syncer.decisions)
-                writer.summary(summary)
-            return sim, summary
-    finally:
-        snapshots.close()

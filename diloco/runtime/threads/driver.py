@@ -12,7 +12,7 @@ from diloco import watch as run_watch
 from diloco.algo import syncer as sync
 from diloco.config import TrainConfig
 from diloco.runtime.build import Setup
-from diloco.runtime.runlog import learner_rates, run_outputs, write_decisions
+from diloco.runtime.runlog import close_run, learner_rates, run_outputs, write_decisions
 from diloco.runtime.stop import RunStopped
 from diloco.runtime.syncer_ckpt import SYNCER_DIR, SyncerCheckpoints
 from diloco.runtime.threads.runtime import Threads
@@ -46,15 +46,13 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
                 if run_dir is not None:
                     write_decisions(run_dir / "decisions.jsonl", rt.syncer.decisions)
                 raise
-            summary["tokens_at_start"] = start  # a resumed run's rates are its own (run.py)
-            if evaluate is not None:
-                rt._eval(rt.end, rt.steps[0], sync.theta(rt.syncer), int(rt.tokens.processed[0]),
-                         rt.syncer.merges)
-                summary["eval_loss"] = rt.evals[-1][2]
-            if run_dir is not None:
-                write_decisions(run_dir / "decisions.jsonl", rt.syncer.decisions)
-                writer.summary(summary)
-            return rt, summary
+
+            def last_eval() -> float:
+                rt._eval(rt.end, rt.steps[0], sync.theta(rt.syncer), int(rt.tokens.processed[0]), rt.syncer.merges)
+                return rt.evals[-1][2]
+
+            return rt, close_run(run_dir, writer, summary, start, last_eval if evaluate is not None else None,
+                                 rt.syncer.decisions)
     finally:
         if ckpts is not None:
             ckpts.close()
