@@ -139,14 +139,17 @@ class Outcome(NamedTuple):
 
 
 def ref_of(fs: FragmentState, version: int) -> Values | None:
+    """The values learners hold at `version` of fs, None once it has left the kept refs."""
     return next((v for ver, v in fs.refs if ver == version), None)
 
 
 def with_fragment(st: SyncerState, p: int, fs: FragmentState) -> SyncerState:
+    """st with fragment p's state replaced by fs."""
     return st._replace(fragments=st.fragments[:p] + (fs,) + st.fragments[p + 1:])
 
 
 def quarantine(st: SyncerState, reason: str, key, now: float, detail: str) -> tuple[SyncerState, tuple]:
+    """A refused contribution booked: its reason counted and recorded, and its Outcome for the ledger."""
     counts = {**st.quarantined, reason: st.quarantined.get(reason, 0) + 1}
     record = {"event": "quarantine", "at": now, "reason": reason, "key": key, "detail": detail[:200]}
     outcome = "stale" if reason == "stale" else f"quarantined:{reason}"
@@ -154,6 +157,7 @@ def quarantine(st: SyncerState, reason: str, key, now: float, detail: str) -> tu
 
 
 def decision_record(event: str, d: quorum.Decision, c: Contribution | None) -> dict:
+    """A quorum decision (and the contribution it was about) as the plain dict the records keep."""
     r = {"event": event, "at": d.at, "fragment": d.fragment, "action": d.action, "reason": d.reason,
          "admitted": list(d.admitted), "missing": list(d.missing), "late": list(d.late),
          "quorum": d.quorum, "t_quorum": d.t_quorum, "grace": d.grace}
@@ -168,6 +172,7 @@ def merge_rule(cfg: Policy, fs: FragmentState) -> merging.MergeRule:
 
 
 def anchor_of(cfg: Policy, fs: FragmentState, base_version: int) -> Values:
+    """What a contribution based on `base_version` is taken against (Policy.anchor)."""
     if cfg.anchor == "base":
         ref = ref_of(fs, base_version)
         if ref is not None:
@@ -176,6 +181,7 @@ def anchor_of(cfg: Policy, fs: FragmentState, base_version: int) -> Values:
 
 
 def theta_norm_of(fs: FragmentState) -> float:
+    """||Theta|| of fs, kept with Theta or computed when it is not."""
     return fs.theta_norm if fs.theta_norm is not None else merging.global_norm(fs.theta)
 
 
