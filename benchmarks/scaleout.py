@@ -30,11 +30,11 @@ import psutil  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import first_merge_of, write  # noqa: E402
 
+from diloco import store as bs  # noqa: E402
 from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig,  # noqa: E402
                            RuntimeConfig, SyncerConfig, TrainConfig, validate)
 from diloco.data import load_corpus  # noqa: E402
 from diloco.model import build  # noqa: E402
-from diloco.runtime import blobstore as bs  # noqa: E402
 from diloco.runtime import build as build_setup  # noqa: E402
 from diloco.runtime import procs, threads  # noqa: E402
 from diloco.runtime.runlog import read_decisions, read_inputs  # noqa: E402

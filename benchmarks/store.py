@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
-from diloco.runtime import blobstore as bs  # noqa: E402
+from diloco import store as bs  # noqa: E402
 
 
 def start_server(kind: str, root: Path) -> tuple[subprocess.Popen, str]:

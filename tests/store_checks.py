@@ -11,8 +11,8 @@ from typing import Callable
 
 import pytest
 
-from diloco.runtime import blobstore as bs
-from diloco.runtime import store_s3
+from diloco import store as bs
+from diloco.store import network
 
 
 def fill(store: bs.BlobStore, n: int, tag: str) -> dict[str, bytes]:
@@ -99,7 +99,7 @@ def fails_past_its_deadline(store: bs.BlobStore, stop: Callable[[], None]) -> No
     t0 = time.monotonic()
     with pytest.raises(bs.StoreUnavailable, match=r"put up/x: the store kept failing for 1.5 s"):
         store.put("up/x", b"frame")
-    assert time.monotonic() - t0 < store_s3.DEFAULT_RETRY_S / 2
+    assert time.monotonic() - t0 < network.DEFAULT_RETRY_S / 2
 
 
 def procs_run_balanced(rt, summary, cfg, steps: int, learners: int, fragments: int) -> None:

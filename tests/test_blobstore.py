@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
+from diloco import store as bs
 from diloco.algo import messages
-from diloco.runtime import blobstore as bs
-from diloco.runtime.blobstore import BlobStore, Poller
+from diloco.store import BlobStore, Poller
 
 
 def frame(seq, n_floats=4, learner=0, incarnation=0, kind="contribution", version=0):

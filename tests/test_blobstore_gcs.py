@@ -19,7 +19,7 @@ emulator = pytest.importorskip("gcp_storage_emulator.server")
 
 import store_checks  # noqa: E402
 
-from diloco.runtime import blobstore as bs  # noqa: E402
+from diloco import store as bs  # noqa: E402
 from diloco.runtime.world import free_port  # noqa: E402
 
 BUCKET = "diloco-test"

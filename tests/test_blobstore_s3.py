@@ -18,8 +18,8 @@ localbucket = pytest.importorskip("localbucket")
 
 import store_checks  # noqa: E402
 
-from diloco.runtime import blobstore as bs  # noqa: E402
-from diloco.runtime import store_s3  # noqa: E402
+from diloco import store as bs  # noqa: E402
+from diloco.store import network  # noqa: E402
 
 BUCKET = "diloco"
 
@@ -43,7 +43,7 @@ class LocalS3:
         return f"http://127.0.0.1:{self.port}"
 
     def url(self, prefix: str = "run", **opts) -> str:
-        return store_s3.with_options(f"s3://{BUCKET}/{prefix}", endpoint=self.endpoint, **opts)
+        return network.with_options(f"s3://{BUCKET}/{prefix}", endpoint=self.endpoint, **opts)
 
     def start(self) -> "LocalS3":
         owner = self
@@ -159,12 +159,12 @@ def test_bad_urls_and_endpoints_fail_at_start_naming_the_value(s3, tmp_path):
     t0 = time.monotonic()
     with pytest.raises(bs.StoreUnavailable, match=f"127.0.0.1:{dead}"):
         bs.BlobStore(f"s3://diloco/run?endpoint=http://127.0.0.1:{dead}&retry_s=1")
-    assert time.monotonic() - t0 < store_s3.DEFAULT_RETRY_S / 2
+    assert time.monotonic() - t0 < network.DEFAULT_RETRY_S / 2
     # A bucket the server does not have is no transient failure: refused at once, naming the URL.
     t0 = time.monotonic()
     with pytest.raises(ValueError, match="s3://nosuchbucket/run"):
         bs.BlobStore(f"s3://nosuchbucket/run?endpoint={s3.endpoint}")
-    assert time.monotonic() - t0 < store_s3.DEFAULT_RETRY_S / 2
+    assert time.monotonic() - t0 < network.DEFAULT_RETRY_S / 2
 
     base = TrainConfig(runtime=RuntimeConfig(kind="procs", learners=1, devices_per_learner=1))
     for runtime, want in [(dict(store_url="s3://b/p", store_endpoint="localhost:9000"), "'localhost:9000'"),
@@ -176,25 +176,25 @@ def test_bad_urls_and_endpoints_fail_at_start_naming_the_value(s3, tmp_path):
             validate(replace(base, runtime=replace(base.runtime, **runtime)))
     ok = validate(replace(base, runtime=replace(base.runtime, store_url="s3://b/p", store_endpoint=s3.endpoint,
                                                 store_retry_s=30.0)))
-    assert store_s3.run_store_url(ok.runtime, "file:///x") == f"s3://b/p?endpoint={s3.endpoint}&retry_s=30"
-    assert store_s3.run_store_url(base.runtime, "file:///x") == "file:///x"
+    assert network.run_store_url(ok.runtime, "file:///x") == f"s3://b/p?endpoint={s3.endpoint}&retry_s=30"
+    assert network.run_store_url(base.runtime, "file:///x") == "file:///x"
 
 
 def test_the_s3_spec_reads_the_aws_environment_and_never_holds_a_secret():
     env = {"AWS_ENDPOINT_URL": "http://a:1", "AWS_ENDPOINT_URL_S3": "http://b:2", "AWS_REGION": "eu-west-1",
            "AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": "s3cr3t"}
-    spec = store_s3.s3_spec("bkt", "p/", {}, env)
+    spec = network.s3_spec("bkt", "p/", {}, env)
     assert spec["endpoint"] == "http://b:2" and spec["aws_region"] == "eu-west-1"
     assert spec["aws_credentials"] == {"type": "environment"}
     assert "s3cr3t" not in repr(spec) and "AKIDEXAMPLE" not in repr(spec)
-    spec = store_s3.s3_spec("bkt", "", {"endpoint": "http://c:3", "region": "r1"}, env)
+    spec = network.s3_spec("bkt", "", {"endpoint": "http://c:3", "region": "r1"}, env)
     assert spec["endpoint"] == "http://c:3" and spec["aws_region"] == "r1"  # the URL's options win
-    spec = store_s3.s3_spec("bkt", "", {}, {"AWS_ENDPOINT_URL": "http://a:1"})
+    spec = network.s3_spec("bkt", "", {}, {"AWS_ENDPOINT_URL": "http://a:1"})
     assert spec["endpoint"] == "http://a:1" and spec["aws_region"] == "us-east-1" and "aws_credentials" not in spec
-    assert "endpoint" not in store_s3.s3_spec("bkt", "", {}, {})  # AWS itself; the driver finds the region
+    assert "endpoint" not in network.s3_spec("bkt", "", {}, {})  # AWS itself; the driver finds the region
     with pytest.raises(ValueError, match="AWS_ENDPOINT_URL_S3='nope'"):
-        store_s3.s3_spec("bkt", "", {}, {"AWS_ENDPOINT_URL_S3": "nope"})
-    retries = store_s3.request_retries(60.0)
+        network.s3_spec("bkt", "", {}, {"AWS_ENDPOINT_URL_S3": "nope"})
+    retries = network.request_retries(60.0)
     assert 4 <= retries["max_retries"] <= 16 and retries["max_delay"] == "2s"
 
 
@@ -219,15 +219,15 @@ def test_call_repeats_transient_failures_up_to_its_deadline_and_raises_others_at
 
     outcomes = [ValueError("UNAVAILABLE: connection refused"), ValueError("ABORTED: All 8 retry attempts failed"),
                 "done"]
-    got = store_s3.call(lambda: _Future(outcomes.pop(0)), "put x", 60, sleep=sleep, clock=lambda: now[0])
+    got = network.call(lambda: _Future(outcomes.pop(0)), "put x", 60, sleep=sleep, clock=lambda: now[0])
     assert got == "done" and now[0] == pytest.approx(0.3)  # 0.1 s, then 0.2 s
     with pytest.raises(ValueError, match="NOT_FOUND"):
-        store_s3.call(lambda: _Future(ValueError("NOT_FOUND: NoSuchBucket")), "list", 60, sleep=sleep,
+        network.call(lambda: _Future(ValueError("NOT_FOUND: NoSuchBucket")), "list", 60, sleep=sleep,
                       clock=lambda: now[0])
     now[0] = 0.0
     calls = []
     with pytest.raises(bs.StoreUnavailable, match=r"put x: the store kept failing for 10 s \(10 attempts"):
-        store_s3.call(lambda: calls.append(1) or _Future(ValueError("UNAVAILABLE: down")), "put x", 10,
+        network.call(lambda: calls.append(1) or _Future(ValueError("UNAVAILABLE: down")), "put x", 10,
                       sleep=sleep, clock=lambda: now[0])
     assert now[0] == pytest.approx(10)  # back-off 0.1, 0.2, ... 2 s, capped by the deadline
     assert not isinstance(bs.StoreUnavailable("x"), ValueError)  # never taken for damage
@@ -245,9 +245,9 @@ def test_call_repeats_transient_failures_up_to_its_deadline_and_raises_others_at
         hung.append(Hung(None) if len(hung) < 2 else _Future("late"))
         return hung[-1]
 
-    assert store_s3.call(op, "get x", 60, sleep=sleep, clock=lambda: now[0]) == "late"
+    assert network.call(op, "get x", 60, sleep=sleep, clock=lambda: now[0]) == "late"
     assert [f.cancelled for f in hung] == [True, True, False] and now[0] == pytest.approx(2 * 15 + 0.3)
-    assert store_s3.attempt_s(60) == 15 and store_s3.attempt_s(30) == 10 and store_s3.attempt_s(1.5) == 1.5
+    assert network.attempt_s(60) == 15 and network.attempt_s(30) == 10 and network.attempt_s(1.5) == 1.5
 
 
 def test_writes_and_reads_ride_out_a_stopped_server_and_lose_nothing(s3):

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
+from diloco import store as bs
 from diloco.algo import auth
 from diloco.algo import ledger as tl
 from diloco.algo import merge as merging
@@ -19,7 +20,6 @@ from diloco.algo import codec_specs, messages, payloads
 from diloco.algo import syncer as sync
 from diloco.algo.codecs import make_codec
 from diloco.algo.outer import make_outer
-from diloco.runtime import blobstore as bs
 from syncer_frames import B, E, FP32, THETA0, W, frame, merges, policy, publishes, raw_frame, shifted, start
 
 

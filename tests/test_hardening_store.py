@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
+from diloco import store as bs
 from diloco.algo import auth, ledger, messages
 from diloco.algo import syncer as sync
 from diloco.config import validate
-from diloco.runtime import blobstore as bs
 from diloco.runtime import events as ev
 from diloco.runtime.procs import child
 from diloco.runtime.procs import learner as pl
@@ -137,7 +137,7 @@ def test_a_malformed_ack_keeps_its_contributions_and_is_overwritten_by_the_synce
     store.put(bs.ack_key(0, 0), raw)
     with pytest.raises(ValueError, match="ack/0000/0000"):
         bs.read_ack(store, 0, 0)
-    with caplog.at_level(logging.WARNING, logger="diloco.runtime.blobstore"):
+    with caplog.at_level(logging.WARNING, logger="diloco.store.exchange"):
         assert bs.gc(store, 2, delivered={(0, 0): 0}) == []
         assert bs.write_ack(store, 0, 0, 0) == 0
     assert "ack/0000/0000" in caplog.text
@@ -151,7 +151,7 @@ def test_the_syncer_rebuilds_a_malformed_pointer_from_the_full_copies_it_listed(
     bs.publish(store, 1, 1, None, b"g1", fragments=P)
     store.put(bs.LATEST, _flip(store.get(bs.LATEST), 8 * 3))
     assert bs.gc(store, 1, delivered={}) == []  # a malformed pointer deletes no broadcast
-    with caplog.at_level(logging.ERROR, logger="diloco.runtime.blobstore"):
+    with caplog.at_level(logging.ERROR, logger="diloco.store.exchange"):
         assert bs.latest_or_rebuilt(store, P) == {0: bs.Published(2, True, ()), 1: bs.Published(1, False, ())}
         bs.publish(store, 1, 2, None, b"g2", fragments=P)
     assert "rebuilding" in caplog.text

@@ -1,7 +1,7 @@
 """The runtimes' pieces implement the named interfaces (diloco/runtime/interfaces.py), so a new
 runtime can be written against them."""
 
-from diloco.runtime import blobstore as bs
+from diloco import store as bs
 from diloco.runtime import interfaces as api
 from diloco.runtime.crew import Crew
 from diloco.runtime.procs.learner import ProcLearner

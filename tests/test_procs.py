@@ -14,11 +14,11 @@ from dataclasses import replace
 import pytest
 from conftest import diloco_world, load_scaled
 
+from diloco import store as bs
 from diloco.algo import syncer as sync
 from diloco.algo.replay import apply as deliver, replay
 from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig, RuntimeConfig,
                            SyncerConfig, TrainConfig, validate)
-from diloco.runtime import blobstore as bs
 from diloco.runtime import procs
 from diloco.runtime.procs import child as procs_child
 from diloco.runtime.procs.learner import store_view

@@ -16,8 +16,8 @@ import pytest
 from conftest import load_scaled
 from test_procs import STEPS, make_cfg, merge_versions, sigterm_once_started, variant, world  # noqa: F401 - world is a fixture
 
+from diloco import store as bs
 from diloco.config import ConfigError, validate
-from diloco.runtime import blobstore as bs
 from diloco.runtime import procs
 
 M, PROCESSES, DEVICES = 2, 2, 8  # 8 devices a learner: 4 in each of its 2 processes

@@ -21,8 +21,8 @@ from conftest import diloco_world  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from test_procs import STEPS, make_cfg, merge_versions  # noqa: E402
 
+from diloco import store as bs  # noqa: E402
 from diloco.config import ConfigError, validate  # noqa: E402
-from diloco.runtime import blobstore as bs  # noqa: E402
 from diloco.runtime import ray_runtime  # noqa: E402
 
 M = 3

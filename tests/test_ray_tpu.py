@@ -23,8 +23,9 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from test_procs import make_cfg  # noqa: E402
 from test_ray import actor_nodes, balanced, loopback, run_with, trained, variant  # noqa: E402
 
+from diloco import store as bs  # noqa: E402
 from diloco.config import ConfigError, RuntimeConfig, TrainConfig, validate  # noqa: E402
-from diloco.runtime import blobstore as bs, ray_runtime  # noqa: E402
+from diloco.runtime import ray_runtime  # noqa: E402
 from diloco.runtime.ray_placement import slice_shape  # noqa: E402
 
 SLICES = ("slice-a", "slice-b")

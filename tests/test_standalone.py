@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from diloco import store as bs
 from diloco.config import ConfigError, RuntimeConfig, TrainConfig, to_dict
-from diloco.runtime import blobstore as bs
 from diloco.runtime.procs.child import died
 from diloco.runtime.procs.standalone import await_world, claim, config_diff, joined
 

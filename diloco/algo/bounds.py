@@ -2,7 +2,7 @@
 
 Reference: docs/algorithm.md#bounds-on-what-a-frame-can-claim. Everything here is pure and cheap next
 to decoding a fragment; the syncer (diloco/algo/syncer.py), the wire format (messages.py) and the
-object store's pointers (diloco/runtime/blobstore.py) call it.
+object store's pointers (diloco/store/json_objects.py) call it.
 """
 
 from __future__ import annotations

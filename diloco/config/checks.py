@@ -16,7 +16,7 @@ from diloco.algo.merge import MERGES
 from diloco.algo.outer import OUTER
 from diloco.config.schema import (ChaosConfig, DataConfig, FinetuneConfig, InnerConfig, MeshConfig, ModelConfig,
                                   RunConfig, RuntimeConfig, TrainConfig)
-from diloco.runtime import store_s3
+from diloco.store import network
 
 # finetune.lora.targets: each name and the projection of every block it adapts (the params path
 # below blocks/<i>/ of diloco/model/transformer.py).
@@ -308,16 +308,16 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
 
 
 def store_errors(r: RuntimeConfig) -> list[str]:
-    """The procs object store's URL and options (diloco/runtime/store_s3.py's validators: they
+    """The procs object store's URL and options (diloco/store/network.py's validators: they
     name the value, and never echo a password an endpoint should not hold)."""
     e: list[str] = []
     scheme = r.store_url.partition("://")[0] if "://" in r.store_url else ""
     try:
-        store_s3.split_options(r.store_url)
+        network.split_options(r.store_url)
     except ValueError as err:
         e.append(f"runtime.store_url: {err}")
-    for name, ok_schemes, validate in (("store_endpoint", ("s3",), store_s3.check_endpoint),
-                                       ("store_region", ("s3",), store_s3.check_region)):
+    for name, ok_schemes, validate in (("store_endpoint", ("s3",), network.check_endpoint),
+                                       ("store_region", ("s3",), network.check_region)):
         value = getattr(r, name)
         if not value:
             continue
@@ -326,9 +326,9 @@ def store_errors(r: RuntimeConfig) -> list[str]:
         except ValueError as err:
             e.append(str(err))
         check(e, scheme in ok_schemes, f"runtime.{name} is set but runtime.store_url="
-              f"{store_s3.redacted(r.store_url)!r} is not an s3:// URL")
+              f"{network.redacted(r.store_url)!r} is not an s3:// URL")
     try:
-        store_s3.check_retry_s(r.store_retry_s, "runtime.store_retry_s")
+        network.check_retry_s(r.store_retry_s, "runtime.store_retry_s")
     except ValueError as err:
         e.append(str(err))
     return e

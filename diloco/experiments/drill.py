@@ -34,17 +34,17 @@ from typing import Callable, Iterable, NamedTuple
 import numpy as np
 
 from diloco import report
+from diloco import store as bs
 from diloco.algo import messages
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input, apply as deliver
 from diloco.config import TrainConfig
-from diloco.runtime import blobstore as bs
-from diloco.runtime import store_s3
 from diloco.runtime.procs.supervisor import MAX_RESTARTS
 from diloco.runtime.procs.recovery import CHECKPOINTS, INPUTS
 from diloco.run import global_evaluator
 from diloco.experiments.drill_report import checks, markdown, recovery, rows  # noqa: F401  (the drill's API)
 from diloco.runtime.runlog import read_decisions, read_inputs
+from diloco.store import network
 
 POLL = 0.1  # seconds between the killer's looks at the store
 
@@ -305,7 +305,7 @@ def run_drill(cfg: TrainConfig, out: Path, every: float, syncer_at: float, seed:
         run_dir = (out / name).absolute()
         shutil.rmtree(run_dir, ignore_errors=True)  # the drill's own directory: a stale store would confuse the killer
         c = replace(cfg, run=replace(cfg.run, out_dir=str(run_dir)))
-        url = store_s3.run_store_url(cfg.runtime, f"file://{run_dir / 'store'}")  # as the supervisor opens it
+        url = network.run_store_url(cfg.runtime, f"file://{run_dir / 'store'}")  # as the supervisor opens it
         killer = None
         if name == "chaos":
             after = max(1, math.ceil(syncer_at * result["free"]["summary"]["merges"]))

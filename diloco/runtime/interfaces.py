@@ -24,7 +24,7 @@ class Clock(Protocol):
 
 @runtime_checkable
 class BlobStore(Protocol):
-    """Payloads by key (contributions, broadcasts, reports): diloco/runtime/blobstore.py's
+    """Payloads by key (contributions, broadcasts, reports): diloco/store/blobstore.py's
     tensorstore kvstore on file://, gs:// or s3:// is one."""
 
     def put(self, key: str, data: bytes) -> None: ...

@@ -37,8 +37,8 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from diloco import store as bs
 from diloco.config import TrainConfig
-from diloco.runtime import blobstore as bs
 from diloco.runtime.procs import supervisor
 from diloco.runtime.procs.child import child_main
 from diloco.runtime.procs.learner import learner_body

@@ -19,11 +19,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from diloco import store as bs
 from diloco.algo import messages
 from diloco.algo import syncer as sync
 from diloco.config import TrainConfig
 from diloco.inputs import load_inputs
-from diloco.runtime import blobstore as bs
 from diloco.runtime import build as build_setup
 from diloco.runtime.build import Setup
 

@@ -5,7 +5,7 @@ Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); docs/design.md
 
 The loop is the one threads runs too (diloco/runtime/learner_loop.py: apply_due, blocking with a
 stall limit, step, flush at the end); this process is its port, with the queues replaced by
-objects in the store (diloco/runtime/blobstore.py):
+objects in the store (diloco/store/exchange.py):
 
 * up: each contribution under its own key (send_contribution), then a small JSON event
   `ev/<learner>/<incarnation>/<n>` naming it. The syncer books each incarnation's events in n
@@ -38,10 +38,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from diloco import store as bs
 from diloco.algo import auth, messages
 from diloco.algo import syncer as sync
 from diloco.config import TrainConfig
-from diloco.runtime import blobstore as bs
 from diloco.runtime import events as ev
 from diloco.runtime import world as learner_world
 from diloco.runtime.procs.child import (EXIT_DOWN, EXIT_SUPERSEDED, POLL_MAX, POLL_MIN, buried, child_main, child_setup,

@@ -36,15 +36,16 @@ import socket
 import time
 from pathlib import Path
 
+from diloco import store as bs
 from diloco.config import ConfigError, TrainConfig, to_dict
 from diloco.config.checks import WORLD_ADDRESS
-from diloco.runtime import blobstore as bs, store_s3
 from diloco.runtime.procs.child import EXIT_SUPERSEDED, POLL_MIN, child_main, died, fingerprint
 from diloco.runtime.procs.learner import learner_body
 from diloco.runtime.procs.recovery import restartable
 from diloco.runtime.procs.supervisor import _PREFIXES, Procs
 from diloco.runtime.world import free_port
 from diloco.runtime.world_group import WorldSpec
+from diloco.store import network
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def store_url(cfg: TrainConfig) -> str:
     """The run's store as every process of it opens it: runtime.store_url, else <run.out_dir>/store
     (one machine, or a shared file system), with the S3 options in the URL."""
     root = Path(cfg.run.out_dir).absolute()
-    return store_s3.run_store_url(cfg.runtime, f"file://{root / 'store'}")
+    return network.run_store_url(cfg.runtime, f"file://{root / 'store'}")
 
 
 def run_clock(store: bs.BlobStore) -> float:
@@ -95,7 +96,7 @@ def wait_for_run(store: bs.BlobStore, cfg: TrainConfig, url: str) -> None:
     record = bs.Poller(POLL_MIN, 1.0).until(lambda: bs.read_control(store, "run"))
     diff = config_diff(to_dict(cfg), record.get("config", {}))
     if diff:
-        raise ConfigError(f"this learner's config is not the run's in {store_s3.redacted(url)}:\n  " + "\n  ".join(diff))
+        raise ConfigError(f"this learner's config is not the run's in {network.redacted(url)}:\n  " + "\n  ".join(diff))
 
 
 def finished(cfg: TrainConfig) -> bool:
@@ -119,7 +120,7 @@ def run_learner(cfg: TrainConfig) -> int:
     url = store_url(cfg)
     store = bs.BlobStore(url, sync=False)
     if finished(cfg):
-        log.info("the run in %s has finished; learner %d has nothing to do", store_s3.redacted(url), m)
+        log.info("the run in %s has finished; learner %d has nothing to do", network.redacted(url), m)
         return 0
     if i == 0:
         token = secrets.token_hex(8)
@@ -129,7 +130,7 @@ def run_learner(cfg: TrainConfig) -> int:
     else:
         held = await_world(store, m, i, P)
         if held is None:
-            log.info("the run in %s has finished; learner %d process %d has nothing to do", store_s3.redacted(url), m, i)
+            log.info("the run in %s has finished; learner %d process %d has nothing to do", network.redacted(url), m, i)
             return 0
         token, inc, world = held["token"], int(held["incarnation"]), held["world"]
         log.info("learner %d process %d: joining incarnation %d's world at %s", m, i, inc, world["coordinator"])
@@ -216,7 +217,7 @@ class SyncerOnly(Procs):
         their incarnations already, so control objects stay)."""
         used = [p for p in _PREFIXES if p != "ctl/" and self.store.list(p)]
         if used:
-            raise ConfigError(f"the store {store_s3.redacted(self.url)} holds another run's objects ({', '.join(used)}) "
+            raise ConfigError(f"the store {network.redacted(self.url)} holds another run's objects ({', '.join(used)}) "
                               "but no record of its syncer: give each run its own runtime.store_url")
         bs.write_control(self.store, "run", {"theta0": fingerprint(self.setup.theta0), "learners": self.M,
                                              "config": to_dict(self.cfg)})

@@ -1,6 +1,6 @@
 """The procs runtime: one OS process per learner (spawned, not forked), a syncer process, and this
 process as their supervisor, restarting learners that die; all traffic goes through an object
-store (diloco/runtime/blobstore.py): file:// by default, gs:// or s3:// by `runtime.store_url`.
+store (diloco/store/): file:// by default, gs:// or s3:// by `runtime.store_url`.
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 6 (a failed learner is
 absent from quorums while the global model advances; it rejoins from the syncer's state);
@@ -50,9 +50,9 @@ from typing import Any, Callable
 import numpy as np
 
 from diloco import report
+from diloco import store as bs
 from diloco import watch as run_watch
 from diloco.config import ConfigError, TrainConfig
-from diloco.runtime import blobstore as bs, store_s3
 from diloco.runtime.procs.child import EXIT_DOWN, died, fingerprint
 from diloco.runtime.procs.learner import learner_main
 from diloco.runtime.procs.recovery import restartable
@@ -63,6 +63,7 @@ from diloco.runtime.build import Setup
 from diloco.runtime.stop import RunStopped, sigint_ignored, signals_as_interrupt
 from diloco.runtime.walltape import run_tape
 from diloco.runtime.world_group import WorldGroup
+from diloco.store import network
 
 log = logging.getLogger(__name__)
 
@@ -477,7 +478,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="diloco-procs-")))
         else:
             run_dir = root = Path(run_dir).absolute()  # children may resolve paths elsewhere
-        url = store_s3.run_store_url(cfg.runtime, f"file://{root / 'store'}")  # options ride in the URL
+        url = network.run_store_url(cfg.runtime, f"file://{root / 'store'}")  # options ride in the URL
         writer = None
         if run_dir is not None:
             writer = report.MetricsWriter(run_dir / "metrics.jsonl", run_watch.for_run(cfg, run_dir, "wall"),

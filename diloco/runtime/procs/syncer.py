@@ -48,11 +48,11 @@ from pathlib import Path
 import numpy as np
 
 from diloco import report
+from diloco import store as bs
 from diloco.algo import auth, ledger, quorum
 from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
 from diloco.config import TrainConfig
-from diloco.runtime import blobstore as bs
 from diloco.runtime import events as ev
 from diloco.runtime import keepup
 from diloco.runtime.host import HostedRuntime, SyncerHost
