@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import tiny_model
 
-from diloco.config import DataConfig, InnerConfig, LoraConfig, MeshConfig, ModelConfig, RunConfig, TrainConfig
+from diloco.config import DataConfig, InnerConfig, LoraConfig, MeshConfig, RunConfig, TrainConfig
 from diloco.config.checks import model_errors
 from diloco.model import build, lora
 from diloco.train.mesh import make_mesh
@@ -18,7 +19,7 @@ from diloco.train.step import cross_entropy, make_loss, masked_next_token_loss
 from diloco.train.trainer import compile_steps
 
 VOCAB = 211
-TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64)
+TINY = tiny_model(d_ff=64)
 TOL = dict(rtol=2e-5, atol=1e-6)
 
 

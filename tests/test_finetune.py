@@ -14,11 +14,11 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import SGD, override, tiny_cfg
 
 from diloco import hf, report
 from diloco.algo import syncer as sync
-from diloco.config import (CodecConfig, ConfigError, DataConfig, FragmentsConfig, InnerConfig, MeshConfig,
-                           ModelConfig, RunConfig, RuntimeConfig, SyncerConfig, TrainConfig, validate)
+from diloco.config import ConfigError, DataConfig, MeshConfig, ModelConfig, TrainConfig, validate
 from diloco.data import held_out, target_tokens, train_batch, trained_tokens
 from diloco.hf.tokenizer import load_tokenizer
 from diloco.inputs import load_inputs
@@ -26,10 +26,8 @@ from diloco.model import build
 from diloco.run import export_model, run
 from diloco.runtime import build as build_setup
 from diloco.train.trainer import compile_steps, evaluate
-from test_generate_cli import FIXTURES, ROOT
+from test_generate_cli import FIXTURES, ROOT, TINY
 
-TINY = ModelConfig(name="tiny", d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=128)
-SGD = InnerConfig(optimizer="sgd", lr=0.1, schedule="constant", warmup_steps=0, clip_norm=0.0, weight_decay=0.0)
 
 
 def write_files(root):
@@ -49,23 +47,18 @@ def files(tmp_path_factory):
 
 
 def make_cfg(root, name, algo="dp", **groups) -> TrainConfig:
-    """4 steps, batch 4 of rows of 97 tokens, 2 devices; diloco: M = 2 learners of 1 device,
-    P = 1, H = 2, tau = 0, K = M, fp32 both ways."""
-    base = {
-        "model": ModelConfig(init_from=str(root / "ckpt")),  # the preset's shape is replaced
-        "data": DataConfig(source="sft", paths=(str(root / "chat.jsonl"),), seq_len=96, batch_size=4,
-                           val_fraction=0.2, data_dir=str(root / "data")),
-        "mesh": MeshConfig(devices=2),
-        "run": RunConfig(steps=4, log_every=1, eval_every=2, eval_batches=2, out_dir=str(root / name),
-                         progress=False, plot=False, tensorboard=False),
-        "fragments": FragmentsConfig(count=1, H=2, tau=0),
-        "codec": CodecConfig(up="fp32", down="fp32", zstd_level=0),
-        "syncer": SyncerConfig(quorum=2),
-        "runtime": RuntimeConfig(learners=2, devices_per_learner=1),
-    }
-    for group, over in groups.items():
-        base[group] = dataclasses.replace(base[group], **over)
-    return validate(TrainConfig(inner=SGD, algo=algo, **base))
+    """The tests' tiny run (tests/conftest.py) fine-tuning the checkpoint in `root` on its
+    conversations: 4 steps, batch 4 of rows of 97 tokens, 2 devices, inner SGD; diloco: M = 2
+    learners of 1 device, P = 1, H = 2, tau = 0, K = M, fp32 both ways."""
+    cfg = tiny_cfg(root, algo=algo, inner=SGD, mesh=MeshConfig(devices=2),
+                   model=ModelConfig(init_from=str(root / "ckpt")),  # the preset's shape is replaced
+                   data=DataConfig(source="sft", paths=(str(root / "chat.jsonl"),), seq_len=96, batch_size=4,
+                                   val_fraction=0.2, data_dir=str(root / "data")),
+                   run=dict(steps=4, log_every=1, eval_every=2, eval_batches=2, out_dir=str(root / name),
+                            tensorboard=False),
+                   fragments=dict(count=1, H=2, tau=0), codec=dict(up="fp32", down="fp32", zstd_level=0),
+                   syncer=dict(quorum=2))
+    return override(cfg, **groups)
 
 
 def per_step(count, corpus, cfg, learner, learners):

@@ -7,15 +7,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import tiny_model
 
-from diloco.config import ModelConfig
 from diloco.hf import save
 from diloco.hf.tokenizer import load_tokenizer
 from diloco.model import build
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-TINY = ModelConfig(name="tiny", d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=128)
+TINY = tiny_model(n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=128)  # test_finetune's checkpoint too
 
 
 def generate(tmp_path, *overrides):
