@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model
 import yaml
 
 from diloco.config import ModelConfig, from_dict
@@ -17,7 +18,7 @@ from diloco.model.transformer import REMAT_POLICIES
 from diloco.train.step import make_loss
 
 VOCAB = 64
-TINY = ModelConfig(name="tiny", d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64)
+TINY = tiny_model(n_layers=3, d_ff=64)
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "model"
 
 

@@ -8,8 +8,8 @@ import json
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_model
 
-from diloco.config import ModelConfig
 from diloco.data.errors import DataError
 from diloco.data.sft import batch_at, pack, read_conversations, render
 from diloco.hf.tokenizer import load_tokenizer
@@ -97,7 +97,7 @@ def test_packing_keeps_segments_apart_counts_long_examples_and_deals_disjoint_sh
     assert not shard[0] & shard[1]
 
 
-TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=256)
+TINY = tiny_model(n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=256)
 
 
 def test_each_example_in_a_packed_row_has_the_logits_it_has_alone_and_the_loss_counts_only_targets():
