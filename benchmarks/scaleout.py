@@ -131,10 +131,7 @@ def one(kind: str, steps: int, learners: int, kill: bool, setup_of) -> dict:
                         ray.kill(ray.get_actor(name, namespace="diloco"), no_restart=False)
             stop.wait(0.1)
 
-    run = {"threads": threads.run, "procs": procs.run}.get(kind)
-    if kind == "ray":
-        from diloco.runtime import ray_runtime
-        run = ray_runtime.run
+    run = {"threads": threads.run, "procs": procs.run, "ray": procs.run}.get(kind)  # ray: procs' launcher_for
     thread = threading.Thread(target=watch, daemon=True)
     t_call = time.time()
     with Sampler() as mem:

@@ -164,11 +164,8 @@ def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path,
     """`full`: the full model's params of the trained ones (inputs.full_params: LoRA merges its
     adapters into the checkpoint), which the export writes."""
     setup = build_setup.build(cfg, corpus, model)
-    if cfg.runtime.kind == "ray":  # an optional extra: imported only when asked for
-        from diloco.runtime import ray_runtime
-        runtime = ray_runtime.run
-    else:
-        runtime = {"sim": sim.run, "threads": threads.run, "procs": procs.run}[cfg.runtime.kind]
+    # ray: procs' supervisor with Ray's launcher (procs.launcher_for imports Ray only then)
+    runtime = {"sim": sim.run, "threads": threads.run, "procs": procs.run, "ray": procs.run}[cfg.runtime.kind]
     rt, summary = runtime(cfg, setup, run_dir, global_evaluator(cfg, corpus, model, setup))
     summary["model_dir"] = str(export_model(run_dir, cfg, corpus, full(params_of(model, _final_theta(rt)))))
     # Under LoRA data parallel too would all-reduce the adapters only.

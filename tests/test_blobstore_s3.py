@@ -329,14 +329,14 @@ def test_a_ray_run_over_s3_balances_its_ledger(world, tmp_path, s3):
     pytest.importorskip("ray")
     from test_ray import loopback
 
-    from diloco.runtime import ray_runtime
+    from diloco.runtime import procs
 
     _, _, evaluate_global, _ = world
     cfg, setup, run_dir = variant(world, tmp_path, kind="ray", store_url=f"s3://{BUCKET}/run",
                                   store_endpoint=s3.endpoint, store_retry_s=30.0)
     with pytest.MonkeyPatch.context() as mp:
         loopback(mp)
-        rt, summary = ray_runtime.run(cfg, setup, run_dir, evaluate_global)
+        rt, summary = procs.run(cfg, setup, run_dir, evaluate_global)  # runtime.kind=ray: the Ray launcher
     assert rt.finished["complete"] and rt.finished["steps"] == {str(m): STEPS for m in range(M)}
     assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
     assert not (run_dir / "store").exists()  # the traffic went to the server

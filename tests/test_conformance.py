@@ -47,11 +47,9 @@ def run_ray(cfg, setup, run_dir, evaluate_global):
     pytest.importorskip("ray")
     from test_ray import loopback
 
-    from diloco.runtime import ray_runtime
-
     with pytest.MonkeyPatch.context() as mp:
         loopback(mp)
-        return ray_runtime.run(cfg, setup, run_dir, evaluate_global)
+        return procs.run(cfg, setup, run_dir, evaluate_global)  # runtime.kind=ray: the Ray launcher
 
 
 # procs and ray are slow here: the same checks of a procs run are in tests/test_procs.py's first test

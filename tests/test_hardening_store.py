@@ -26,6 +26,7 @@ from diloco.algo import syncer as sync
 from diloco.config import validate
 from diloco.runtime import events as ev
 from diloco.runtime.procs import child
+from diloco.runtime.procs import intake, reading
 from diloco.runtime.procs import learner as pl
 from diloco.runtime.procs import syncer as ps
 from syncer_frames import THETA0, frame, policy, start
@@ -224,8 +225,8 @@ def test_rejoin_view_falls_back_from_a_missing_or_corrupt_newest_full_copy(small
     full2 = store.get(bs.broadcast_key(0, 2, "full"))
     store.put(bs.broadcast_key(0, 2, "full"), _flip(full2, 8 * len(full2) - 1))  # its payload's last bit
     skipped = Counter()
-    with caplog.at_level(logging.WARNING, logger="diloco.runtime.procs.learner"):
-        view, fetched = pl.store_view(store, setup, timeout_s=120.0, skipped=skipped)  # nothing to wait for
+    with caplog.at_level(logging.WARNING, logger="diloco.runtime.procs.reading"):
+        view, fetched = reading.store_view(store, setup, timeout_s=120.0, skipped=skipped)  # nothing to wait for
     assert view.fragments[0].version == 1 and view.fragments[1].version == 0
     _, values = _at_version(setup, 0, 1)
     assert all((view.fragments[0].refs[-1][1][k] == values[k]).all() for k in values)
@@ -244,8 +245,8 @@ def test_rejoin_view_gives_up_on_a_fragment_after_its_timeout_and_says_so(small,
         now[0] += dt
 
     skipped = Counter()
-    with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.learner"):
-        view, _ = pl.store_view(store, setup, timeout_s=3.0, skipped=skipped, sleep=sleep, clock=lambda: now[0])
+    with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.reading"):
+        view, _ = reading.store_view(store, setup, timeout_s=3.0, skipped=skipped, sleep=sleep, clock=lambda: now[0])
     assert view.fragments[1].version == 0 and now[0] == pytest.approx(3.0)
     assert sleeps[0] == child.POLL_MIN and max(sleeps) <= child.POLL_MAX  # backs off, never spins
     assert skipped["full"] == 1 and skipped["fragment"] == 1 and "no readable full copy of fragment 1" in caplog.text
@@ -544,7 +545,7 @@ _EVENTS = [ev.StepDone(0, 1, 7, 1.5, 2.25, 512, ((0, 3), (1, 4)), stalls=((1.0, 
 def test_a_damaged_event_parses_to_an_event_of_its_learner_or_is_a_value_error(data, event):
     raw = data.draw(damaged(json.dumps(ev.to_json(event)).encode()))
     try:
-        parsed = ps.parse_event(raw, 0, 1, P, 512, 2)
+        parsed = intake.parse_event(raw, 0, 1, P, 512, 2)
     except ValueError:
         return
     e = ev.from_json(parsed, (None,) * len(parsed.get("sends", ())))

@@ -21,7 +21,7 @@ from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig
                            SyncerConfig, TrainConfig, validate)
 from diloco.runtime import procs
 from diloco.runtime.procs import child as procs_child
-from diloco.runtime.procs.learner import store_view
+from diloco.runtime.procs.reading import store_view
 from diloco.runtime.runlog import read_decisions, read_inputs
 from diloco.runtime.stop import RunStopped
 

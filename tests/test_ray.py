@@ -23,7 +23,7 @@ from test_procs import STEPS, make_cfg, merge_versions  # noqa: E402
 
 from diloco import store as bs  # noqa: E402
 from diloco.config import ConfigError, validate  # noqa: E402
-from diloco.runtime import ray_runtime  # noqa: E402
+from diloco.runtime import procs, ray_runtime  # noqa: E402
 
 M = 3
 WORKER = {"num_cpus": 3, "resources": {"learner_slot": 3}}  # a worker node: 3 learners' bundles
@@ -88,7 +88,7 @@ def run_with(cfg, setup, evaluate, run_dir, fault):
     thread = threading.Thread(target=watch)
     thread.start()
     try:
-        rt, summary = ray_runtime.run(cfg, setup, run_dir, evaluate)
+        rt, summary = procs.run(cfg, setup, run_dir, evaluate)
     finally:
         stop.set()
         thread.join()
@@ -138,7 +138,7 @@ def test_a_killed_learner_actor_restarts_and_rejoins(world, tmp_path):
     # in absolute loss fails under load, where the syncer falls behind and merges less: 2.16 at load 30)
     assert summary["eval_loss"] < math.log(16) - 0.5
     # the run's actors and placement groups are gone, the detached syncer too
-    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(rt.prefix)]
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(rt.launcher.prefix)]
 
 
 @pytest.mark.slow
@@ -221,7 +221,7 @@ def test_a_killed_member_actor_of_a_learner_world_restarts_the_whole_world_and_t
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained_1 = [r["time"] for r in records if r["kind"] == "train" and r["learner"] == 1]
     assert max(trained_1) > rt.rejoins[0]["died_at"], (trained_1, rt.rejoins)  # learner 1 went on
-    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(rt.prefix)]
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(rt.launcher.prefix)]
     print(f"\nray multihost: 2 learners x 2 processes x 4 devices, a follower actor killed, {wall:.1f} s")
 
 
@@ -269,17 +269,16 @@ def test_a_bundle_no_node_can_hold_is_a_config_error(world, tmp_path, monkeypatc
     cfg = replace(cfg, runtime=replace(cfg.runtime, learner_resources={"CPU": 64.0}))
     monkeypatch.setattr(ray_runtime, "PLACE_TIMEOUT_S", 2.0)
     with pytest.raises(ConfigError, match="could not place learner 0's bundle"):
-        ray_runtime.run(cfg, setup, run_dir, evaluate)
+        procs.run(cfg, setup, run_dir, evaluate)
 
 
 FORK_CHECK = """
-import os, types, jax
+import os, jax
 jax.devices()  # JAX initialised first, as in a run: it warns at every os.fork() from then on
 import ray
 from diloco.config import TrainConfig
 from diloco.runtime import ray_runtime
-host = types.SimpleNamespace(cfg=TrainConfig(), M=1, owns_ray=False)
-ray_runtime.RayProcs._connect(host)
+ray_runtime.connect(TrainConfig(), 1)
 print("RAY_COLOR_PREFIX", os.environ.get("RAY_COLOR_PREFIX"))
 ray.shutdown()
 """

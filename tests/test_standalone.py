@@ -209,12 +209,14 @@ def test_bad_standalone_settings_are_refused_by_name(tmp_path, env, monkeypatch)
 def test_the_syncer_host_refuses_a_store_holding_another_runs_traffic(tmp_path):
     from dataclasses import replace
 
-    from diloco.runtime.procs.standalone import SyncerOnly
+    from diloco.runtime.procs.standalone import External
+    from diloco.runtime.procs.supervisor import Procs
 
     store = bs.BlobStore(f"file://{tmp_path}/store")
     store.put("ev/0000/0000/000000000000", b"{}")
     cfg = TrainConfig(runtime=RuntimeConfig(kind="procs", launch="external", auth="off"))
-    host = SyncerOnly.__new__(SyncerOnly)  # the store check needs no setup or processes
+    host = Procs.__new__(Procs)  # the store check needs no setup or processes
     host.store, host.url, host.cfg, host.run_dir = store, f"file://{tmp_path}/store", replace(cfg), None
+    host.launcher = External()
     with pytest.raises(ConfigError, match="another run's objects"):
         host._start()

@@ -96,10 +96,18 @@ def _tuples(x: Any) -> Any:
     return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
+_APART = frozenset({"frames"})  # contributions travel under their own keys, never in the JSON
+
+
 def to_json(event: Event) -> dict:
     """The event as JSON-ready data, without frames (those travel under their own keys)."""
-    fields = {k: v for k, v in event._asdict().items() if k != "frames"}
+    fields = {k: v for k, v in event._asdict().items() if k not in _APART}
     return {"kind": type(event).__name__, **fields}
+
+
+def json_fields(kind: type) -> frozenset[str]:
+    """The keys `to_json` writes for an event of `kind`: the schema a reader of the JSON checks."""
+    return frozenset({"kind", *kind._fields}) - _APART
 
 
 def from_json(data: dict, frames: tuple[bytes | None, ...] = ()) -> Event:

@@ -1,14 +1,16 @@
 """The ray runtime: Decoupled DiLoCo on a Ray cluster. Each learner is an actor in a placement group
 of its own (runtime.learner_resources: CPUs, GPUs or a TPU slice); the syncer is a named, detached
-actor on a CPU node; this process, the driver, is the procs supervisor with actors for processes.
+actor on a CPU node; this process, the driver, is the procs supervisor, and RayLauncher (a
+Launcher, diloco/runtime/interfaces.py) starts its processes as actors.
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 6; docs/cluster.md#ray.
 
 An adapter, not a fourth runtime: the learner and syncer code is the procs children's
 (diloco/runtime/procs/learner.py, syncer.py), run in an actor's process, and the supervision
 (incarnations, exit notices, restarts, reports, evaluation, Ctrl-C) is the procs supervisor's
-(diloco/runtime/procs/supervisor.py), given actors wrapped as processes (RayChild). All traffic goes
-through the same object store: file:// on one machine, gs:// or s3:// across hosts.
+(diloco/runtime/procs/supervisor.py), whose children here are actor calls (RayChild). All traffic
+goes through the same object store: file:// on one machine, gs:// or s3:// across hosts.
+diloco/runtime/procs/launchers.py picks this launcher for runtime.kind=ray.
 
 Why each piece: a placement group per learner, because a learner must fail alone (a slice of a
 shared group or job fate-shares with the others); Ray restarts a dead actor (max_restarts) in its
@@ -37,12 +39,11 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from diloco import store as bs
 from diloco.config import TrainConfig
-from diloco.runtime.procs import supervisor
+from diloco.runtime.interfaces import Child, RunSpec
 from diloco.runtime.procs.child import child_main
 from diloco.runtime.procs.learner import learner_body
-from diloco.runtime.procs.supervisor import MAX_RESTARTS, Procs
+from diloco.runtime.procs.supervisor import MAX_RESTARTS
 from diloco.runtime.procs.syncer import syncer_body
 from diloco.runtime.ray_placement import Placement, actor_options, learner_placement, slice_shape
 from diloco.runtime.world import free_port
@@ -124,7 +125,7 @@ def outcome(ref) -> int:
 
 
 class RayChild:
-    """An incarnation on an actor, with the surface of a multiprocessing Process that Procs uses.
+    """An incarnation on an actor, as a Child (diloco/runtime/interfaces.py) of the supervisor.
 
     It starts with a probe: an actor Ray is restarting (killed, its node lost) fails the calls
     that reach it before it is back, and such a call is no incarnation, so the body is submitted
@@ -189,7 +190,7 @@ class RayChild:
 
 class RayWorld(WorldGroup):
     """An incarnation of a learner of P processes on its P actors (docs/multihost.md#ray): one
-    child to Procs, as a WorldGroup is in procs, whose exit rule (`exitcode`: the first death's
+    child to the supervisor, as a WorldGroup is in procs, whose exit rule (`exitcode`: the first death's
     code, the rest killed on sight) it inherits. Its members are RayChilds, started once the
     leader's actor has answered with the world's coordinator address, which every member is given;
     the survivors of a death are killed with restart, so that Ray brings each actor back for the
@@ -269,59 +270,66 @@ class RayWorld(WorldGroup):
             ray.wait(self.pending, num_returns=1, timeout=left)
 
 
-class RayProcs(Procs):
-    """The procs supervisor over Ray actors (see the module docstring)."""
+def connect(cfg: TrainConfig, M: int) -> bool:
+    """Ray for a run of M learners: the cluster at runtime.ray_address, else a cluster of this
+    machine with the logical CPUs the actors ask for; whether this process started it (and so
+    stops it). Nothing if Ray is up already."""
+    r = cfg.runtime
+    if ray.is_initialized():
+        return False
+    # The actors' lines reach this console with a "(Host pid=...)" prefix, uncoloured: Ray's
+    # colour codes are escape sequences wherever the output is not a terminal (a log file, CI).
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    with warnings.catch_warnings():
+        # Ray starts its own processes (GCS, raylet) by fork and exec with a pre-exec function
+        # that only masks SIGINT; JAX, initialised in this process by then, warns at every fork
+        # that a forked child may deadlock. The child runs no JAX, so the warning is not ours.
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        if r.ray_address:
+            ray.init(address=r.ray_address, namespace=NAMESPACE, log_to_driver=True)
+            return False
+        need = M * r.processes_per_learner * r.learner_resources.get("CPU", 0.0) + r.syncer_resources.get("CPU", 0.0)
+        # "local": a new cluster of its own, even where another is running on this machine
+        # (without an address Ray joins the newest one it finds, and refuses num_cpus there)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
+                 namespace=NAMESPACE, include_dashboard=False, log_to_driver=True)
+        return True
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+
+class RayLauncher:
+    """The procs supervisor's launcher on Ray (see the module docstring): this process is the
+    driver; each learner's actors live in a placement group of their own, kept across its
+    incarnations; the syncer is a detached named actor."""
+
+    starts_learners = True
+
+    def __init__(self):
+        self.run: RunSpec | None = None
         self.hosts: dict[int, list] = {}  # learner -> its actors (one a world process), kept across incarnations
         self.groups: dict[int, Placement] = {}  # learner -> its placement group
         self.syncer_host = None
         self.owns_ray = False  # this process started Ray (runtime.ray_address=""), and stops it
+        self.prefix = ""
+
+    def open(self, run: RunSpec) -> None:
+        """Ray connected (or started); a TPU slice the learner's world does not fit fails first."""
+        self.run = run
         # actor names of this run's store: the same from any driver process
-        self.prefix = f"diloco-{hashlib.sha256(self.url.encode()).hexdigest()[:8]}"
-
-    def run(self) -> dict:
-        if self.cfg.runtime.tpu_topology:  # a slice the learner's world does not fit: before Ray starts
-            slice_shape(self.cfg.runtime)
-        try:
-            self._connect()
-            return super().run()
-        finally:
-            self._release()
-
-    def _connect(self) -> None:
-        r = self.cfg.runtime
-        if ray.is_initialized():
-            return
-        # The actors' lines reach this console with a "(Host pid=...)" prefix, uncoloured: Ray's
-        # colour codes are escape sequences wherever the output is not a terminal (a log file, CI).
-        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-        with warnings.catch_warnings():
-            # Ray starts its own processes (GCS, raylet) by fork and exec with a pre-exec function
-            # that only masks SIGINT; JAX, initialised in this process by then, warns at every fork
-            # that a forked child may deadlock. The child runs no JAX, so the warning is not ours.
-            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-            if r.ray_address:
-                ray.init(address=r.ray_address, namespace=NAMESPACE, log_to_driver=True)
-            else:  # a cluster of this machine, with the logical CPUs the actors ask for
-                need = (self.M * r.processes_per_learner * r.learner_resources.get("CPU", 0.0)
-                        + r.syncer_resources.get("CPU", 0.0))
-                # "local": a new cluster of its own, even where another is running on this machine
-                # (without an address Ray joins the newest one it finds, and refuses num_cpus there)
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
-                         namespace=NAMESPACE, include_dashboard=False, log_to_driver=True)
-                self.owns_ray = True
+        self.prefix = f"diloco-{hashlib.sha256(run.url.encode()).hexdigest()[:8]}"
+        if run.cfg.runtime.tpu_topology:
+            slice_shape(run.cfg.runtime)
+        self.owns_ray = connect(run.cfg, run.cfg.runtime.learners)
 
     def _env(self) -> dict:
         """What every actor's process needs of this one's environment: the run secret, the simulated
         CPU device count, JAX's settings and tensorstore's (TENSORSTORE_GCS_HTTP_URL names the gs://
         server), which a Ray worker does not inherit from the driver."""
-        keep = {self.cfg.runtime.auth_secret_env}
+        keep = {self.run.cfg.runtime.auth_secret_env}
         env = {k: v for k, v in os.environ.items() if k in keep or k.startswith(("JAX_", "XLA_", "TENSORSTORE_"))}
         return {"env_vars": env}
 
-    def _spawn_syncer(self, incarnation: int) -> None:
+    def spawn_syncer(self, incarnation: int, reports_read: int, resume: dict | None) -> Child:
+        r = self.run
         if self.syncer_host is None:
             name = f"{self.prefix}-syncer"
             try:  # a syncer left by an earlier driver of this store (detached actors outlive it)
@@ -330,21 +338,21 @@ class RayProcs(Procs):
                 pass
             self.syncer_host = Host.options(
                 name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=MAX_RESTARTS, max_task_retries=0,
-                max_concurrency=2, runtime_env=self._env(), **actor_options(self.cfg.runtime.syncer_resources)).remote()
-        host, args = self.syncer_host, (self.url, self.cfg, self.cache, self.run_dir, self.evaluate is not None,
-                                         incarnation, self.reports, self.resume)
-        self.syncer, self.syncer_incarnation = RayChild(host, lambda: host.syncer.remote(*args)), incarnation
-        self._write_procs()
+                max_concurrency=2, runtime_env=self._env(), **actor_options(r.cfg.runtime.syncer_resources)).remote()
+        host, args = self.syncer_host, (r.url, r.cfg, r.cache, r.run_dir, r.want_evals, incarnation, reports_read,
+                                         resume)
+        return RayChild(host, lambda: host.syncer.remote(*args))
 
     def _actor(self, m: int, i: int = 0) -> str:
         """Learner m's actor of world process i (the leader's name is a one-process learner's)."""
         return f"{self.prefix}-learner-{m}" + (f"-p{i}" if i else "")
 
-    def _spawn(self, m: int, incarnation: int) -> None:
-        P = self.cfg.runtime.processes_per_learner
+    def spawn_learner(self, m: int, incarnation: int, resumed: bool) -> Child:
+        r = self.run
+        P = r.cfg.runtime.processes_per_learner
         if m not in self.hosts:
-            place = self.groups[m] = learner_placement(self.cfg.runtime, m, f"{self.prefix}-learner-{m}",
-                                                                PLACE_TIMEOUT_S)
+            place = self.groups[m] = learner_placement(r.cfg.runtime, m, f"{self.prefix}-learner-{m}",
+                                                       PLACE_TIMEOUT_S)
             # max_restarts=-1: Ray always brings a learner's process back; how often it may die is
             # the supervisor's rule (MAX_RESTARTS, not counting a chaos tape's planned downs).
             self.hosts[m] = [Host.options(
@@ -352,38 +360,29 @@ class RayProcs(Procs):
                 max_concurrency=2, runtime_env=self._env(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(place.group, placement_group_bundle_index=i),
                 **actor_options(place.bundle)).remote() for i in range(P)]
-        args = (self.url, self.cfg, self.cache, self.run_dir, m, incarnation, self.resumed(m, incarnation))
+        args = (r.url, r.cfg, r.cache, r.run_dir, m, incarnation, resumed)
         if P == 1:
             [host] = self.hosts[m]
-            child = RayChild(host, lambda: host.learner.remote(*args))
-        else:
-            child = RayWorld(self.hosts[m], lambda a, spec: a.learner.remote(*args, spec),
-                             name=f"learner-{m}-{incarnation}")
-        self.learners[m], self.incarnation[m] = child, incarnation
-        self._write_procs()
+            return RayChild(host, lambda: host.learner.remote(*args))
+        return RayWorld(self.hosts[m], lambda a, spec: a.learner.remote(*args, spec), name=f"learner-{m}-{incarnation}")
 
-    def _wait(self, children: list, timeout: float) -> None:
-        # a world's every member: a follower's death wakes this loop at once, as in procs
+    def wait(self, children: list[Child], timeout: float) -> None:
+        # a world's every member: a follower's death wakes the supervisor at once, as in procs
         refs = [r for p in children for r in (p.pending if isinstance(p, RayWorld) else [p.pending])]
         ray.wait(refs, num_returns=1, timeout=timeout)
 
-    def _write_procs(self) -> None:
-        """Who runs where: the actors' names (ray.get_actor(name, namespace="diloco")), for
-        operators and fault tests."""
-        bs.write_control(self.store, "procs", {
-            "supervisor": os.getpid(), "syncer": None, "syncer_incarnation": self.syncer_incarnation,
-            "syncer_actor": f"{self.prefix}-syncer", "namespace": NAMESPACE,
-            "learners": {str(k): self._where(k) for k in range(self.M)}})
-
-    def _where(self, m: int) -> dict:
-        """Learner m's incarnation and actor (a world's leader's), and a world's every actor."""
-        out = {"incarnation": self.incarnation[m], "pid": None, "actor": self._actor(m)}
-        P = self.cfg.runtime.processes_per_learner
+    def where(self, m: int | None, child: Child | None) -> dict:
+        """The actors' names (ray.get_actor(name, namespace="diloco")), for operators and fault
+        tests: the syncer's (m None), or learner m's (a world's leader's) and a world's every one."""
+        if m is None:
+            return {"syncer": None, "syncer_actor": f"{self.prefix}-syncer", "namespace": NAMESPACE}
+        out = {"pid": None, "actor": self._actor(m)}
+        P = self.run.cfg.runtime.processes_per_learner
         if P > 1:
             out["actors"] = [self._actor(m, i) for i in range(P)]
         return out
 
-    def _release(self) -> None:
+    def release(self) -> None:
         """Every actor and placement group of the run, the detached syncer too; Ray itself if this
         process started it."""
         if not ray.is_initialized():
@@ -395,8 +394,3 @@ class RayProcs(Procs):
             place.release()
         if self.owns_ray:
             ray.shutdown()
-
-
-def run(cfg: TrainConfig, setup, run_dir, evaluate):
-    """Run Decoupled DiLoCo on Ray; the same records and summary as procs."""
-    return supervisor.run(cfg, setup, run_dir, evaluate, RayProcs)

@@ -2,10 +2,11 @@
 starts them on a fresh coordinator port, and ends as a whole, with one exit code, when any of them
 dies. The supervisor's half of multi-host learners (docs/multihost.md#supervisor).
 
-It has the surface of multiprocessing's Process that the procs supervisor uses of a child
-(`start`, `pid`, `exitcode`, `sentinel`, `terminate`, `kill`, `join`, `name`; see `Procs._wait`
-in diloco/runtime/procs/supervisor.py), so the supervisor can hold a WorldGroup where it holds a
-learner's process today, and restart the whole world as incarnation + 1 by making a new one.
+It has the surface of multiprocessing's Process that the procs supervisor and its local launcher
+use of a child (`start`, `pid`, `exitcode`, `sentinel`, `terminate`, `kill`, `join`, `name`; see
+Child in diloco/runtime/interfaces.py and diloco/runtime/procs/launch.py), so the supervisor can
+hold a WorldGroup where it holds a learner's process, and restart the whole world as
+incarnation + 1 by making a new one.
 
 Why the whole world: a process of a world that loses a peer aborts by itself, at once or within
 the world's heartbeat timeout (docs/multihost.md#what-a-dead-peer-does-to-the-others), so no part

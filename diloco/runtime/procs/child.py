@@ -1,7 +1,7 @@
 """What every process of a procs run shares, the learner's, the syncer's and the supervisor's: how
-a spawned child starts (environment, signals, its Setup rebuilt from the config and checked against
-the supervisor's Theta_0), the event keys and control names they couple by, the exit statuses, and
-the largest frame the run can hold.
+a spawned child starts (environment, signals, the run secret, its Setup rebuilt from the config and
+checked against the supervisor's Theta_0), the keys and control names they couple by, the exit
+statuses, and the largest frame the run can hold.
 
 Reference: docs/design.md#procs.
 """
@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -32,6 +33,8 @@ EXIT_DOWN = 75  # a learner whose chaos tape took all its slices (EX_TEMPFAIL): 
 # A learner started apart (diloco/runtime/procs/standalone.py) that finds a newer incarnation of
 # itself has claimed its index: the scheduler started a replacement, so this one steps aside.
 EXIT_SUPERSEDED = 76
+PREFIXES = ("up/", "down/", "ack/", "ctl/", "ev/", "rep/")  # every key scheme of a procs run
+SECRET_FILE = "auth_secret"  # <run>/auth_secret: the run secret a resume needs (mode 0600)
 
 
 def orphaned(parent: int | None) -> bool:
@@ -79,6 +82,22 @@ def child_setup(cfg: TrainConfig, store: bs.BlobStore) -> Setup:
         raise RuntimeError(f"this process rebuilt Theta_0 {fingerprint(setup.theta0)} from the config, the "
                            f"supervisor has {want}: model init must be a pure function of the config")
     return setup
+
+
+def keep_secret(cfg: TrainConfig, run_dir: Path | None) -> None:
+    """The run secret (runtime.auth) into this process's environment, where every child reads it.
+    A run with a directory and no runtime.auth_secret_file keeps it in <run>/auth_secret (0600),
+    so that a resume verifies what the learners sealed before the stop with the same keys."""
+    r = cfg.runtime
+    path = None if run_dir is None or r.auth_secret_file else Path(run_dir) / SECRET_FILE
+    if cfg.run.resume and path is not None and path.is_file():
+        os.environ[r.auth_secret_env] = path.read_text().strip()
+    if build_setup.auth_secret(cfg) is None or path is None or cfg.run.resume:
+        return
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(os.environ[r.auth_secret_env])
 
 
 def child_main(name: str, store_url: str, cfg: TrainConfig, cache: str | None, body: Callable, *args: Any) -> None:

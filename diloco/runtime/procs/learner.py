@@ -22,7 +22,7 @@ objects in the store (diloco/store/exchange.py):
 * A restarted incarnation (the supervisor spawns it) compiles, then waits until the syncer has
   booked its predecessor's death (`ctl/buried/...`), waits out its tape's down time and
   `runtime.restart_s`, and rejoins (diloco/runtime/rejoin.py) from the newest readable full copies
-  in the store: the syncer's current references, never its own init.
+  in the store (diloco/runtime/procs/reading.py): the syncer's current references, never its own init.
 """
 
 from __future__ import annotations
@@ -36,18 +36,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
 from diloco import store as bs
-from diloco.algo import auth, messages
+from diloco.algo import auth
 from diloco.algo import syncer as sync
 from diloco.config import TrainConfig
 from diloco.runtime import events as ev
 from diloco.runtime import world as learner_world
 from diloco.runtime.procs.child import (EXIT_DOWN, EXIT_SUPERSEDED, POLL_MAX, POLL_MIN, buried, child_main, child_setup,
                                         event_key, in_main_thread, max_frame, orphaned, wait_for)
+from diloco.runtime.procs.reading import broadcast_version, candidates, store_view, view_of_frames
 from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
-from diloco.runtime.build import Setup, new_unit
+from diloco.runtime.build import new_unit
 from diloco.runtime.learner_loop import run_incarnation
 from diloco.runtime.pace import Pace
 from diloco.runtime.unit import LearnerUnit
@@ -57,108 +56,6 @@ from diloco.train import profile
 log = logging.getLogger(__name__)
 
 FENCE_S = 2.0  # seconds between such a learner's looks at its claim
-# Seconds a rejoining learner looks for a readable full copy of a fragment before it gives up on
-# it and starts that fragment from Theta_0 at version 0 (its sends are then stale until it catches
-# up): the store is damaged beyond what fallbacks mend, and crashing would fail the whole run.
-VIEW_TIMEOUT_S = 60.0
-
-
-def full_copy(frame: bytes, p: int, version: int, expected: dict) -> dict:
-    """The values of fragment p's full copy of `version`; MessageError if the frame is not one."""
-    msg = messages.decode(frame)
-    h = msg.header
-    if (h["kind"], h["fragment"], h["version"], h["delta_against"]) != ("fragment", p, version, None):
-        raise messages.MessageError("bad_header", f"not the full copy of fragment {p} version {version}: "
-                                    f"{h['kind']} {h['fragment']} {h['version']} {h['delta_against']}")
-    return messages.unpack_fragment(h, msg.payload, None, expected)
-
-
-def store_view(store: bs.BlobStore, setup: Setup, timeout_s: float = VIEW_TIMEOUT_S,
-               skipped: Counter | None = None, sleep: Callable[[float], Any] | None = None,
-               clock: Callable[[], float] = time.monotonic, frames: list[bytes] | None = None,
-               merges: bool = True) -> tuple[sync.SyncerState, list[tuple[int, int]]]:
-    """The syncer's current references as far as a learner can see them: the newest readable full
-    copy of every published fragment (Theta_0 for the others), as a SyncerState that new_unit and
-    rejoin_unit read (refs[-1] and version only); also (fragment, bytes) of every object fetched.
-
-    The pointer names the newest version; gc may remove it between the pointer read and the get,
-    and damage may leave it unreadable. Then the older full copies gc kept are tried, newest
-    first, and if none is readable the pointer is read again with back-off (it moves on with the
-    next merge), for at most `timeout_s` per fragment; after that the fragment stays at Theta_0,
-    logged as an error. Every skip is counted in `skipped` by reason and logged. `frames`, if
-    given, collects the full copies the view holds (what the followers of a learner's world take
-    it from, view_of_frames). `merges`: sync.init's (a learner never merges).
-    """
-    skipped = Counter() if skipped is None else skipped
-    view = sync.init(setup.policy, setup.fragments, setup.theta0, {}, merges)
-    frags, fetched, limit = list(view.fragments), [], max_frame(setup)
-    for p, fs in enumerate(frags):
-        expected = {path: (x.shape, np.float32) for path, x in fs.theta.items()}
-        tried: set[int] = set()  # versions found unreadable: objects are never rewritten
-
-        def attempt() -> tuple[int, dict] | bool | None:
-            try:
-                pub = bs.latest(store, len(frags)).get(p)
-            except ValueError as e:
-                skipped["pointer"] += 1
-                log.warning("rejoin: %s; reading it again", e)
-                return None
-            if pub is None:
-                return True  # never published: Theta_0 is the syncer's reference too
-            def versions():  # the one the pointer names, then (listed only if needed) older ones
-                yield pub.version
-                yield from (v for v in reversed(bs.full_versions(store, p)) if v < pub.version)
-
-            for v in versions():
-                if v in tried:
-                    continue
-                try:
-                    frame = bs.fetch_fragment(store, p, v, True, limit)
-                except bs.TooLarge as e:
-                    frame, why = None, str(e)
-                else:
-                    if frame is None:
-                        continue  # collected by gc since the pointer or listing was read
-                    fetched.append((p, len(frame)))
-                    try:
-                        values = full_copy(frame, p, v, expected)
-                    except messages.MessageError as e:
-                        why = str(e)
-                    else:
-                        if frames is not None:
-                            frames.append(frame)
-                        return v, values
-                tried.add(v)
-                skipped["full"] += 1
-                log.warning("rejoin: fragment %d version %d's full copy is unreadable (%s); trying an older one",
-                            p, v, why[:200])
-            return None
-
-        poller = bs.Poller(POLL_MIN, POLL_MAX, deadline=clock() + timeout_s, sleep=sleep, clock=clock)
-        found = poller.until(attempt)
-        if found is None:
-            skipped["fragment"] += 1
-            log.error("rejoin: no readable full copy of fragment %d in %.0f s; it starts from Theta_0 at "
-                      "version 0 and catches up with the next version it can read", p, timeout_s)
-        if not isinstance(found, tuple):
-            continue
-        version, values = found
-        frags[p] = fs._replace(theta=values, version=version, refs=((version, values),))
-    return view._replace(fragments=tuple(frags)), fetched
-
-
-def view_of_frames(setup: Setup, frames: list[bytes]) -> sync.SyncerState:
-    """The view store_view built from these full copies (the ones it collected in `frames`), for a
-    follower of a learner's world: it rejoins from the very copies its leader read, never from a
-    store whose gc may have moved on since."""
-    view = sync.init(setup.policy, setup.fragments, setup.theta0, {}, merges=False)
-    frags = list(view.fragments)
-    for frame in frames:
-        h = messages.decode(frame).header
-        p, version = h["fragment"], h["version"]
-        values = full_copy(frame, p, version, {path: (x.shape, np.float32) for path, x in frags[p].theta.items()})
-        frags[p] = frags[p]._replace(theta=values, version=version, refs=((version, values),))
-    return view._replace(fragments=tuple(frags))
 
 
 class ProcLearner:
@@ -412,12 +309,13 @@ class ProcLearner:
         return got
 
     def _advance(self, unit: LearnerUnit, p: int, pub: bs.Published) -> bool:
-        """Take fragment p past the version held, from the first readable of: the next version's
-        delta (if there may be one), its full copy, the newest full copy, older full copies. An
-        unreadable object is logged, counted and remembered, so it is never fetched again (keys
-        are never rewritten once the pointer names them); False if none is readable yet."""
+        """Take fragment p past the version held, from the first readable of its candidates
+        (diloco/runtime/procs/reading.py: the next version's delta, its full copy, the newest full
+        copy, older full copies). An unreadable object is logged, counted and remembered, so it is
+        never fetched again (keys are never rewritten once the pointer names them); False if none
+        is readable yet."""
         held = unit.latest[p][0]
-        for key, codec in self._candidates(p, held, pub):
+        for key, codec in candidates(self.store, p, held, pub, self.setup.policy.down_spec):
             if key in self.bad:
                 continue
             try:
@@ -432,24 +330,14 @@ class ProcLearner:
                     if self.world is not None:  # for the followers, at the next step boundary
                         self.accepted.append(frame)
                     new = unit.latest[p][0]  # a bad key of a version now held is never asked for again
-                    self.bad = {k for k in self.bad if not (k.startswith(f"down/{p:04d}/") and _version(k) <= new)}
+                    self.bad = {k for k in self.bad
+                                if not (k.startswith(f"down/{p:04d}/") and broadcast_version(k) <= new)}
                     return True
                 why = "undecodable (counted in dropped_frames)"
             self.bad.add(key)
             self.skipped["delta" if key.endswith(".delta") else "full"] += 1
             log.warning("learner %d: %s is %s; trying the next copy", self.m, key, why[:200])
         return False
-
-    def _candidates(self, p: int, held: int, pub: bs.Published):
-        """(key, codec) in the order _advance tries them; older full copies listed only if reached."""
-        if held + 1 < pub.version or pub.has_delta:
-            yield bs.broadcast_key(p, held + 1, "delta"), self.setup.policy.down_spec
-        yield bs.broadcast_key(p, held + 1, "full"), "fp32"
-        if pub.version > held + 1:
-            yield bs.broadcast_key(p, pub.version, "full"), "fp32"
-            for v in reversed(bs.full_versions(self.store, p)):
-                if held + 1 < v < pub.version:
-                    yield bs.broadcast_key(p, v, "full"), "fp32"
 
     def wait(self, unit: LearnerUnit, until: float) -> None:
         """Blocked: one poll, then a back-off nap (never past `until`) if nothing came. A follower
@@ -461,11 +349,6 @@ class ProcLearner:
             return
         self.nap_until = until
         self.poller.wait(False)
-
-
-def _version(key: str) -> int:
-    """The version of a broadcast key, down/<fragment>/<version>.<kind>."""
-    return int(key.rsplit("/", 1)[1].split(".", 1)[0])
 
 
 def learner_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m: int, incarnation: int,

@@ -19,11 +19,12 @@ does here for itself, through the same control objects:
   boundary without a notice (EXIT_SUPERSEDED), so one process at most writes under a live
   incarnation; what the stale one wrote after its successor's claim is never booked (the syncer's
   admission check drops an old incarnation's traffic).
-* The syncer host (SyncerOnly, scripts/syncer.py) is the procs supervisor without learners: it
-  spawns and restarts the syncer process, reads its reports, evaluates, writes metrics.jsonl and
-  the summary. Started again after kill -9 it continues as the next syncer incarnation
-  (checkpoint + journal, diloco/runtime/procs/recovery.py) from the reports its predecessor had
-  read (`ctl/reports`); at the end it writes `ctl/finished`, so a learner started after that exits.
+* The syncer host (scripts/syncer.py) is the procs supervisor with the External launcher below,
+  which starts no learners: it spawns and restarts the syncer process, reads its reports,
+  evaluates, writes metrics.jsonl and the summary. Started again after kill -9 it continues as
+  the next syncer incarnation (checkpoint + journal, diloco/runtime/procs/recovery.py) from the
+  reports its predecessor had read (`ctl/reports`); at the end it writes `ctl/finished`, so a
+  learner started after that exits (Procs._start_apart in diloco/runtime/procs/supervisor.py).
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ from pathlib import Path
 from diloco import store as bs
 from diloco.config import ConfigError, TrainConfig, to_dict
 from diloco.config.checks import WORLD_ADDRESS
-from diloco.runtime.procs.child import EXIT_SUPERSEDED, POLL_MIN, child_main, died, fingerprint
+from diloco.runtime.interfaces import Child, RunSpec
+from diloco.runtime.procs.child import EXIT_SUPERSEDED, POLL_MIN, child_main, died
+from diloco.runtime.procs.launch import Local
 from diloco.runtime.procs.learner import learner_body
-from diloco.runtime.procs.recovery import restartable
-from diloco.runtime.procs.supervisor import _PREFIXES, Procs
 from diloco.runtime.world import free_port
 from diloco.runtime.world_group import WorldSpec
 from diloco.store import network
@@ -196,44 +197,32 @@ def await_world(store: bs.BlobStore, m: int, index: int, processes: int) -> dict
     return held
 
 
-class SyncerOnly(Procs):
-    """The procs supervisor of a run whose learners are started apart: it spawns and restarts only
-    the syncer, and never writes a learner's exit notice (each learner's successor does)."""
+class External:
+    """The launcher of a syncer host (scripts/syncer.py): the syncer is spawned on this machine as
+    launch.Local spawns it; the learners are started apart by a scheduler (run_learner), each
+    claiming its own incarnation and writing its own exit notice, so the supervisor leaves them
+    alone (starts_learners False)."""
 
-    def _start(self) -> None:
-        procs = bs.read_control(self.store, "procs")
-        if procs is None:
-            self._fresh()
-            return
-        if not restartable(self.cfg, self.run_dir):
-            raise ConfigError("the store holds this run's syncer already; starting it again restores its "
-                              f"checkpoints and journal, kept only with run.checkpoint_every > 0 (got "
-                              f"{self.cfg.run.checkpoint_every})")
-        self.reports = int((bs.read_control(self.store, "reports") or {}).get("read", 0))
-        self._spawn_syncer(int(procs["syncer_incarnation"]) + 1)
+    starts_learners = False
 
-    def _fresh(self) -> None:
-        """A new run: the store must hold no other run's traffic (learners may have claimed
-        their incarnations already, so control objects stay)."""
-        used = [p for p in _PREFIXES if p != "ctl/" and self.store.list(p)]
-        if used:
-            raise ConfigError(f"the store {network.redacted(self.url)} holds another run's objects ({', '.join(used)}) "
-                              "but no record of its syncer: give each run its own runtime.store_url")
-        bs.write_control(self.store, "run", {"theta0": fingerprint(self.setup.theta0), "learners": self.M,
-                                             "config": to_dict(self.cfg)})
-        self._spawn_syncer(0)
+    def __init__(self):
+        self.local = Local()
 
-    def _spawn(self, m: int, incarnation: int) -> None:
+    def open(self, run: RunSpec) -> None:
+        self.local.open(run)
+
+    def spawn_syncer(self, incarnation: int, reports_read: int, resume: dict | None) -> Child:
+        return self.local.spawn_syncer(incarnation, reports_read, resume)
+
+    def spawn_learner(self, m: int, incarnation: int, resumed: bool) -> Child:
         raise AssertionError("learners are started apart (scripts/learner.py)")
 
-    def _watch(self, m: int) -> None:
-        pass  # each learner's exit notice comes from itself or from its successor's claim
+    def wait(self, children: list[Child], timeout: float) -> None:
+        self.local.wait(children, timeout)
 
-    def _write_procs(self) -> None:
-        bs.write_control(self.store, "procs", {
-            "supervisor": os.getpid(), "syncer": self.syncer.pid, "syncer_incarnation": self.syncer_incarnation,
-            "launch": "external", "learners": {}})
+    def where(self, m: int | None, child: Child | None) -> dict:
+        """The syncer's pid, and that this run's learners are started apart (ctl/procs lists none)."""
+        return {**self.local.where(m, child), "launch": "external"}
 
-    def _supervise(self) -> None:
-        super()._supervise()
-        bs.write_control(self.store, "finished", {"at": self.clock()})
+    def release(self) -> None:
+        self.local.release()

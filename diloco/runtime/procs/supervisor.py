@@ -1,6 +1,7 @@
-"""The procs runtime: one OS process per learner (spawned, not forked), a syncer process, and this
-process as their supervisor, restarting learners that die; all traffic goes through an object
-store (diloco/store/): file:// by default, gs:// or s3:// by `runtime.store_url`.
+"""The procs runtime's supervisor: learner processes and a syncer process, started by a Launcher
+(diloco/runtime/interfaces.py), and this process supervising them: incarnations and restarts,
+the syncer's reports, evaluation, stop and resume. All traffic goes through an object store
+(diloco/store/): file:// by default, gs:// or s3:// by `runtime.store_url`.
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 6 (a failed learner is
 absent from quorums while the global model advances; it rejoins from the syncer's state);
@@ -8,10 +9,12 @@ docs/design.md#procs (real kill -9 fault tests; multi-host over a shared bucket)
 
 Who does what: learner m's process (diloco/runtime/procs/learner.py) trains on its own device
 sub-mesh and writes contributions and an event stream; the syncer process
-(diloco/runtime/procs/syncer.py) books the events, merges and publishes; this process starts
-them, evaluates the global model when the syncer asks, writes metrics.jsonl, and watches exits.
-A child rebuilds its Setup from the config (spawned processes share no jitted functions) and
-checks that it got this process's Theta_0.
+(diloco/runtime/procs/syncer.py) books the events, merges and publishes; this process has its
+launcher start them (on this machine, diloco/runtime/procs/launch.py; as Ray actors,
+diloco/runtime/ray_runtime.py; only the syncer, its learners started apart by a scheduler,
+diloco/runtime/procs/standalone.py), evaluates the global model when the syncer asks, writes
+metrics.jsonl, and watches exits. A child rebuilds its Setup from the config (spawned processes
+share no jitted functions) and checks that it got this process's Theta_0.
 
 Failures: a learner process that exits with a signal (kill -9, the OOM killer) or an unexplained
 code is restarted under incarnation + 1 after `ctl/died/...` tells the syncer, which books the
@@ -35,34 +38,22 @@ next incarnation, which rejoins; the clock continues where the stopped run ended
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-import multiprocessing as mp
 import os
 import signal
-import tempfile
 import time
-from multiprocessing.connection import wait as wait_for_exit
 from pathlib import Path
-from typing import Any, Callable
-
-import numpy as np
+from typing import Callable
 
 from diloco import report
 from diloco import store as bs
-from diloco import watch as run_watch
-from diloco.config import ConfigError, TrainConfig
-from diloco.runtime.procs.child import EXIT_DOWN, died, fingerprint
-from diloco.runtime.procs.learner import learner_main
+from diloco.config import ConfigError, TrainConfig, to_dict
+from diloco.runtime.interfaces import Child, Launcher, RunSpec
+from diloco.runtime.procs.child import EXIT_DOWN, PREFIXES, died, fingerprint, keep_secret
 from diloco.runtime.procs.recovery import restartable
-from diloco.runtime.procs.syncer import rep_key, syncer_main, unpack_theta
-from diloco.runtime.runlog import learner_rates
-from diloco.runtime import build as build_setup
+from diloco.runtime.procs.reports import rep_key, report_theta
 from diloco.runtime.build import Setup
-from diloco.runtime.stop import RunStopped, sigint_ignored, signals_as_interrupt
-from diloco.runtime.walltape import run_tape
-from diloco.runtime.world_group import WorldGroup
+from diloco.runtime.stop import RunStopped, signals_as_interrupt
 from diloco.store import network
 
 log = logging.getLogger(__name__)
@@ -73,36 +64,25 @@ JOIN_TIMEOUT = 30.0  # seconds a stopping child gets before it is killed
 # loaded machine that took more than JOIN_TIMEOUT once, and the stop lost its partial summary.
 SYNCER_STOP_TIMEOUT = 120.0
 MAX_RESTARTS = 10  # per learner, and for the syncer: one killed this often is not coming back
-_PREFIXES = ("up/", "down/", "ack/", "ctl/", "ev/", "rep/")  # every key scheme of a procs run
-SECRET_FILE = "auth_secret"  # <run>/auth_secret: the run secret a resume needs (mode 0600)
-
-
-# What each kind of report must hold (diloco/runtime/procs/syncer.py writes them).
-_REPORT_FIELDS = {
-    "train": {"learner", "step", "time", "tokens", "loss"},
-    "rejoin": {"time", "learner", "incarnation", "step"},
-    "eval": {"step", "time", "tokens", "merges", "paths"},
-    "merge": {"time", "merges", "tokens", "quorum", "bytes_up", "bytes_down", "stalls", "quarantined", "goodput"},
-    "end": {"time", "summary", "steps", "tokens", "dead", "finished_at", "merges", "processed0", "complete",
-            "paths"},
-}
 
 
 class Procs:
     """The supervisor of one run; `run` drives it to the end. Read the attributes after it:
     summary, theta (final global model), evals, rejoins, exits ((name, incarnation, exit code)
-    of every child that ended), finished (the syncer's end record)."""
+    of every child that ended), finished (the syncer's end record). `launcher` starts the
+    processes; one with starts_learners False leaves the learners to a scheduler, and this
+    supervisor then spawns, restarts and watches only the syncer."""
 
     def __init__(self, cfg: TrainConfig, setup: Setup, run_dir: Path | None,
                  evaluate: Callable[[dict], float] | None, writer: report.MetricsWriter | None, store_url: str,
-                 cache: str | None = None):
+                 launcher: Launcher, cache: str | None = None):
         self.cfg, self.setup, self.run_dir, self.evaluate, self.writer = cfg, setup, run_dir, evaluate, writer
         self.url, self.cache = store_url, cache  # cache: the children's XLA compilation cache
+        self.launcher = launcher
         self.store = bs.BlobStore(store_url, sync=False)  # atomic either way; fsync guards only power loss
-        self.ctx = mp.get_context("spawn")  # fork would copy jax's threads and devices
         self.M = cfg.runtime.learners
-        self.syncer: mp.process.BaseProcess | None = None
-        self.learners: dict[int, mp.process.BaseProcess] = {}
+        self.syncer: Child | None = None
+        self.learners: dict[int, Child] = {}
         self.incarnation = dict.fromkeys(range(self.M), 0)
         self.restarts = dict.fromkeys(range(self.M), 0)
         self.syncer_incarnation = 0
@@ -127,12 +107,21 @@ class Procs:
 
     def run(self) -> dict:
         """To the end; a failed child fails the run, a Ctrl-C or SIGTERM raises RunStopped once
-        the stop is saved (a second one forces it)."""
+        the stop is saved (a second one forces it). The launcher is released either way."""
+        try:
+            self.launcher.open(RunSpec(self.url, self.cfg, self.cache, self.run_dir, self.evaluate is not None))
+            return self._run()
+        finally:
+            self.launcher.release()
+
+    def _run(self) -> dict:
         with signals_as_interrupt():
             stopping = False
             try:
                 self._start()
                 self._supervise()
+                if not self.launcher.starts_learners:  # a learner started after this has nothing to do
+                    bs.write_control(self.store, "finished", {"at": self.clock()})
             except KeyboardInterrupt:
                 stopping = True
                 self._stop(clean=True)
@@ -148,17 +137,41 @@ class Procs:
         return self.summary
 
     def _start(self) -> None:
+        if not self.launcher.starts_learners:
+            return self._start_apart()
         # The run secret into this process's environment before any child is spawned, so the syncer
         # and every learner derive the same keys (a setup built under another runtime made none).
         keep_secret(self.cfg, self.run_dir)
         if self.cfg.run.resume:
             return self._resume()
-        for prefix in _PREFIXES:  # a store left by an earlier run into the same directory
+        for prefix in PREFIXES:  # a store left by an earlier run into the same directory
             self.store.delete_prefix(prefix)
         bs.write_control(self.store, "run", {"theta0": fingerprint(self.setup.theta0), "learners": self.M})
         self._spawn_syncer(0)
         for m in range(self.M):
             self._spawn(m, 0)
+
+    def _start_apart(self) -> None:
+        """The syncer of learners started apart: a new run on a store that holds no other run's
+        traffic (learners may have claimed their incarnations already, so control objects stay),
+        or, started again on its store, the next syncer incarnation (checkpoint + journal) from
+        the reports its predecessor had read (`ctl/reports`)."""
+        procs = bs.read_control(self.store, "procs")
+        if procs is None:
+            used = [p for p in PREFIXES if p != "ctl/" and self.store.list(p)]
+            if used:
+                raise ConfigError(f"the store {network.redacted(self.url)} holds another run's objects "
+                                  f"({', '.join(used)}) but no record of its syncer: give each run its own "
+                                  "runtime.store_url")
+            bs.write_control(self.store, "run", {"theta0": fingerprint(self.setup.theta0), "learners": self.M,
+                                                 "config": to_dict(self.cfg)})  # each learner checks its own
+            return self._spawn_syncer(0)
+        if not restartable(self.cfg, self.run_dir):
+            raise ConfigError("the store holds this run's syncer already; starting it again restores its "
+                              f"checkpoints and journal, kept only with run.checkpoint_every > 0 (got "
+                              f"{self.cfg.run.checkpoint_every})")
+        self.reports = int((bs.read_control(self.store, "reports") or {}).get("read", 0))
+        self._spawn_syncer(int(procs["syncer_incarnation"]) + 1)
 
     def _resume(self) -> None:
         """Continue a stopped run on its store: the next syncer incarnation restores the newest
@@ -194,12 +207,8 @@ class Procs:
 
     def _spawn_syncer(self, incarnation: int) -> None:
         """A restarted one skips the reports read so far (every one its predecessor finished)."""
-        p = self.ctx.Process(target=syncer_main, name=f"diloco-syncer-{incarnation}", daemon=True,
-                             args=(self.url, self.cfg, self.cache, self.run_dir, self.evaluate is not None,
-                                   incarnation, self.reports, self.resume))
-        with sigint_ignored():
-            p.start()
-        self.syncer, self.syncer_incarnation = p, incarnation  # only started processes are watched
+        self.syncer = self.launcher.spawn_syncer(incarnation, self.reports, self.resume)
+        self.syncer_incarnation = incarnation  # only started processes are watched
         self._write_procs()
 
     def resumed(self, m: int, incarnation: int) -> bool:
@@ -208,35 +217,22 @@ class Procs:
         return self.resume is not None and self.resume["incarnations"].get(m) == incarnation
 
     def _spawn(self, m: int, incarnation: int) -> None:
-        """Learner m's next incarnation: one process, or with runtime.processes_per_learner > 1 a
-        world of that many on a fresh coordinator port (docs/multihost.md#supervisor), which ends
-        as a whole with one exit code and is restarted as a whole."""
-        name = f"diloco-learner-{m}-{incarnation}"
-        args = (self.url, self.cfg, self.cache, self.run_dir, m, incarnation, os.getpid(), self.resumed(m, incarnation))
-        P = self.cfg.runtime.processes_per_learner
-        if P > 1:
-            p = WorldGroup(learner_main, args, P, name=name, ctx=self.ctx)
-        else:
-            p = self.ctx.Process(target=learner_main, name=name, daemon=True, args=args)
-        with sigint_ignored():
-            p.start()
-        self.learners[m], self.incarnation[m] = p, incarnation
+        """Learner m's next incarnation: one child, a world of processes too
+        (docs/multihost.md#supervisor), which ends as a whole and is restarted as a whole."""
+        self.learners[m] = self.launcher.spawn_learner(m, incarnation, self.resumed(m, incarnation))
+        self.incarnation[m] = incarnation
         self._write_procs()
 
     def _write_procs(self) -> None:
-        """Who runs where, for operators and fault tests (kill -9 a process by its pid); a learner
-        that was done before a resume has no process (pid null)."""
+        """Who runs where (`ctl/procs`), for operators, fault tests (kill -9 a process by its pid,
+        an actor by its name) and a resume; a learner that was done before a resume has no
+        process. The learners started apart are not listed: each claims its own incarnation."""
+        learners = {} if not self.launcher.starts_learners else {
+            str(k): {"incarnation": self.incarnation[k], **self.launcher.where(k, self.learners.get(k))}
+            for k in range(self.M)}
         bs.write_control(self.store, "procs", {
-            "supervisor": os.getpid(), "syncer": self.syncer.pid, "syncer_incarnation": self.syncer_incarnation,
-            "learners": {str(k): self._where(k) for k in range(self.M)}})
-
-    def _where(self, m: int) -> dict:
-        """Learner m's incarnation and pid (a world's leader), and a world's every pid."""
-        p = self.learners.get(m)
-        out = {"incarnation": self.incarnation[m], "pid": None if p is None else p.pid}
-        if isinstance(p, WorldGroup):
-            out["pids"] = p.pids
-        return out
+            "supervisor": os.getpid(), **self.launcher.where(None, self.syncer),
+            "syncer_incarnation": self.syncer_incarnation, "learners": learners})
 
     def _supervise(self) -> None:
         while True:
@@ -248,14 +244,7 @@ class Procs:
                 self._restart_syncer(code)
             for m in range(self.M):
                 self._watch(m)
-            self._wait([p for m, p in self.learners.items() if m not in self.done] + [self.syncer], POLL)
-
-    def _wait(self, children: list, timeout: float) -> None:
-        """Until one of `children` exits, or `timeout` s. A child is anything with the surface of
-        multiprocessing's Process that this class uses (exitcode, pid, terminate, kill, join):
-        the Ray runtime's actors (diloco/runtime/ray_runtime.py) wrap themselves so."""
-        # A world's every member: a follower's death wakes this loop at once, not at its leader's abort.
-        wait_for_exit([s for p in children for s in getattr(p, "sentinels", [p.sentinel])], timeout=timeout)
+            self.launcher.wait([p for m, p in self.learners.items() if m not in self.done] + [self.syncer], POLL)
 
     def _restart_syncer(self, code: int) -> None:
         inc = self.syncer_incarnation
@@ -271,7 +260,7 @@ class Procs:
         self._spawn_syncer(inc + 1)
 
     def _watch(self, m: int) -> None:
-        if m in self.done:
+        if m in self.done or not self.launcher.starts_learners:  # apart: its own notice, or its successor's
             return
         p, inc = self.learners[m], self.incarnation[m]
         if p.exitcode is None:
@@ -314,7 +303,7 @@ class Procs:
                     if self.reports > start:
                         bs.write_control(self.store, "reports", {"read": self.reports})
                     return
-                theta = self._report_theta(record)
+                theta = report_theta(self.store, self.reports, record, self.setup.theta0)
             except ValueError as e:
                 log.error("report %d skipped: %s", self.reports, e)
             else:
@@ -323,51 +312,20 @@ class Procs:
             self.store.delete(rep_key(self.reports, "npz"))
             self.reports += 1
 
-    def _report_theta(self, record: Any) -> dict | None:
-        """The Theta a report carries (eval, end), checked against the run's shapes; ValueError if
-        the record is not a report of its kind or its Theta is unreadable."""
-        kind = record.get("kind") if isinstance(record, dict) else None
-        if not (isinstance(kind, str) and _REPORT_FIELDS.get(kind, {None}) <= set(record)):
-            raise ValueError(f"not a report: {str(record)[:200]}")
-        numbers = [record[k] for k in _REPORT_FIELDS[kind] & {"time", "step", "merges", "processed0"}]
-        if kind in ("train", "eval", "merge"):
-            numbers.append(record["tokens"])
-        if not all(type(x) in (int, float) and math.isfinite(x) for x in numbers):
-            raise ValueError(f"a {record['kind']} report with a field that is not a finite number")
-        if record["kind"] == "end" and not (isinstance(record["summary"], dict) and isinstance(record["steps"], dict)
-                                            and type(record["steps"].get("0")) is int):
-            raise ValueError("an end report without its summary or steps")
-        if record["kind"] not in ("eval", "end"):
-            return None
-        want = {path: x.shape for frag in self.setup.theta0 for path, x in frag.items()}
-        paths = record.pop("paths", None)
-        if not (isinstance(paths, list) and all(isinstance(q, list) and all(isinstance(x, str) for x in q)
-                                                for q in paths)):
-            raise ValueError(f"a {record['kind']} report without the paths of its Theta")
-        limit = sum(4 * int(np.prod(shape)) + 4096 for shape in want.values()) + 65536  # npz: float32 + headers
-        try:
-            blob = self.store.get(rep_key(self.reports, "npz"), limit)
-            theta = None if blob is None else unpack_theta(paths, blob)
-        except Exception as e:  # noqa: BLE001 - np.load of damaged bytes raises many kinds; all mean "unreadable"
-            raise ValueError(f"its Theta is unreadable ({type(e).__name__}: {e})") from None
-        if theta is None or {p: (x.shape, x.dtype) for p, x in theta.items()} != {
-                p: (shape, np.float32) for p, shape in want.items()}:
-            raise ValueError("its Theta is missing or not the run's paths and float32 shapes")
-        return theta
-
     def _take(self, record: dict, theta: dict | None, evaluate: bool) -> None:
         kind = record["kind"]
         if kind == "end":
             self.finished, self.summary, self.theta = record, record["summary"], theta
         elif kind == "eval":
             if evaluate and self.evaluate is not None:
-                self._eval(record["time"], record["step"], theta, record["tokens"], record["merges"])
+                self.record_eval(record["time"], record["step"], theta, record["tokens"], record["merges"])
         else:  # train, rejoin, merge
             if kind == "rejoin":
                 self.rejoins.append(record)
             self._write(record)
 
-    def _eval(self, t: float, step: int, theta: dict, tokens: int, merges: int) -> None:
+    def record_eval(self, t: float, step: int, theta: dict, tokens: int, merges: int) -> None:
+        """Evaluate Theta as of (t, step) and write its eval record."""
         loss = self.evaluate(theta)
         self.evals.append((t, step, loss))
         self._write({"kind": "eval", "step": step, "time": t, "tokens": tokens, "eval_loss": loss,
@@ -446,52 +404,3 @@ class Procs:
         for m, p in self.learners.items():  # the last incarnations, ended after the supervision
             if m not in self.done:
                 self.exits.append((f"learner-{m}", self.incarnation[m], p.exitcode))
-
-
-def keep_secret(cfg: TrainConfig, run_dir: Path | None) -> None:
-    """The run secret (runtime.auth) into this process's environment, where every child reads it.
-    A run with a directory and no runtime.auth_secret_file keeps it in <run>/auth_secret (0600),
-    so that a resume verifies what the learners sealed before the stop with the same keys."""
-    r = cfg.runtime
-    path = None if run_dir is None or r.auth_secret_file else Path(run_dir) / SECRET_FILE
-    if cfg.run.resume and path is not None and path.is_file():
-        os.environ[r.auth_secret_env] = path.read_text().strip()
-    if build_setup.auth_secret(cfg) is None or path is None or cfg.run.resume:
-        return
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(os.environ[r.auth_secret_env])
-
-
-def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
-        evaluate: Callable[[dict], float] | None, supervisor: type[Procs] | None = None) -> tuple[Procs, dict]:
-    """Run Decoupled DiLoCo as supervised processes; returns the finished supervisor (for its
-    records) and a summary with the same keys as sim's and threads'. `supervisor`: Procs, or a
-    subclass that starts the processes elsewhere (the syncer host of learners started apart,
-    diloco/runtime/procs/standalone.py; Ray actors, diloco/runtime/ray_runtime.py)."""
-    if supervisor is None:
-        from diloco.runtime.procs.standalone import SyncerOnly as External
-        supervisor = External if cfg.runtime.launch == "external" else Procs
-    with contextlib.ExitStack() as stack:
-        if run_dir is None:  # the store and nothing else
-            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="diloco-procs-")))
-        else:
-            run_dir = root = Path(run_dir).absolute()  # children may resolve paths elsewhere
-        url = network.run_store_url(cfg.runtime, f"file://{root / 'store'}")  # options ride in the URL
-        writer = None
-        if run_dir is not None:
-            writer = report.MetricsWriter(run_dir / "metrics.jsonl", run_watch.for_run(cfg, run_dir, "wall"),
-                                         learner_rates(cfg, setup, "wall"))
-            stack.callback(writer.close)
-        run_tape(cfg, run_dir)  # for the record: every learner process derives the same tape
-        rt = supervisor(cfg, setup, run_dir, evaluate, writer, url, str(root / "xla_cache"))
-        summary = rt.run()
-        if evaluate is not None:
-            rt._eval(rt.finished["time"], rt.finished["steps"]["0"], rt.theta, rt.finished["processed0"],
-                     rt.finished["merges"])
-            summary["eval_loss"] = rt.evals[-1][2]
-        summary["tokens_at_start"] = rt.tokens_at_start  # a resumed run's rates are its own (run.py)
-        if writer is not None:
-            writer.summary(summary)
-        return rt, summary

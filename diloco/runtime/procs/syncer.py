@@ -13,7 +13,8 @@ live set, and `ctl/buried/...` tells the next incarnation where its predecessor 
 next incarnation's `join` event brings it back into the live set.
 
 Reports for the supervisor (train and rejoin records, eval requests with Theta, and the end with
-the summary and the final Theta) go out as `rep/<n>.json` (+ `rep/<n>.npz`), in order.
+the summary and the final Theta) go out as `rep/<n>.json` (+ `rep/<n>.npz`), in order
+(diloco/runtime/procs/reports.py).
 
 Restarts (diloco/runtime/procs/recovery.py): every step of the loop (book one event, fire one
 deadline, book one death) is a journal entry, written before it runs and stamped with the clock
@@ -25,27 +26,23 @@ booked events, acked contributions and dead incarnations only once the oldest ch
 covers them, so whatever a replay from any of them needs is still there; learners never wait for
 the syncer except at their tau bound, and see the versions they would have seen.
 
-Damage in the store (docs/design.md#damage-in-the-store): an event that is not JSON, too large or
-not an event of its learner is logged and skipped; a gap in an event stream (event n missing, a
-later one there) is skipped after GAP_TIMEOUT_S with an error logged, at once when the process
-has exited; a contribution larger than any frame of the run is passed on unread, to be
-quarantined as too_large; a learner that exited 0 without a readable Done event is booked done.
+Damage in the store (docs/design.md#damage-in-the-store; the checks are in
+diloco/runtime/procs/intake.py): an event that is not JSON, too large or not an event of its
+learner is logged and skipped; a gap in an event stream (event n missing, a later one there) is
+skipped after GAP_TIMEOUT_S with an error logged, at once when the process has exited; a
+contribution larger than any frame of the run is passed on unread, to be quarantined as
+too_large; a learner that exited 0 without a readable Done event is booked done.
 """
 
 from __future__ import annotations
 
 import heapq
-import io
 import json
 import logging
-import math
 import os
-import re
 import signal
 import time
 from pathlib import Path
-
-import numpy as np
 
 from diloco import report
 from diloco import store as bs
@@ -56,9 +53,11 @@ from diloco.config import TrainConfig
 from diloco.runtime import events as ev
 from diloco.runtime import keepup
 from diloco.runtime.host import HostedRuntime, SyncerHost
-from diloco.runtime.procs.child import (POLL_MAX, POLL_MIN, buried, child_main, child_setup, died, event_key,
+from diloco.runtime.procs.child import (POLL_MAX, POLL_MIN, buried, child_main, child_setup, event_key,
                                         in_main_thread, max_frame)
+from diloco.runtime.procs.intake import listed_events, parse_event, read_event, read_notice
 from diloco.runtime.procs.recovery import Recovery
+from diloco.runtime.procs.reports import pack_theta, rep_key
 from diloco.runtime.runlog import write_decisions
 from diloco.runtime.walltape import chaos_tape
 
@@ -70,87 +69,6 @@ GC_EVERY = 1.0  # seconds between acks + garbage collection of old versions and 
 # skipped, with an error, and the stream booked on from the next event there.
 GAP_TIMEOUT_S = 5.0
 GAP_CHECK_S = 1.0  # seconds of silence on a stream before its keys are listed to look for a gap
-
-
-def rep_key(n: int, ext: str) -> str:
-    return f"rep/{n:012d}.{ext}"
-
-
-def pack_theta(theta: dict) -> tuple[list, bytes]:
-    """Theta as npz bytes (arrays by position) and the JSON list of their paths; no pickle."""
-    paths = sorted(theta)
-    buf = io.BytesIO()
-    np.savez(buf, *[np.asarray(theta[p], np.float32) for p in paths])
-    return [list(p) for p in paths], buf.getvalue()
-
-
-def unpack_theta(paths: list, blob: bytes) -> dict:
-    with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-        return {tuple(p): z[f"arr_{i}"] for i, p in enumerate(paths)}
-
-
-_FIELDS = {  # the fields events.to_json writes, per kind; a Died never comes from a learner
-    "StepDone": {"step", "start", "end", "tokens", "sends", "stalls", "loss", "fetched", "rows"},
-    "Flushed": {"at", "sends", "fetched"},
-    "Applied": {"fragments", "fetched"},
-    "Rejoined": {"died_at", "down_until", "at", "rejoin", "fetched"},
-    "Done": {"at", "stalls", "fetched"},
-}
-
-
-_EVENT_KEY = re.compile(r"^ev/\d{4}/\d{4}/(\d{12})$")
-
-
-def _event_n(key: str) -> int | None:
-    """n of an event key (diloco/runtime/procs/child.py event_key); None for a stray key."""
-    found = _EVENT_KEY.match(key)
-    return None if found is None else int(found[1])
-
-
-def _number(x) -> bool:
-    return type(x) in (int, float) and math.isfinite(x)
-
-
-def _rows(x, *checks) -> bool:
-    return isinstance(x, list) and all(isinstance(r, list) and len(r) == len(checks)
-                                       and all(c(v) for c, v in zip(checks, r)) for r in x)
-
-
-def parse_event(raw: bytes, m: int, inc: int, fragments: int, max_tokens: int, last_seq: int) -> dict:
-    """Event JSON of learner m's incarnation inc, checked field by field against what the host
-    books (diloco/runtime/events.py): ValueError, naming what is wrong, for anything else. Its
-    sends must follow `last_seq`, the last seq booked of this incarnation, in order."""
-    data = bs.loads_object(raw, f"event of learner {m} incarnation {inc}", finite=False)  # a loss may be NaN
-    kind = data.get("kind") if isinstance(data, dict) else None
-    if not isinstance(kind, str) or kind not in _FIELDS or set(data) != _FIELDS[kind] | {"kind", "learner", "incarnation"}:
-        raise ValueError(f"not a learner event: {str(data)[:200]}")
-    if (data["learner"], data["incarnation"]) != (m, inc) or type(data["learner"]) is not int \
-            or type(data["incarnation"]) is not int:
-        raise ValueError(f"event of learner {data['learner']!r} incarnation {data['incarnation']!r} "
-                         f"under learner {m} incarnation {inc}'s key")
-    fragment = lambda p: type(p) is int and 0 <= p < fragments  # noqa: E731
-    ok = all(_number(data[k]) for k in ("start", "end", "at", "died_at", "down_until") if k in data)
-    ok = ok and _rows(data["fetched"], _number, fragment, bs.is_count, lambda c: isinstance(c, str) and len(c) <= 64)
-    ok = ok and _rows(data.get("stalls", []), _number, _number) and all(a <= b for a, b in data.get("stalls", []))
-    if "sends" in data:
-        ok = ok and _rows(data["sends"], fragment, bs.is_count)
-        seqs = [last_seq] + [seq for _, seq in data["sends"]] if ok else []
-        ok = ok and all(a < b for a, b in zip(seqs, seqs[1:]))
-    if kind == "StepDone":
-        ok = ok and bs.is_count(data["step"]) and data["start"] <= data["end"]
-        ok = ok and bs.is_count(data["tokens"]) and data["tokens"] <= max_tokens and bs.is_count(data["rows"])
-        ok = ok and (data["loss"] is None or type(data["loss"]) in (int, float))
-    if kind == "Applied":
-        ok = ok and isinstance(data["fragments"], list) and all(map(fragment, data["fragments"]))
-    if kind == "Rejoined":
-        r = data["rejoin"]
-        ok = ok and isinstance(r, dict) and set(r) == {"learner", "incarnation", "step", "restored_from", "staleness"}
-        ok = ok and (r["learner"], r["incarnation"]) == (m, inc) and bs.is_count(r["step"])
-        ok = ok and (r["restored_from"] is None or bs.is_count(r["restored_from"]))
-        ok = ok and type(r["staleness"]) is int and -1 <= r["staleness"] < bs.MAX_COUNT
-    if not ok:
-        raise ValueError(f"malformed {kind} event: {str(data)[:300]}")
-    return data
 
 
 class ProcSyncer(HostedRuntime):
@@ -293,7 +211,7 @@ class ProcSyncer(HostedRuntime):
         for entry in entries:
             raw = None
             if entry["do"] == "event":
-                raw = self._read_event(entry["m"], entry["inc"], entry["n"])
+                raw = read_event(self.store, entry["m"], entry["inc"], entry["n"])
                 if raw is None:
                     raise RuntimeError(f"journal entry {entry}: the event is gone from the store, so the "
                                        f"checkpoint restored is older than the one the store was collected to")
@@ -304,7 +222,7 @@ class ProcSyncer(HostedRuntime):
     def _poll(self, m: int) -> bool:
         inc = self.current[m]
         got = self._drain(m, inc)
-        notice = self._notice(m, inc)
+        notice = read_notice(self.store, m, inc, self.clock())
         if notice is not None:
             self._drain(m, inc, exited=True)  # it exited before the notice: every event of it is there
             if notice["exitcode"] != 0:
@@ -317,24 +235,10 @@ class ProcSyncer(HostedRuntime):
                 got = True
         return got
 
-    def _notice(self, m: int, inc: int) -> dict | None:
-        """The supervisor's exit notice of (m, inc), if any; a malformed one is an exit now, a crash."""
-        try:
-            notice = bs.read_control(self.store, died(m, inc))
-        except ValueError as e:
-            notice = {"malformed": str(e)}
-        if notice is None:
-            return None
-        if not (isinstance(notice, dict) and _number(notice.get("at")) and type(notice.get("exitcode")) is int):
-            log.error("learner %d incarnation %d: malformed exit notice, taken as a crash now: %s",
-                      m, inc, str(notice)[:200])
-            return {"at": self.clock(), "exitcode": -1}
-        return {"at": float(notice["at"]), "exitcode": notice["exitcode"]}
-
     def _drain(self, m: int, inc: int, exited: bool = False) -> bool:
         got = False
         while True:
-            raw = self._read_event(m, inc, self.cursor[m])
+            raw = read_event(self.store, m, inc, self.cursor[m])
             if raw is not None:
                 self._do({"do": "event", "m": m, "inc": inc, "n": self.cursor[m]}, raw)
                 self.heard[m] = time.monotonic()
@@ -346,14 +250,6 @@ class ProcSyncer(HostedRuntime):
             self._do({"do": "skip", "m": m, "inc": inc, "n": self.cursor[m], "to": to})
             got = True
 
-    def _read_event(self, m: int, inc: int, n: int) -> bytes | None:
-        """Event n's bytes, None if absent; one too large to be an event comes back as b"" (not
-        JSON), so its journal entry skips it, here and in any replay."""
-        try:
-            return self.store.get(event_key(m, inc, n), bs.MAX_JSON_BYTES)
-        except bs.TooLarge:
-            return b""
-
     def _gap(self, m: int, inc: int, exited: bool) -> int | None:
         """The next event listed after a missing one, once the gap is GAP_TIMEOUT_S old (at once if
         the process has exited: it wrote all it ever will); else None. Lists at most every
@@ -363,8 +259,7 @@ class ProcSyncer(HostedRuntime):
             return None
         self.heard[m] = now
         n = self.cursor[m]
-        later = [k for key in self.store.list(f"ev/{m:04d}/{inc:04d}/")
-                 if (k := _event_n(key)) is not None and k > n]
+        later = [k for k in listed_events(self.store, m, inc) if k > n]
         if not later:
             return None
         since = self.gaps.setdefault((m, inc, n), now)
@@ -455,9 +350,9 @@ class ProcSyncer(HostedRuntime):
             self.store.delete_prefix(f"ev/{m:04d}/{inc:04d}/")
         self.graves -= c.graves
         for m, inc in c.current.items():
-            for key in self.store.list(f"ev/{m:04d}/{inc:04d}/"):
-                if (n := _event_n(key)) is not None and n < c.cursor[m]:
-                    self.store.delete(key)
+            for n in listed_events(self.store, m, inc):
+                if n < c.cursor[m]:
+                    self.store.delete(event_key(m, inc, n))
 
     def finish(self) -> None:
         end = self.clock()

@@ -1,0 +1,78 @@
+"""The syncer's reports to the supervisor of a procs run: `rep/<n>.json` in order (train, rejoin
+and merge records, eval requests, the end), an eval's or the end's Theta beside it as
+`rep/<n>.npz`; how they are keyed and packed, and the check a report passes before the supervisor
+takes it.
+
+Reference: docs/design.md#procs; docs/design.md#damage-in-the-store (a malformed report is skipped).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import numpy as np
+
+from diloco import store as bs
+
+# What each kind of report must hold (diloco/runtime/procs/syncer.py writes them).
+FIELDS = {
+    "train": {"learner", "step", "time", "tokens", "loss"},
+    "rejoin": {"time", "learner", "incarnation", "step"},
+    "eval": {"step", "time", "tokens", "merges", "paths"},
+    "merge": {"time", "merges", "tokens", "quorum", "bytes_up", "bytes_down", "stalls", "quarantined", "goodput"},
+    "end": {"time", "summary", "steps", "tokens", "dead", "finished_at", "merges", "processed0", "complete",
+            "paths"},
+}
+
+
+def rep_key(n: int, ext: str) -> str:
+    return f"rep/{n:012d}.{ext}"
+
+
+def pack_theta(theta: dict) -> tuple[list, bytes]:
+    """Theta as npz bytes (arrays by position) and the JSON list of their paths; no pickle."""
+    paths = sorted(theta)
+    buf = io.BytesIO()
+    np.savez(buf, *[np.asarray(theta[p], np.float32) for p in paths])
+    return [list(p) for p in paths], buf.getvalue()
+
+
+def unpack_theta(paths: list, blob: bytes) -> dict:
+    with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+        return {tuple(p): z[f"arr_{i}"] for i, p in enumerate(paths)}
+
+
+def report_theta(store: bs.BlobStore, n: int, record: Any, theta0: tuple[dict, ...]) -> dict | None:
+    """The Theta report n carries (eval, end), checked against the run's shapes (theta0's); pops
+    the record's `paths`. ValueError if the record is not a report of its kind or its Theta is
+    unreadable."""
+    kind = record.get("kind") if isinstance(record, dict) else None
+    if not (isinstance(kind, str) and FIELDS.get(kind, {None}) <= set(record)):
+        raise ValueError(f"not a report: {str(record)[:200]}")
+    numbers = [record[k] for k in FIELDS[kind] & {"time", "step", "merges", "processed0"}]
+    if kind in ("train", "eval", "merge"):
+        numbers.append(record["tokens"])
+    if not all(type(x) in (int, float) and math.isfinite(x) for x in numbers):
+        raise ValueError(f"a {record['kind']} report with a field that is not a finite number")
+    if record["kind"] == "end" and not (isinstance(record["summary"], dict) and isinstance(record["steps"], dict)
+                                        and type(record["steps"].get("0")) is int):
+        raise ValueError("an end report without its summary or steps")
+    if record["kind"] not in ("eval", "end"):
+        return None
+    want = {path: x.shape for frag in theta0 for path, x in frag.items()}
+    paths = record.pop("paths", None)
+    if not (isinstance(paths, list) and all(isinstance(q, list) and all(isinstance(x, str) for x in q)
+                                            for q in paths)):
+        raise ValueError(f"a {record['kind']} report without the paths of its Theta")
+    limit = sum(4 * int(np.prod(shape)) + 4096 for shape in want.values()) + 65536  # npz: float32 + headers
+    try:
+        blob = store.get(rep_key(n, "npz"), limit)
+        theta = None if blob is None else unpack_theta(paths, blob)
+    except Exception as e:  # noqa: BLE001 - np.load of damaged bytes raises many kinds; all mean "unreadable"
+        raise ValueError(f"its Theta is unreadable ({type(e).__name__}: {e})") from None
+    if theta is None or {p: (x.shape, x.dtype) for p, x in theta.items()} != {
+            p: (shape, np.float32) for p, shape in want.items()}:
+        raise ValueError("its Theta is missing or not the run's paths and float32 shapes")
+    return theta
