@@ -11,15 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diloco.config import ModelConfig
 from diloco.hf import load
 from diloco.pretrained import shipped_smollm2
 from diloco.model import Model, build
 from diloco.model.generate import (NO_TOKEN, Sampling, _decode_loop, buckets, generate, init_cache, left_pad,
                                    sample)
+from test_model import TINY
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-TINY = ModelConfig(name="tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=128)
 
 
 def _recompute_greedy(model, prompt, n):

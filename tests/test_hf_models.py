@@ -14,8 +14,8 @@ import pytest
 from diloco.hf import CheckpointError, load, save
 from diloco.hf.convert import _flat
 from diloco.hf.families import FAMILIES, family_for_export
-from diloco.config import ModelConfig
 from diloco.model import build
+from test_model import TINY
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FAMILY_FIXTURES = ["llama2", "llama3", "llama3_sharded", "mistral", "qwen2", "qwen2_bf16", "qwen3", "gpt2"]
@@ -93,7 +93,7 @@ def test_export_shards_and_dtypes(tmp_path):
 
 
 def test_our_own_preset_exports_as_llama_and_loads_back_with_the_same_logits(tmp_path):
-    cfg = ModelConfig(name="tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=128)
+    cfg = TINY
     model = build(cfg, 256, seed=0)
     assert family_for_export(cfg).name == "llama"
     save(tmp_path / "ours", cfg, model.params)

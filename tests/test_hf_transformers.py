@@ -9,10 +9,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from diloco.config import ModelConfig  # noqa: E402
 from diloco.hf import load, save  # noqa: E402
 from diloco.hf.tokenizer import load_tokenizer  # noqa: E402
 from diloco.model import build  # noqa: E402
+from test_model import TINY  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -34,7 +34,7 @@ def test_exported_folder_loads_in_transformers_with_the_same_logits(name, tmp_pa
 
 def test_our_own_model_and_tokenizer_load_in_transformers(tmp_path):
     tok = load_tokenizer(FIXTURES / "tokenizer")
-    cfg = ModelConfig(name="tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=128)
+    cfg = TINY
     model = build(cfg, tok.vocab_size, seed=0)
     save(tmp_path / "ours", cfg, model.params, tok)
     tokens = np.arange(24).reshape(2, 12) % tok.vocab_size
