@@ -32,12 +32,18 @@ def tiny_model(**overrides) -> ModelConfig:
     return ModelConfig(**{**base, **overrides})
 
 
+def _replaced(current, value):
+    """`value` over `current`: a dict over a config section replaces the fields it names, in
+    sections nested at any depth; anything else replaces `current` whole."""
+    if isinstance(value, dict) and dataclasses.is_dataclass(current):
+        return dataclasses.replace(current, **{k: _replaced(getattr(current, k), v) for k, v in value.items()})
+    return value
+
+
 def override(cfg: TrainConfig, **groups) -> TrainConfig:
     """`cfg` validated with `groups` applied: a dict replaces fields of its group
     (run=dict(steps=40)), anything else replaces the group or field itself (inner=SGD, algo="dp")."""
-    fields = {name: dataclasses.replace(getattr(cfg, name), **value) if isinstance(value, dict) else value
-              for name, value in groups.items()}
-    return validate(dataclasses.replace(cfg, **fields))
+    return validate(_replaced(cfg, groups))
 
 
 def tiny_cfg(root, kind: str = "sim", algo: str = "diloco", **groups) -> TrainConfig:

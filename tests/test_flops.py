@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import optax
 import pytest
 import yaml
+from conftest import tiny_cfg
 
 from diloco import report
-from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, LoraConfig, ModelConfig, RunConfig,
-                           RuntimeConfig, TrainConfig, validate)
+from diloco.config import LoraConfig, ModelConfig, TrainConfig
 from diloco.model import build, lora
 from diloco.runtime.summary import replayable
 from diloco.train import flops, optim
@@ -175,15 +175,12 @@ def test_the_summary_says_mfu_or_why_there_is_none():
 
 
 def tiny_run(tmp_path, algo: str, **run) -> TrainConfig:
-    data = DataConfig(source="synthetic", seq_len=16, batch_size=8, data_dir=str(tmp_path / "data"),
-                      synthetic_vocab=16, synthetic_tokens=20_000, synthetic_branching=2)
-    model = ModelConfig(name="tiny", d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64)
-    run_cfg = RunConfig(steps=8, log_every=2, eval_every=8, eval_batches=1, out_dir=str(tmp_path / algo),
-                        progress=False, plot=False, tensorboard=False, checkpoint_every=0, **run)
-    return validate(TrainConfig(model=model, data=data, inner=InnerConfig(lr=1e-2, warmup_steps=2), run=run_cfg,
-                                algo=algo, fragments=FragmentsConfig(count=2, H=4, tau=1),
-                                runtime=RuntimeConfig(kind="sim", learners=2, devices_per_learner=2,
-                                                      learner_checkpoint_every=0)))
+    """tests/test_conformance.py's one-layer tiny run, 8 steps, learners of 2 devices."""
+    return tiny_cfg(tmp_path, algo=algo, model=dict(n_layers=1, d_ff=64), inner=dict(warmup_steps=2),
+                    data=dict(seq_len=16, batch_size=8, synthetic_tokens=20_000),
+                    run=dict(steps=8, log_every=2, eval_every=8, eval_batches=1, out_dir=str(tmp_path / algo),
+                             tensorboard=False, checkpoint_every=0, **run),
+                    runtime=dict(devices_per_learner=2, learner_checkpoint_every=0))
 
 
 def check_consistent(figures: dict, devices: int, per_token: float, peak: float | None) -> None:

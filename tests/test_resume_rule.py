@@ -9,25 +9,21 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import tiny_cfg
 
 from diloco import run as drun
-from diloco.config import (ConfigError, DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig,
-                           RuntimeConfig, SyncerConfig, TrainConfig, validate)
+from diloco.config import ConfigError, TrainConfig
 from diloco.runtime.pace import Pace
 
-TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
 SEQ, BATCH, M = 32, 8, 2
 
 
 def make_cfg(tmp_path, kind="sim", algo="diloco", steps=6, out="run", resume=False) -> TrainConfig:
-    data = DataConfig(source="synthetic", seq_len=SEQ, batch_size=BATCH, data_dir=str(tmp_path / "data"),
-                      synthetic_vocab=16, synthetic_tokens=40_000, synthetic_branching=2)
-    run = RunConfig(steps=steps, log_every=2, eval_every=3, eval_batches=1, out_dir=str(out), progress=False,
-                    plot=False, tensorboard=False, checkpoint_every=3, resume=resume)
-    return validate(TrainConfig(
-        model=TINY, data=data, inner=InnerConfig(lr=1e-2, warmup_steps=2), run=run, algo=algo,
-        fragments=FragmentsConfig(count=2, H=2, tau=1), syncer=SyncerConfig(quorum=1),
-        runtime=RuntimeConfig(kind=kind, learners=M, devices_per_learner=1)))
+    """The tests' tiny run (tests/conftest.py) in `out`, checkpointed every 3 steps, H = 2."""
+    return tiny_cfg(tmp_path, kind, algo, data=dict(seq_len=SEQ, batch_size=BATCH), inner=dict(warmup_steps=2),
+                    run=dict(steps=steps, log_every=2, eval_every=3, eval_batches=1, out_dir=str(out),
+                             tensorboard=False, checkpoint_every=3, resume=resume),
+                    fragments=dict(H=2), runtime=dict(learners=M))
 
 
 def test_paths_are_compared_after_resolving(tmp_path, monkeypatch):
