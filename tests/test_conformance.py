@@ -6,31 +6,27 @@ import json
 
 import numpy as np
 import pytest
-from conftest import diloco_world
+from conftest import diloco_world, tiny_cfg
 
 from diloco.algo import ledger
 from diloco.algo import syncer as sync
 from diloco.algo.replay import replay
-from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig, RuntimeConfig,
-                           SyncerConfig, TrainConfig, validate)
+from diloco.config import TrainConfig
 from diloco.runtime import procs, sim, threads
 from diloco.runtime.runlog import read_decisions, read_inputs
 from test_series import check_series
 
-TINY = ModelConfig(name="tiny", d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64)
 STEPS, M, P = 16, 2, 2
 RUNTIMES = {"sim": sim.run, "threads": threads.run, "procs": procs.run, "ray": None}  # ray: imported when run
 
 
 def make_cfg(root, kind: str) -> TrainConfig:
-    data = DataConfig(source="synthetic", seq_len=16, batch_size=8, data_dir=str(root / "data"),
-                      synthetic_vocab=16, synthetic_tokens=20_000, synthetic_branching=2)
-    run = RunConfig(steps=STEPS, log_every=4, eval_every=8, eval_batches=1, out_dir=str(root / kind),
-                    progress=False, plot=False, checkpoint_every=0)
-    return validate(TrainConfig(
-        model=TINY, data=data, inner=InnerConfig(lr=1e-2, warmup_steps=2), run=run, algo="diloco",
-        fragments=FragmentsConfig(count=P, H=4, tau=1), syncer=SyncerConfig(quorum=M),
-        runtime=RuntimeConfig(kind=kind, learners=M, devices_per_learner=1, learner_checkpoint_every=0)))
+    """The tests' tiny run (tests/conftest.py) one layer deep, on shorter rows, K = M, no checkpoints."""
+    return tiny_cfg(root, kind, model=dict(n_layers=1, d_ff=64), inner=dict(warmup_steps=2),
+                    data=dict(seq_len=16, batch_size=8, synthetic_tokens=20_000),
+                    run=dict(steps=STEPS, log_every=4, eval_every=8, eval_batches=1, out_dir=str(root / kind),
+                             checkpoint_every=0),
+                    syncer=dict(quorum=M), runtime=dict(learner_checkpoint_every=0))
 
 
 @pytest.fixture(scope="module")

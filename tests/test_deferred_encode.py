@@ -5,28 +5,21 @@ error-feedback residuals and applies of the fragment it just sent included."""
 import jax
 import numpy as np
 import pytest
-from conftest import diloco_world
+from conftest import diloco_world, tiny_cfg
 
 from diloco.algo import syncer as sync
 from diloco.algo.fragments import make_schedule
-from diloco.config import (CodecConfig, DataConfig, FragmentsConfig, InnerConfig, MeshConfig, ModelConfig,
-                           RunConfig, RuntimeConfig, SyncerConfig, TrainConfig, validate)
+from diloco.config import MeshConfig, TrainConfig
 from diloco.runtime import build as build_setup
-
-TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
 
 
 def one_learner_config(tmp, devices: int = 1, mesh: MeshConfig = MeshConfig()) -> TrainConfig:
     """A tiny sim run of one learner (int4 + error feedback + zstd up, P = H = 2, tau 1) whose
     units the twin tests drive by hand; shared with tests/test_device_codecs.py."""
-    data = DataConfig(source="synthetic", seq_len=16, batch_size=4, data_dir=str(tmp / "data"),
-                      synthetic_vocab=16, synthetic_tokens=20_000, synthetic_branching=2)
-    return validate(TrainConfig(
-        model=TINY, data=data, inner=InnerConfig(lr=1e-2, warmup_steps=0), algo="diloco",
-        run=RunConfig(steps=40, log_every=0, eval_every=0, out_dir=str(tmp / "run"), progress=False, plot=False),
-        fragments=FragmentsConfig(count=2, H=2, tau=1), syncer=SyncerConfig(quorum=1),
-        codec=CodecConfig(up="int4", error_feedback=True, zstd_level=1, down="int8"), mesh=mesh,
-        runtime=RuntimeConfig(kind="sim", learners=1, devices_per_learner=devices)))
+    return tiny_cfg(tmp, data=dict(seq_len=16, batch_size=4, synthetic_tokens=20_000), inner=dict(warmup_steps=0),
+                    run=dict(steps=40, log_every=0, eval_every=0, eval_batches=8), fragments=dict(H=2),
+                    codec=dict(up="int4", error_feedback=True, zstd_level=1, down="int8"), mesh=mesh,
+                    runtime=dict(learners=1, devices_per_learner=devices))
 
 
 @pytest.fixture(scope="module")
