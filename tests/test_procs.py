@@ -12,33 +12,24 @@ from collections import defaultdict
 from dataclasses import replace
 
 import pytest
-from conftest import diloco_world, load_scaled
+from conftest import diloco_world, load_scaled, tiny_cfg
 
 from diloco import store as bs
 from diloco.algo import syncer as sync
 from diloco.algo.replay import apply as deliver, replay
-from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig, RuntimeConfig,
-                           SyncerConfig, TrainConfig, validate)
+from diloco.config import TrainConfig, validate
 from diloco.runtime import procs
 from diloco.runtime.procs import child as procs_child
 from diloco.runtime.procs.reading import store_view
 from diloco.runtime.runlog import read_decisions, read_inputs
 from diloco.runtime.stop import RunStopped
 
-TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
 STEPS, M, P = 20, 2, 2
 
 
 def make_cfg(tmp_path, **runtime) -> TrainConfig:
-    """tests/test_threads.py's tiny model, with the procs runtime."""
-    data = DataConfig(source="synthetic", seq_len=32, batch_size=16, data_dir=str(tmp_path / "data"),
-                      synthetic_vocab=16, synthetic_tokens=40_000, synthetic_branching=2)
-    run = RunConfig(steps=STEPS, log_every=5, eval_every=10, eval_batches=2, out_dir=str(tmp_path / "run"),
-                    progress=False, plot=False)
-    return validate(TrainConfig(
-        model=TINY, data=data, inner=InnerConfig(lr=1e-2, warmup_steps=5), run=run, algo="diloco",
-        fragments=FragmentsConfig(count=P, H=4, tau=1), syncer=SyncerConfig(quorum=1),
-        runtime=RuntimeConfig(kind="procs", learners=M, devices_per_learner=1, **runtime)))
+    """The tests' tiny run (tests/conftest.py) on procs, 20 steps evaluated every 10."""
+    return tiny_cfg(tmp_path, "procs", run=dict(steps=STEPS), runtime=runtime)
 
 
 @pytest.fixture(scope="module")

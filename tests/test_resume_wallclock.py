@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import tiny_cfg
 
-from diloco.config import (ConfigError, DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig,
-                           RuntimeConfig, SyncerConfig, TrainConfig, to_dict, validate)
+from diloco.config import ConfigError, TrainConfig, to_dict, validate
 from diloco.runtime.stop import RunStopped, resume_hint, stop_message
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ModelConfig(name="tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
 STEPS, M, P = 40, 2, 2
 
 # diloco.run.run as scripts/train.py drives it, printing what a stop prints. After the config file,
@@ -49,18 +48,14 @@ except RunStopped as stopped:
 
 def make_cfg(tmp_path, kind: str, resume: bool = False, processes: int = 1, rejoin_at: str = "own",
              out: str | None = None) -> TrainConfig:
-    """tests/test_threads.py's tiny model; paced at 0.1 s a step so the run lasts seconds whatever
-    the machine, long enough for the SIGINT to land mid-run. processes > 1: each learner a world of
-    that many processes, one device each. out: the run directory as the user gives it."""
-    data = DataConfig(source="synthetic", seq_len=32, batch_size=16, data_dir=str(tmp_path / "data"),
-                      synthetic_vocab=16, synthetic_tokens=40_000, synthetic_branching=2)
-    run = RunConfig(steps=STEPS, log_every=5, eval_every=20, eval_batches=2, out_dir=out or str(tmp_path / "run"),
-                    progress=False, plot=False, checkpoint_every=4, resume=resume)
-    return validate(TrainConfig(
-        model=TINY, data=data, inner=InnerConfig(lr=1e-2, warmup_steps=5), run=run, algo="diloco",
-        fragments=FragmentsConfig(count=P, H=4, tau=1), syncer=SyncerConfig(quorum=1),
-        runtime=RuntimeConfig(kind=kind, learners=M, devices_per_learner=processes, processes_per_learner=processes,
-                              step_period_s=0.1, restart_s=0.2, rejoin_at=rejoin_at)))
+    """The tests' tiny run (tests/conftest.py), 40 steps; paced at 0.1 s a step so the run lasts
+    seconds whatever the machine, long enough for the SIGINT to land mid-run. processes > 1: each
+    learner a world of that many processes, one device each. out: the run directory as the user
+    gives it."""
+    return tiny_cfg(tmp_path, kind, run=dict(steps=STEPS, eval_every=20, out_dir=out or str(tmp_path / "run"),
+                                             checkpoint_every=4, resume=resume),
+                    runtime=dict(devices_per_learner=processes, processes_per_learner=processes, step_period_s=0.1,
+                                 restart_s=0.2, rejoin_at=rejoin_at))
 
 
 def launch(tmp_path, cfg: TrainConfig, name: str, overrides: list[str] | None = None) -> subprocess.Popen:
