@@ -274,7 +274,7 @@ def run(cfg: TrainConfig) -> dict:
             trained = summary["tokens_processed"] - summary.get("tokens_at_start", 0)
             summary["tokens_per_s"] = trained / summary["wall_s"]
         # sim's learners take turns on one mesh; the wall-clock runtimes' each step on their own
-        devices = cfg.runtime.devices_per_learner * (1 if build_setup.shares_mesh(cfg) else cfg.runtime.learners)
+        devices = cfg.runtime.devices_per_learner * (1 if cfg.runtime.shares_mesh else cfg.runtime.learners)
     else:
         devices = mesh.devices.size
     summary.update(flops.run_figures(summary.get("tokens_per_s", 0.0), flops.of_run(cfg, model.apply, model.params),

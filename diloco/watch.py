@@ -201,9 +201,7 @@ def for_run(cfg, run_dir: Path | None, clock: str, progress: bool | None = None)
     tb = run_dir / "tensorboard" if run_dir is not None and cfg.run.tensorboard else None
     share = 1.0
     if cfg.algo == "diloco":
-        from diloco.runtime.sharing import shares_mesh  # the runtimes' own rule
-
-        share = 1.0 if shares_mesh(cfg) else 1.0 / learners
+        share = 1.0 if cfg.runtime.shares_mesh else 1.0 / learners
     sink = None
     if run_dir is not None and cfg.run.wandb:
         from diloco.wandb_sink import WandbScalars  # an optional extra, imported only when asked for

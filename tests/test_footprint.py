@@ -54,7 +54,8 @@ def test_state_parts_are_four_bytes_per_value_sharded_over_fsdp():
     learner = footprint.estimate(_cfg(algo="diloco", mesh=MeshConfig(fsdp=4),
                                       runtime=RuntimeConfig(devices_per_learner=4)), n, 1000, trained=n // 10)
     assert learner.devices == 4 and learner.batch == 2  # 8 sequences over 4 devices
-    assert learner.parts["parameters"] == 1e6 and learner.parts["optimizer"] == 2 * 1e5
+    assert learner.parts["parameters"] == 1e5 and learner.parts["optimizer"] == 2 * 1e5
+    assert learner.parts["frozen weights"] == 9e5  # the 90% that never train (a LoRA's checkpoint)
     assert learner.parts["learner copies"] > 0
 
 

@@ -117,6 +117,15 @@ def test_the_host_estimate_counts_learners_the_syncer_and_the_devices(tmp_path):
     assert "learner states" not in footprint.host_estimate(cfg, P, 256, platform="gpu").parts
     # the syncer: Theta, Nesterov's momentum, a round's sums, Theta_0 and M + 1 references
     assert four.parts["syncer"] == pytest.approx(4.0 * P * (4 + 4 + 1))
+    # LoRA: each learner's state is its adapters; the frozen checkpoint is one copy on sim's one
+    # mesh, and one per learner where each has devices of its own
+    lora = dict(trained=P // 100)
+    sim_lora, threads_lora = (footprint.host_estimate(c, P, 256, **lora)
+                              for c in (cfg, replace(cfg, runtime=replace(cfg.runtime, kind="threads"))))
+    devices = cfg.runtime.devices_per_learner
+    assert sim_lora.parts["frozen weights"] == pytest.approx(devices * 4.0 * (P - P // 100))
+    assert threads_lora.parts["frozen weights"] == pytest.approx(4 * sim_lora.parts["frozen weights"])
+    assert sim_lora.parts["learner states"] < four.parts["learner states"] / 20
 
 
 def test_a_run_that_cannot_fit_is_refused_naming_the_knobs(tmp_path):

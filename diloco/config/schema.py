@@ -298,6 +298,13 @@ class RuntimeConfig:
     tpu_topology: str = ""
     tpu_version: str = ""  # ray on TPUs: the slices' generation (see tpu_topology)
 
+    @property
+    def shares_mesh(self) -> bool:
+        """Whether every learner runs on the one sub-mesh with one compiled step: sim steps its
+        learners one after another, so disjoint devices buy nothing but a compile per learner
+        (docs/design.md#runtimes); the wall-clock runtimes step them at once, on devices of their own."""
+        return self.kind == "sim"
+
 
 @dataclass(frozen=True)
 class ChaosConfig:

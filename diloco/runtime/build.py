@@ -24,7 +24,6 @@ from diloco.config import ConfigError, MeshConfig, TrainConfig
 from diloco.data import Corpus
 from diloco.model import Model, is_embedding
 from diloco.runtime import placement, world
-from diloco.runtime.sharing import shares_mesh  # noqa: F401 (build.shares_mesh for the runtimes)
 from diloco.runtime.unit import LearnerUnit, UnitSpec
 from diloco.train import flops
 from diloco.train.mesh import make_mesh
@@ -125,11 +124,11 @@ def learner_device_lists(cfg: TrainConfig, devices) -> list[tuple]:
     the one every learner shares in sim. ConfigError unless they fit; the messages for too few
     devices are the ones this check has always given, with the CPU flag that fixes them."""
     r = cfg.runtime
-    count = 1 if shares_mesh(cfg) else r.learners
+    count = 1 if cfg.runtime.shares_mesh else r.learners
     one_per_process = r.kind in ONE_LEARNER_PER_PROCESS
     need, have = count * r.devices_per_learner, len(devices)
     own = one_per_process and have == r.devices_per_learner
-    if need > have and not own and shares_mesh(cfg):
+    if need > have and not own and cfg.runtime.shares_mesh:
         raise ConfigError(f"runtime.devices_per_learner={r.devices_per_learner}, but only {have} devices "
                           f"are visible (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={need}, "
                           f"or lower runtime.devices_per_learner)")
@@ -148,13 +147,13 @@ def check_devices(cfg: TrainConfig) -> None:
 
 def learner_meshes(cfg: TrainConfig) -> list:
     """M disjoint sub-meshes of devices_per_learner devices each, data-parallel inside; in sim
-    the first one only, which every learner shares (shares_mesh). In a process that sees only one
+    the first one only, which every learner shares (RuntimeConfig.shares_mesh). In a process that sees only one
     learner's devices (procs, ray) all M are that one sub-mesh: the process runs one of them; so
     in a process of a learner's world (docs/multihost.md), over the devices of every process."""
     r = cfg.runtime
     if jax.process_count() > 1:  # a learner world: this process runs one learner over every process's devices
         mesh = world.learner_mesh_global(r.devices_per_learner, cfg.data.batch_size)
-        return [mesh] * (1 if shares_mesh(cfg) else r.learners)
+        return [mesh] * (1 if cfg.runtime.shares_mesh else r.learners)
     mesh_cfg = MeshConfig(data=r.devices_per_learner, fsdp=1, devices=r.devices_per_learner)
     return [make_mesh(mesh_cfg, cfg.data.batch_size, list(devs)) for devs in learner_device_lists(cfg, jax.devices())]
 

@@ -113,10 +113,12 @@ def estimate(cfg: TrainConfig, params: int, vocab: int, trained: int | None = No
     trained = params if trained is None else trained
     slots = 2 if cfg.inner.optimizer == "adamw" else 0  # Adam's two moments; plain SGD keeps none
     parts = {
-        "parameters": 4.0 * params / fsdp,
+        "parameters": 4.0 * trained / fsdp,
         "gradients": 4.0 * trained / fsdp,
         "optimizer": 4.0 * slots * trained / fsdp,
     }
+    if params > trained:  # LoRA's checkpoint: one copy on a mesh, whatever steps run there (train/trainer.py)
+        parts["frozen weights"] = 4.0 * (params - trained) / fsdp
     if learner:  # the anchor Theta of the last merge, and the fragment being encoded on the devices
         parts["learner copies"] = 4.0 * trained / fsdp + 4.0 * trained / max(cfg.fragments.count, 1) / fsdp
     parts.update(activation_bytes(m, batch, cfg.data.seq_len, vocab, platform))
@@ -148,13 +150,16 @@ def host_estimate(cfg: TrainConfig, params: int, vocab: int, trained: int | None
     per = estimate(cfg, params, vocab, trained, platform)
     diloco = cfg.algo == "diloco"
     learners = cfg.runtime.learners if diloco else 1
-    steps_at_once = 1 if diloco and cfg.runtime.kind == "sim" else learners
+    # sim's learners share one mesh: one step at a time, one copy of the frozen weights
+    meshes = 1 if diloco and cfg.runtime.shares_mesh else learners
     parts: dict[str, float] = {"runtime": RUNTIME_BYTES}
     if platform == "cpu":
         step = ("gradients", "activations", "logits")  # held while a step runs, freed after it
-        state = sum(v for k, v in per.parts.items() if k not in step)
+        state = sum(v for k, v in per.parts.items() if k not in step and k != "frozen weights")
         parts["learner states" if diloco else "trainer state"] = learners * per.devices * state
-        parts["a step"] = steps_at_once * per.devices * sum(per.parts[k] for k in step)
+        if "frozen weights" in per.parts:
+            parts["frozen weights"] = meshes * per.devices * per.parts["frozen weights"]
+        parts["a step"] = meshes * per.devices * sum(per.parts[k] for k in step)
     parts["model on host"] = 4.0 * params  # the loaded (or initial) parameters, kept for the export
     if diloco:
         trained_ = per.trained
