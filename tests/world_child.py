@@ -28,19 +28,17 @@ BATCH, SEQ = 16, 32
 
 
 def make_cfg(root: Path, steps: int):
-    """One learner of 8 devices, the tiny model, 2 fragments sent every 2 steps, tau = 1."""
-    from diloco.config import (CodecConfig, DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig,
-                               RuntimeConfig, SyncerConfig, TrainConfig, from_dict, validate)
+    """The tests' tiny run (tests/conftest.py) with configs/model/tiny.yaml's model: one learner of
+    8 devices, 2 fragments sent every 2 steps, tau = 1, int4 with error feedback up."""
+    from conftest import tiny_cfg
+
+    from diloco.config import ModelConfig, from_dict
 
     model = from_dict(ModelConfig, yaml.safe_load((ROOT / "configs/model/tiny.yaml").read_text()), "model")
-    data = DataConfig(source="synthetic", seq_len=SEQ, batch_size=BATCH, data_dir=str(root / "data"),
-                      synthetic_vocab=16, synthetic_tokens=40_000, synthetic_branching=2)
-    run = RunConfig(steps=steps, log_every=0, eval_every=0, out_dir=str(root / "run"), progress=False, plot=False)
-    return validate(TrainConfig(
-        model=model, data=data, inner=InnerConfig(lr=1e-2, warmup_steps=0), run=run, algo="diloco",
-        fragments=FragmentsConfig(count=2, H=2, tau=1), syncer=SyncerConfig(quorum=1),
-        codec=CodecConfig(up="int4", error_feedback=True, zstd_level=1, down="int8"),
-        runtime=RuntimeConfig(kind="threads", learners=1, devices_per_learner=8)))
+    return tiny_cfg(root, "threads", model=model, data=dict(seq_len=SEQ, batch_size=BATCH), inner=dict(warmup_steps=0),
+                    run=dict(steps=steps, log_every=0, eval_every=0, eval_batches=8), fragments=dict(H=2),
+                    codec=dict(up="int4", error_feedback=True, zstd_level=1, down="int8"),
+                    runtime=dict(learners=1, devices_per_learner=8))
 
 
 def learner(cfg):
