@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import first_merge_of, write  # noqa: E402
 
 from diloco import store as bs  # noqa: E402
-from diloco.config import (DataConfig, FragmentsConfig, InnerConfig, ModelConfig, RunConfig,  # noqa: E402
-                           RuntimeConfig, SyncerConfig, TrainConfig, validate)
+from diloco.config import (AuthConfig, DataConfig, FragmentsConfig, InnerConfig, ModelConfig,  # noqa: E402
+                           RunConfig, RuntimeConfig, SyncerConfig, TrainConfig, validate)
 from diloco.data import load_corpus  # noqa: E402
 from diloco.model import build  # noqa: E402
 from diloco.runtime import build as build_setup  # noqa: E402
@@ -52,7 +52,7 @@ def config(root: Path, kind: str, steps: int, learners: int) -> TrainConfig:
                       checkpoint_every=4),
         algo="diloco", fragments=FragmentsConfig(count=2, H=2, tau=1), syncer=SyncerConfig(quorum=1),
         runtime=RuntimeConfig(kind=kind, learners=learners, devices_per_learner=1, restart_s=0.0,
-                              learner_checkpoint_every=4, auth="off")))
+                              learner_checkpoint_every=4, auth=AuthConfig(mode="off"))))
 
 
 class Sampler:

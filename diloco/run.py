@@ -15,7 +15,8 @@ import yaml
 from diloco import report
 from diloco.algo import syncer as sync
 from diloco.bandwidth.analytic import dp_bytes_per_step
-from diloco.config import ConfigError, TrainConfig, to_dict
+from diloco.config import ConfigError, TrainConfig, legacy, to_dict
+from diloco.config.convert import options_by_path
 from diloco.data import Corpus, assistant_tokens, held_out
 from diloco.data.corpus import val_bytes_per_token
 from diloco.evaluation import bits_per_byte
@@ -34,7 +35,7 @@ _RESUMABLE_CHANGES = {("run", "resume"), ("run", "progress"), ("run", "plot"), (
 # Options naming files or directories: the same on resume if they resolve to the same path, so
 # `runs/a` and `/home/me/runs/a` (what a stopped run's resume line may print) are one directory.
 _PATHS = {("run", "out_dir"), ("data", "paths"), ("data", "eval_paths"), ("data", "data_dir"),
-          ("model", "init_from"), ("runtime", "store_url"), ("runtime", "auth_secret_file"),
+          ("model", "init_from"), ("runtime", "store", "url"), ("runtime", "auth", "secret_file"),
           ("chaos", "tape_file")}
 # What a run leaves in its directory (docs/design.md#outputs-of-a-run); any of them means "used".
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "loss.png", "model", "checkpoints",
@@ -81,7 +82,7 @@ def _resolved(value):
     return os.path.abspath(os.path.expanduser(value)) if isinstance(value, str) and value else value
 
 
-def same_setting(key: tuple[str, str], saved, new) -> bool:
+def same_setting(key: tuple[str, ...], saved, new) -> bool:
     """Whether option `key` is unchanged on resume: equal, or for a path option (_PATHS) equal
     after resolving against the working directory (docs/design.md#resuming-a-run)."""
     if isinstance(saved, (list, tuple)) and isinstance(new, (list, tuple)):
@@ -98,14 +99,14 @@ def prepare_run_dir(cfg: TrainConfig, continuing: bool = False) -> Path:
     path = run_dir / "config.yaml"
     resolved = to_dict(cfg)
     if cfg.run.resume and path.exists():
-        saved = yaml.safe_load(path.read_text())
+        saved = legacy.upgraded(yaml.safe_load(path.read_text()))  # a run saved with the old flat keys
         # A section added since that run was made (finetune) held its library defaults then.
         saved = {**{g: v for g, v in to_dict(TrainConfig()).items() if g not in saved}, **saved}
         allowed = _RESUMABLE_CHANGES | ({("run", "steps")} if continuing else set())
-        changed = [f"{g}.{k}: {saved.get(g, {}).get(k)!r} -> {v!r}"
-                   for g, section in resolved.items() if isinstance(section, dict)
-                   for k, v in section.items()
-                   if not same_setting((g, k), saved.get(g, {}).get(k), v) and (g, k) not in allowed]
+        before = options_by_path(saved, TrainConfig)
+        changed = [f"{'.'.join(key)}: {before.get(key)!r} -> {v!r}"
+                   for key, v in options_by_path(resolved, TrainConfig).items()
+                   if len(key) > 1 and not same_setting(key, before.get(key), v) and key not in allowed]
         if changed:
             raise ConfigError(f"run.resume=true but the config in {path} differs:\n  " + "\n  ".join(changed))
     path.write_text(yaml.safe_dump(resolved, sort_keys=False))

@@ -25,7 +25,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from diloco.cli import fail, quiet_logs
-from diloco.config import ConfigError, load
+from diloco.config import ConfigError, legacy, load
 from diloco.config.describe import describe, unknown_keys
 from diloco.data.errors import DataError
 from diloco.hf import CheckpointError
@@ -63,7 +63,9 @@ def _groups() -> dict[str, list[str]]:
 
 def _preflight(argv: list[str]) -> list[str]:
     """What scripts/train.py answers before Hydra: --describe/--help, and mistyped keys (Hydra
-    would only say "use +key=value", adding the typo as a new key)."""
+    would only say "use +key=value", adding the typo as a new key). An option's old key
+    (runtime.store_url=...) is renamed to its new one (diloco/config/legacy.py)."""
+    argv = legacy.overrides(argv)
     if "--describe" in argv or "--help" in argv or "-h" in argv:
         presets = "\n".join(f"  {g}: {' | '.join(names)}" for g, names in _groups().items())
         print(__doc__.strip() + "\n\nPresets (group=name):\n" + presets + "\n\n" + describe())

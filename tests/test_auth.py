@@ -199,12 +199,13 @@ def test_an_event_the_ledger_cannot_book_is_refused_whole(world, caplog):
 
 
 # --- the config ---------------------------------------------------------------------------------
-def _runtime_cfg(tmp_path, **runtime):
+def _runtime_cfg(tmp_path, kind="procs", **auth_section):
+    """test_conformance's procs config under runtime `kind` with runtime.auth's fields `auth_section`."""
     from dataclasses import replace
 
     from test_conformance import make_cfg
     cfg = make_cfg(tmp_path, "procs")
-    return replace(cfg, runtime=replace(cfg.runtime, **runtime))
+    return replace(cfg, runtime=replace(cfg.runtime, kind=kind, auth=replace(cfg.runtime.auth, **auth_section)))
 
 
 def test_the_secret_comes_from_a_file_or_the_environment_and_errors_never_show_it(tmp_path, monkeypatch):
@@ -213,27 +214,27 @@ def test_the_secret_comes_from_a_file_or_the_environment_and_errors_never_show_i
 
     monkeypatch.delenv("DILOCO_TEST_SECRET", raising=False)
     assert auth_secret(_runtime_cfg(tmp_path, kind="sim")) is None  # auto: off in one process
-    assert auth_secret(_runtime_cfg(tmp_path, kind="procs", auth="off")) is None
-    made = auth_secret(_runtime_cfg(tmp_path, auth_secret_env="DILOCO_TEST_SECRET"))
+    assert auth_secret(_runtime_cfg(tmp_path, kind="procs", mode="off")) is None
+    made = auth_secret(_runtime_cfg(tmp_path, secret_env="DILOCO_TEST_SECRET"))
     assert made is not None and len(__import__("os").environ["DILOCO_TEST_SECRET"]) == 64
-    assert auth_secret(_runtime_cfg(tmp_path, auth_secret_env="DILOCO_TEST_SECRET")) == made  # children agree
+    assert auth_secret(_runtime_cfg(tmp_path, secret_env="DILOCO_TEST_SECRET")) == made  # children agree
     monkeypatch.setenv("DILOCO_TEST_SECRET", "a secret from the environment")
-    assert auth_secret(_runtime_cfg(tmp_path, auth_secret_env="DILOCO_TEST_SECRET")) == \
+    assert auth_secret(_runtime_cfg(tmp_path, secret_env="DILOCO_TEST_SECRET")) == \
         auth.Secret(b"a secret from the environment")
     path = tmp_path / "secret"
     path.write_text("a secret kept in a file\n")
-    assert auth_secret(_runtime_cfg(tmp_path, kind="sim", auth="on", auth_secret_file=str(path))) == \
+    assert auth_secret(_runtime_cfg(tmp_path, kind="sim", mode="on", secret_file=str(path))) == \
         auth.Secret(b"a secret kept in a file")
     path.write_text("too short")
     with pytest.raises(ConfigError, match="needs at least 16") as e:
-        auth_secret(_runtime_cfg(tmp_path, auth_secret_file=str(path)))
+        auth_secret(_runtime_cfg(tmp_path, secret_file=str(path)))
     assert "too short" not in str(e.value)
     with pytest.raises(ConfigError, match="cannot be read"):
-        auth_secret(_runtime_cfg(tmp_path, auth_secret_file=str(tmp_path / "missing")))
-    with pytest.raises(ConfigError, match="runtime.auth='maybe'"):
-        validate(_runtime_cfg(tmp_path, auth="maybe"))
-    with pytest.raises(ConfigError, match="auth_secret_env"):
-        validate(_runtime_cfg(tmp_path, auth_secret_env="NOT A NAME"))
+        auth_secret(_runtime_cfg(tmp_path, secret_file=str(tmp_path / "missing")))
+    with pytest.raises(ConfigError, match=r"runtime\.auth\.mode='maybe'"):
+        validate(_runtime_cfg(tmp_path, mode="maybe"))
+    with pytest.raises(ConfigError, match=r"runtime\.auth\.secret_env='NOT A NAME'"):
+        validate(_runtime_cfg(tmp_path, secret_env="NOT A NAME"))
 
 
 def test_learner_units_sign_what_they_send_and_the_syncer_admits_it(world):

@@ -132,13 +132,15 @@ def test_a_gcs_store_down_past_its_deadline_raises_a_clear_error(gcs):
 # One short procs run of tests/test_procs.py's tiny model with its traffic over GCS.
 from test_procs import STEPS, M, P, variant, world  # noqa: E402,F401  (world: a module fixture)
 
+from diloco.config import StoreConfig  # noqa: E402
+
 
 @pytest.mark.slow  # the store's own behaviour over GCS is the fast tests above
 def test_a_procs_run_over_gcs_balances_its_ledger(world, tmp_path, gcs):
     from diloco.runtime import procs
 
     _, _, evaluate_global, _ = world
-    cfg, setup, run_dir = variant(world, tmp_path, store_url=f"gs://{BUCKET}/run", store_retry_s=30.0)
+    cfg, setup, run_dir = variant(world, tmp_path, store=StoreConfig(f"gs://{BUCKET}/run", retry_s=30.0))
     rt, summary = procs.run(cfg, setup, run_dir, evaluate_global)
     store_checks.procs_run_balanced(rt, summary, cfg, STEPS, M, P)
     assert not (run_dir / "store").exists()  # the traffic went to the server

@@ -5,6 +5,7 @@ out with nothing lost (docs/design.md#object-store-transport)."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -140,7 +141,7 @@ def test_a_reader_sees_the_old_or_the_new_object_never_a_mix(s3):
 def test_bad_urls_and_endpoints_fail_at_start_naming_the_value(s3, tmp_path):
     from dataclasses import replace
 
-    from diloco.config import ConfigError, RuntimeConfig, TrainConfig, validate
+    from diloco.config import ConfigError, RuntimeConfig, StoreConfig, TrainConfig, validate
 
     with pytest.raises(ValueError, match="ftp://x"):
         bs.BlobStore("s3://diloco/run?endpoint=ftp://x")
@@ -167,15 +168,16 @@ def test_bad_urls_and_endpoints_fail_at_start_naming_the_value(s3, tmp_path):
     assert time.monotonic() - t0 < network.DEFAULT_RETRY_S / 2
 
     base = TrainConfig(runtime=RuntimeConfig(kind="procs", learners=1, devices_per_learner=1))
-    for runtime, want in [(dict(store_url="s3://b/p", store_endpoint="localhost:9000"), "'localhost:9000'"),
-                          (dict(store_url="s3://b/p", store_region="US East"), "'US East'"),
-                          (dict(store_url="", store_endpoint="http://127.0.0.1:9000"), "not an s3:// URL"),
-                          (dict(store_url="s3://b/p", store_retry_s=0.0), "store_retry_s=0.0"),
-                          (dict(store_url="s3://b/p?retry_s=-1"), "'-1'")]:
-        with pytest.raises(ConfigError, match=want):
-            validate(replace(base, runtime=replace(base.runtime, **runtime)))
-    ok = validate(replace(base, runtime=replace(base.runtime, store_url="s3://b/p", store_endpoint=s3.endpoint,
-                                                store_retry_s=30.0)))
+    for store, want in [(dict(url="s3://b/p", endpoint="localhost:9000"), "'localhost:9000'"),
+                        (dict(url="s3://b/p", region="US East"), "'US East'"),
+                        (dict(url="", endpoint="http://127.0.0.1:9000"), "runtime.store.endpoint is set but "
+                                                                         "runtime.store.url='' is not an s3:// URL"),
+                        (dict(url="s3://b/p", retry_s=0.0), "runtime.store.retry_s=0.0"),
+                        (dict(url="s3://b/p?retry_s=-1"), "'-1'")]:
+        with pytest.raises(ConfigError, match=re.escape(want)):
+            validate(replace(base, runtime=replace(base.runtime, store=StoreConfig(**store))))
+    ok = validate(replace(base, runtime=replace(base.runtime, store=StoreConfig(
+        url="s3://b/p", endpoint=s3.endpoint, retry_s=30.0))))
     assert network.run_store_url(ok.runtime, "file:///x") == f"s3://b/p?endpoint={s3.endpoint}&retry_s=30"
     assert network.run_store_url(base.runtime, "file:///x") == "file:///x"
 
@@ -273,6 +275,8 @@ def test_a_store_down_past_its_deadline_raises_a_clear_error(s3):
 # the server is down for 3 s mid-run (its helpers imported, so both stay the same run).
 from test_procs import STEPS, M, P, variant, world  # noqa: E402,F401  (world: a module fixture)
 
+from diloco.config import StoreConfig  # noqa: E402
+
 
 def _check_run(rt, summary, cfg):
     store_checks.procs_run_balanced(rt, summary, cfg, STEPS, M, P)
@@ -283,8 +287,7 @@ def test_a_procs_run_over_s3_balances_its_ledger(world, tmp_path, s3):
     from diloco.runtime import procs
 
     _, _, evaluate_global, _ = world
-    cfg, setup, run_dir = variant(world, tmp_path, store_url=f"s3://{BUCKET}/run", store_endpoint=s3.endpoint,
-                                  store_retry_s=30.0)
+    cfg, setup, run_dir = variant(world, tmp_path, store=StoreConfig(f"s3://{BUCKET}/run", s3.endpoint, retry_s=30.0))
     rt, summary = procs.run(cfg, setup, run_dir, evaluate_global)
     _check_run(rt, summary, cfg)
     assert not (run_dir / "store").exists()  # the traffic went to the server
@@ -295,8 +298,7 @@ def test_a_procs_run_over_s3_balances_its_ledger(world, tmp_path, s3):
 def test_a_procs_run_rides_out_the_s3_server_down_for_3_s(world, tmp_path, s3):
     from diloco.runtime import procs
 
-    cfg, setup, run_dir = variant(world, tmp_path, store_url=f"s3://{BUCKET}/run", store_endpoint=s3.endpoint,
-                                  store_retry_s=30.0)
+    cfg, setup, run_dir = variant(world, tmp_path, store=StoreConfig(f"s3://{BUCKET}/run", s3.endpoint, retry_s=30.0))
     up, done, outage = s3.root / BUCKET / "run" / "up", threading.Event(), {}
 
     def outage_once_traffic_flows():
@@ -332,8 +334,8 @@ def test_a_ray_run_over_s3_balances_its_ledger(world, tmp_path, s3):
     from diloco.runtime import procs
 
     _, _, evaluate_global, _ = world
-    cfg, setup, run_dir = variant(world, tmp_path, kind="ray", store_url=f"s3://{BUCKET}/run",
-                                  store_endpoint=s3.endpoint, store_retry_s=30.0)
+    cfg, setup, run_dir = variant(world, tmp_path, kind="ray",
+                                  store=StoreConfig(f"s3://{BUCKET}/run", s3.endpoint, retry_s=30.0))
     with pytest.MonkeyPatch.context() as mp:
         loopback(mp)
         rt, summary = procs.run(cfg, setup, run_dir, evaluate_global)  # runtime.kind=ray: the Ray launcher

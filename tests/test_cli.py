@@ -85,10 +85,21 @@ def test_describe_lists_every_option_and_the_presets(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
     assert "runtime: procs | ray | sim | threads" in proc.stdout
-    assert "  runtime.auth = 'auto'" in proc.stdout and "syncer.clip = 0.0" in proc.stdout
+    assert "  runtime.auth.mode = 'auto'" in proc.stdout and "syncer.clip = 0.0" in proc.stdout
     # only the groups train.yaml composes: experiment= is scripts/experiment.py's
     presets = proc.stdout.split("Presets (group=name):\n")[1].split("\n\n")[0]
     assert "  model: " in presets and "experiment" not in presets, presets
+
+
+def test_an_old_flat_key_on_the_command_line_lands_in_its_section_with_a_notice(tmp_path):
+    """runtime.store_retry_s= from before the runtime had sections: renamed, with one line saying
+    so, and checked as runtime.store.retry_s (0 is refused, so the run stops before any data)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "runtime.kind=procs",
+                           "runtime.store_retry_s=0", f"run.out_dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "warning: runtime.store_retry_s is deprecated, use runtime.store.retry_s\n" in proc.stderr
+    assert "runtime.store.retry_s=0" in proc.stderr and "unknown option" not in proc.stderr, proc.stderr
 
 
 def pasted(line: str) -> list[str]:

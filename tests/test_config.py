@@ -1,11 +1,12 @@
 """Config conversion and validation: unknown keys, wrong types and inconsistent values are named."""
 
+import typing
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from diloco.config import ConfigError, MeshConfig, TrainConfig, load, to_dict, validate
+from diloco.config import ConfigError, MeshConfig, TrainConfig, from_dict, load, to_dict, validate
 from diloco.config.checks import mesh_errors
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -137,3 +138,31 @@ def test_every_group_file_lists_every_field(group):
         if group == "data":  # a source's file may leave out the other sources' settings
             need = {"source", "seq_len", "batch_size", "val_fraction", "data_dir"}
         assert need <= keys <= fields, f"{path.name}: missing {sorted(need - keys)}, unknown {sorted(keys - fields)}"
+        raw = yaml.safe_load(path.read_text())
+        for name, tp in typing.get_type_hints(getattr(config, GROUP_TYPES[group])).items():
+            if dataclasses.is_dataclass(tp):  # and each of its sections' (runtime.store)
+                inner = {f.name for f in dataclasses.fields(tp)}
+                assert set(raw[name]) == inner, f"{path.name}: {name} has {sorted(raw[name])}, not {sorted(inner)}"
+
+
+def test_an_old_flat_runtime_key_is_read_into_its_section_with_a_notice(capsys):
+    """A saved run's config.yaml from before the runtime had sections still loads (a resume reads it)."""
+    raw = {"runtime": {"kind": "procs", "store_url": "s3://b/run", "store_retry_s": 5, "auth": "off",
+                       "processes_per_learner": 1, "ray_address": "auto", "learner_resources": {"CPU": 2}}}
+    cfg = from_dict(TrainConfig, raw)
+    r = cfg.runtime
+    assert (r.store.url, r.store.retry_s, r.auth.mode, r.ray.address, r.ray.learner_resources) == \
+        ("s3://b/run", 5.0, "off", "auto", {"CPU": 2.0})
+    err = capsys.readouterr().err.splitlines()
+    assert "warning: runtime.store_url is deprecated, use runtime.store.url" in err
+    assert "warning: runtime.auth is deprecated, use runtime.auth.mode" in err
+    assert len(err) == 6  # one line per old key, once
+    assert from_dict(TrainConfig, to_dict(cfg)) == cfg and capsys.readouterr().err == ""  # the new keys: no notice
+
+
+def test_an_unknown_key_of_a_runtime_section_is_refused_by_its_dotted_name():
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) runtime\.store\.bucket; runtime\.store accepts: "
+                                          r"endpoint, region, retry_s, url"):
+        from_dict(TrainConfig, {"runtime": {"store": {"bucket": "b"}}})
+    with pytest.raises(ConfigError, match=r"runtime\.world\.heartbeat_s=0\.5 must be >= 1"):
+        load({"runtime": {"kind": "procs", "world": {"heartbeat_s": 0.5}}})

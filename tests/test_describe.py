@@ -18,8 +18,8 @@ def test_every_option_is_listed_with_its_default_and_comment():
         assert default == functools.reduce(getattr, key.split("."), cfg)  # nested: finetune.lora.rank
         assert f"  {key} = {default!r}" in text
     docs = dict((k, d) for k, _, d in options())
-    assert docs["runtime.auth"].startswith("Learner authentication")
-    assert "auto | on | off" in docs["runtime.auth"]
+    assert "auto | on | off" in docs["runtime.auth.mode"]
+    assert "[runtime.auth] Learner authentication" in text  # a section's heading is its docstring
     assert docs["syncer.clip"].startswith("Robust merge")
     assert docs["algo"].startswith("dp: the data-parallel baseline")
 
@@ -40,3 +40,15 @@ def test_a_mistyped_key_gets_the_close_matches():
                    "unknown option 'model.d_modle'; did you mean model.d_model?",
                    "unknown option 'runtime.quorum'; did you mean syncer.quorum?",
                    "unknown option 'colour'; `--describe` lists every option"]
+
+
+def test_an_old_flat_key_is_renamed_to_its_section_with_a_notice(capsys):
+    """runtime.store_url= (before the runtime had sections) is runtime.store.url=, not an unknown key."""
+    from diloco.config import legacy
+
+    got = legacy.overrides(["runtime.store_url=s3://b/r", "+runtime.auth=off", "runtime.learners=2", "--debug"])
+    assert got == ["runtime.store.url=s3://b/r", "+runtime.auth.mode=off", "runtime.learners=2", "--debug"]
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: runtime.store_url is deprecated, use runtime.store.url",
+        "warning: runtime.auth is deprecated, use runtime.auth.mode"]
+    assert unknown_keys(got, GROUPS) == []

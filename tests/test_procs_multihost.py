@@ -13,19 +13,19 @@ import time
 from dataclasses import replace
 
 import pytest
-from conftest import load_scaled
+from conftest import load_scaled, override
 from test_procs import STEPS, make_cfg, merge_versions, sigterm_once_started, variant, world  # noqa: F401 - world is a fixture
 
 from diloco import store as bs
-from diloco.config import ConfigError, validate
+from diloco.config import ConfigError, WorldConfig, validate
 from diloco.runtime import procs
 
 M, PROCESSES, DEVICES = 2, 2, 8  # 8 devices a learner: 4 in each of its 2 processes
 
 
 def world_variant(world, tmp_path, **runtime):  # noqa: F811 - the fixture's value
-    return variant(world, tmp_path, devices_per_learner=DEVICES, processes_per_learner=PROCESSES,
-                   world_heartbeat_s=3.0, **runtime)
+    return variant(world, tmp_path, devices_per_learner=DEVICES,
+                   world=WorldConfig(processes_per_learner=PROCESSES, heartbeat_s=3.0), **runtime)
 
 
 def train_times(run_dir, m: int) -> list[float]:
@@ -34,22 +34,23 @@ def train_times(run_dir, m: int) -> list[float]:
 
 
 @pytest.mark.parametrize("runtime, message", [
-    ({"processes_per_learner": 0}, "runtime.processes_per_learner=0 must be >= 1"),
-    ({"processes_per_learner": 2, "kind": "threads"},
-     "runtime.processes_per_learner=2 needs runtime.kind=procs or ray"),
-    ({"processes_per_learner": 2, "process_index": 2}, "runtime.process_index=2 must be in 0..1"),
-    ({"processes_per_learner": 2, "process_index": 1}, "runtime.process_index=1 needs runtime.launch=external"),
-    ({"world_address": "host name"}, "runtime.world_address='host name' is not host, host:port or empty"),
-    ({"processes_per_learner": 3, "devices_per_learner": 4},
-     "runtime.devices_per_learner=4 is not divisible by runtime.processes_per_learner=3"),
-    ({"processes_per_learner": 2, "devices_per_learner": 6}, "data.batch_size=16 is not divisible by "
+    ({"world": {"processes_per_learner": 0}}, "runtime.world.processes_per_learner=0 must be >= 1"),
+    ({"world": {"processes_per_learner": 2}, "kind": "threads"},
+     "runtime.world.processes_per_learner=2 needs runtime.kind=procs or ray"),
+    ({"world": {"processes_per_learner": 2, "process_index": 2}}, "runtime.world.process_index=2 must be in 0..1"),
+    ({"world": {"processes_per_learner": 2, "process_index": 1}},
+     "runtime.world.process_index=1 needs runtime.launch=external"),
+    ({"world": {"address": "host name"}}, "runtime.world.address='host name' is not host, host:port or empty"),
+    ({"world": {"processes_per_learner": 3}, "devices_per_learner": 4},
+     "runtime.devices_per_learner=4 is not divisible by runtime.world.processes_per_learner=3"),
+    ({"world": {"processes_per_learner": 2}, "devices_per_learner": 6}, "data.batch_size=16 is not divisible by "
      "runtime.devices_per_learner=6"),
-    ({"processes_per_learner": 2, "world_heartbeat_s": 0.5}, "runtime.world_heartbeat_s=0.5 must be >= 1"),
+    ({"world": {"processes_per_learner": 2, "heartbeat_s": 0.5}}, "runtime.world.heartbeat_s=0.5 must be >= 1"),
 ])
 def test_learner_world_settings_are_checked(tmp_path, runtime, message):
     cfg = make_cfg(tmp_path)
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
-        validate(replace(cfg, runtime=replace(cfg.runtime, **runtime)))
+        override(cfg, runtime=runtime)
 
 
 @pytest.mark.slow  # 40 s; the world's building blocks are in tests/test_world.py's default tests

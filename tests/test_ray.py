@@ -22,7 +22,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from test_procs import STEPS, make_cfg, merge_versions  # noqa: E402
 
 from diloco import store as bs  # noqa: E402
-from diloco.config import ConfigError, validate  # noqa: E402
+from diloco.config import ConfigError, RayConfig, WorldConfig, validate  # noqa: E402
 from diloco.runtime import procs, ray_runtime  # noqa: E402
 
 M = 3
@@ -58,7 +58,7 @@ def world(tmp_path_factory, cluster):
     cfg = make_cfg(root)
     cfg = validate(replace(cfg, run=replace(cfg.run, checkpoint_every=2), runtime=replace(
         cfg.runtime, kind="ray", learners=M, learner_checkpoint_every=4, restart_s=0.0,
-        ray_address=cluster[0].address, learner_resources={"CPU": 1.0, "learner_slot": 1.0})))
+        ray=RayConfig(address=cluster[0].address, learner_resources={"CPU": 1.0, "learner_slot": 1.0}))))
     _, _, setup, evaluate_global, _ = diloco_world(cfg)
     return cfg, setup, evaluate_global
 
@@ -198,7 +198,7 @@ def test_a_killed_member_actor_of_a_learner_world_restarts_the_whole_world_and_t
     cfg, setup, _, run_dir = variant(world, tmp_path)
     # Paced (a step every 0.25 s) so that learner 1 is still training when learner 0 dies.
     cfg = validate(replace(cfg, runtime=replace(cfg.runtime, learners=2, devices_per_learner=8,
-                                                processes_per_learner=2, world_heartbeat_s=3.0,
+                                                world=WorldConfig(processes_per_learner=2, heartbeat_s=3.0),
                                                 step_period_s=0.25)))
     killed = []
 
@@ -233,9 +233,10 @@ def test_a_learner_world_across_two_nodes_loses_one_and_comes_back_on_a_new_node
     ends as a whole, Ray moves the lost bundle to the spare node, and incarnation 1 rejoins there."""
     cfg, setup, _, run_dir = variant(world, tmp_path)
     # Paced (a step every 0.25 s) so that the run is still on when the new world has been placed.
-    cfg = validate(replace(cfg, runtime=replace(cfg.runtime, learners=1, devices_per_learner=8, processes_per_learner=2,
-                                                world_heartbeat_s=3.0, step_period_s=0.25,
-                                                learner_resources={"CPU": 1.0, "learner_slot": 2.0})))
+    cfg = validate(replace(cfg, runtime=replace(cfg.runtime, learners=1, devices_per_learner=8, step_period_s=0.25,
+                                                world=WorldConfig(processes_per_learner=2, heartbeat_s=3.0),
+                                                ray=replace(cfg.runtime.ray,
+                                                            learner_resources={"CPU": 1.0, "learner_slot": 2.0}))))
     c, workers = cluster
     workers.append(c.add_node(**WORKER))  # a third worker, where the lost bundle can go
     nodes: list[list[str]] = []
@@ -266,7 +267,7 @@ def test_a_learner_world_across_two_nodes_loses_one_and_comes_back_on_a_new_node
 
 def test_a_bundle_no_node_can_hold_is_a_config_error(world, tmp_path, monkeypatch):
     cfg, setup, evaluate, run_dir = variant(world, tmp_path)
-    cfg = replace(cfg, runtime=replace(cfg.runtime, learner_resources={"CPU": 64.0}))
+    cfg = replace(cfg, runtime=replace(cfg.runtime, ray=replace(cfg.runtime.ray, learner_resources={"CPU": 64.0})))
     monkeypatch.setattr(ray_runtime, "PLACE_TIMEOUT_S", 2.0)
     with pytest.raises(ConfigError, match="could not place learner 0's bundle"):
         procs.run(cfg, setup, run_dir, evaluate)

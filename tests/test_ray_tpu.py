@@ -1,4 +1,4 @@
-"""TPU slices on Ray (runtime.tpu_topology, diloco/runtime/ray_placement.py): each learner reserves
+"""TPU slices on Ray (runtime.ray.tpu_topology, diloco/runtime/ray_placement.py): each learner reserves
 one whole slice through ray.util.tpu's SlicePlacementGroup, one bundle and one world process per
 host of that slice.
 
@@ -24,40 +24,48 @@ from test_procs import make_cfg  # noqa: E402
 from test_ray import actor_nodes, balanced, loopback, run_with, trained, variant  # noqa: E402
 
 from diloco import store as bs  # noqa: E402
-from diloco.config import ConfigError, RuntimeConfig, TrainConfig, validate  # noqa: E402
+from diloco.config import (ConfigError, RayConfig, RuntimeConfig, TrainConfig, WorldConfig,  # noqa: E402
+                           from_dict, validate)
 from diloco.runtime import ray_runtime  # noqa: E402
 from diloco.runtime.ray_placement import slice_shape  # noqa: E402
 
 SLICES = ("slice-a", "slice-b")
-TPU = {"tpu_topology": "2x2x2", "tpu_version": "v4", "processes_per_learner": 2, "devices_per_learner": 8}
+TPU = {"ray": {"tpu_topology": "2x2x2", "tpu_version": "v4"}, "world": {"processes_per_learner": 2},
+       "devices_per_learner": 8}
+
+
+def tpu_runtime(ray=None, world=None, **changes) -> RuntimeConfig:
+    """A ray runtime of learners on one v4 2x2x2 slice each (TPU), with the fields of its ray and world
+    sections and its own that `ray`, `world` and `changes` name changed."""
+    return from_dict(RuntimeConfig, {"kind": "ray", **TPU, **changes, "ray": {**TPU["ray"], **(ray or {})},
+                                     "world": {**TPU["world"], **(world or {})}}, "runtime")
 
 
 @pytest.mark.parametrize("runtime, message", [
-    ({**TPU, "processes_per_learner": 1, "devices_per_learner": 8}, "has 2 host.*processes_per_learner=2 \\(got 1\\)"),
-    ({**TPU, "devices_per_learner": 4}, "holds 8 TPU devices .*devices_per_learner=8 \\(got 4\\)"),
-    ({**TPU, "tpu_topology": "4x4", "tpu_version": "v6e", "processes_per_learner": 2, "devices_per_learner": 16},
-     "v6e slice of 4x4 has 4 host"),
-    ({**TPU, "learner_resources": {"CPU": 1.0, "TPU": 3.0}}, "not divisible"),
+    (dict(world={"processes_per_learner": 1}), "has 2 host.*processes_per_learner=2 \\(got 1\\)"),
+    (dict(devices_per_learner=4), "holds 8 TPU devices .*devices_per_learner=8 \\(got 4\\)"),
+    (dict(ray={"tpu_topology": "4x4", "tpu_version": "v6e"}, devices_per_learner=16), "v6e slice of 4x4 has 4 host"),
+    (dict(ray={"learner_resources": {"CPU": 1.0, "TPU": 3.0}}), "not divisible"),
 ])
 def test_a_slice_the_learners_world_does_not_fit_is_a_config_error(runtime, message):
     with pytest.raises(ConfigError, match=message):
-        slice_shape(RuntimeConfig(kind="ray", **runtime))
+        slice_shape(tpu_runtime(**runtime))
 
 
 def test_a_slice_is_one_bundle_per_host_with_the_learners_resources_added():
-    assert slice_shape(RuntimeConfig(kind="ray", **TPU)) == (2, {"CPU": 1.0, "TPU": 4})
-    r = RuntimeConfig(kind="ray", **{**TPU, "learner_resources": {"CPU": 8.0, "memory": 1e9}})
+    assert slice_shape(tpu_runtime()) == (2, {"CPU": 1.0, "TPU": 4})
+    r = tpu_runtime(ray={"learner_resources": {"CPU": 8.0, "memory": 1e9}})
     assert slice_shape(r) == (2, {"CPU": 8.0, "memory": 1e9, "TPU": 4})
 
 
-@pytest.mark.parametrize("runtime, message", [
-    ({"tpu_topology": "4x4"}, "set both"),
-    ({"tpu_topology": "four", "tpu_version": "v6e"}, "'four' is not a TPU topology"),
-    ({"tpu_topology": "4x4", "tpu_version": "v6e", "kind": "procs"}, "needs runtime.kind=ray"),
+@pytest.mark.parametrize("ray, kind, message", [
+    ({"tpu_topology": "4x4"}, "ray", "set both"),
+    ({"tpu_topology": "four", "tpu_version": "v6e"}, "ray", "runtime.ray.tpu_topology='four' is not a TPU topology"),
+    ({"tpu_topology": "4x4", "tpu_version": "v6e"}, "procs", "needs runtime.kind=ray"),
 ])
-def test_tpu_settings_are_checked_at_start_up(runtime, message):
+def test_tpu_settings_are_checked_at_start_up(ray, kind, message):
     with pytest.raises(ConfigError, match=message):
-        validate(TrainConfig(runtime=RuntimeConfig(**{"kind": "ray", **runtime})))
+        validate(TrainConfig(runtime=RuntimeConfig(kind=kind, ray=RayConfig(**ray))))
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +97,9 @@ def test_each_learner_runs_on_one_whole_slice_and_comes_back_on_it(slices, tmp_p
     slice; the world rejoins as incarnation 1 and the run ends balanced."""
     cfg = make_cfg(tmp_path / "base")
     cfg = validate(replace(cfg, run=replace(cfg.run, checkpoint_every=2), runtime=replace(
-        cfg.runtime, kind="ray", learners=2, learner_checkpoint_every=4, restart_s=0.0, world_heartbeat_s=3.0,
-        step_period_s=0.25, ray_address=slices.address, **TPU)))
+        cfg.runtime, kind="ray", learners=2, learner_checkpoint_every=4, restart_s=0.0, step_period_s=0.25,
+        devices_per_learner=8, world=WorldConfig(processes_per_learner=2, heartbeat_s=3.0),
+        ray=RayConfig(address=slices.address, tpu_topology="2x2x2", tpu_version="v4"))))
     _, _, setup, _, _ = diloco_world(cfg)
     cfg, setup, _, run_dir = variant((cfg, setup, None), tmp_path)
     placed: list[dict] = []  # learner -> its actors' nodes: before the kill, and once it is back

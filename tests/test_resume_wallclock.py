@@ -54,7 +54,7 @@ def make_cfg(tmp_path, kind: str, resume: bool = False, processes: int = 1, rejo
     gives it."""
     return tiny_cfg(tmp_path, kind, run=dict(steps=STEPS, eval_every=20, out_dir=out or str(tmp_path / "run"),
                                              checkpoint_every=4, resume=resume),
-                    runtime=dict(devices_per_learner=processes, processes_per_learner=processes, step_period_s=0.1,
+                    runtime=dict(devices_per_learner=processes, world=dict(processes_per_learner=processes), step_period_s=0.1,
                                  restart_s=0.2, rejoin_at=rejoin_at))
 
 
@@ -131,7 +131,7 @@ def replays_to_its_decisions(run_dir: Path, cfg: TrainConfig, monkeypatch) -> No
 
     secret = run_dir / "auth_secret"  # procs: the run's own, so its signed frames verify
     if secret.exists():
-        monkeypatch.setenv(cfg.runtime.auth_secret_env, secret.read_text().strip())
+        monkeypatch.setenv(cfg.runtime.auth.secret_env, secret.read_text().strip())
     corpus = load_corpus(cfg.data)
     setup = build_setup.build(cfg, corpus, build(cfg.model, corpus.vocab_size, cfg.run.seed))
     st = sync.init(setup.policy, setup.fragments, setup.theta0, dict.fromkeys(range(M), 0))

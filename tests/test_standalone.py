@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from diloco import store as bs
-from diloco.config import ConfigError, RuntimeConfig, TrainConfig, to_dict
+from diloco.config import AuthConfig, ConfigError, RuntimeConfig, TrainConfig, to_dict
 from diloco.runtime.procs.child import died
 from diloco.runtime.procs.standalone import await_world, claim, config_diff, joined
 
@@ -107,12 +107,12 @@ def test_kill_9_a_follower_of_a_learner_world_started_by_hand_and_start_the_worl
     notice); the follower started again first waits for a new claim instead of joining the dead
     world, the leader started again claims incarnation 1 (writing incarnation 0's notice), the new
     world rejoins, and the run ends balanced with one death and one rejoin."""
-    args = overrides(tmp_path, "runtime.processes_per_learner=2", "runtime.devices_per_learner=2",
-                     "runtime.world_heartbeat_s=2", "runtime.world_address=127.0.0.1")
+    args = overrides(tmp_path, "runtime.world.processes_per_learner=2", "runtime.devices_per_learner=2",
+                     "runtime.world.heartbeat_s=2", "runtime.world.address=127.0.0.1")
     run_dir = tmp_path / "run"  # 2 CPU devices a process: a world's member takes its 1 (jax_num_cpu_devices)
 
     def host(m: int, i: int, tag: str = "") -> subprocess.Popen:
-        return start("learner.py", [f"runtime.learner_index={m}", f"runtime.process_index={i}", *args],
+        return start("learner.py", [f"runtime.learner_index={m}", f"runtime.world.process_index={i}", *args],
                      tmp_path / f"l{m}p{i}{tag}.log", env)
 
     syncer = start("syncer.py", args, tmp_path / "syncer.log", env)
@@ -214,7 +214,7 @@ def test_the_syncer_host_refuses_a_store_holding_another_runs_traffic(tmp_path):
 
     store = bs.BlobStore(f"file://{tmp_path}/store")
     store.put("ev/0000/0000/000000000000", b"{}")
-    cfg = TrainConfig(runtime=RuntimeConfig(kind="procs", launch="external", auth="off"))
+    cfg = TrainConfig(runtime=RuntimeConfig(kind="procs", launch="external", auth=AuthConfig(mode="off")))
     host = Procs.__new__(Procs)  # the store check needs no setup or processes
     host.store, host.url, host.cfg, host.run_dir = store, f"file://{tmp_path}/store", replace(cfg), None
     host.launcher = External()

@@ -11,13 +11,15 @@ from __future__ import annotations
 from diloco.config.checks import (check, chaos_errors, data_errors, diloco_errors, finetune_errors,
                                   inner_errors, model_errors, run_errors, start_errors)
 from diloco.config.convert import from_dict, to_dict
-from diloco.config.schema import (ChaosConfig, CodecConfig, ConfigError, DataConfig, FinetuneConfig,
+from diloco.config.schema import (AuthConfig, ChaosConfig, CodecConfig, ConfigError, DataConfig, FinetuneConfig,
                                   FragmentsConfig, InnerConfig, LoraConfig, MeshConfig, ModelConfig,
-                                  OuterConfig, RunConfig, RuntimeConfig, SyncerConfig, TrainConfig)
+                                  OuterConfig, RayConfig, RunConfig, RuntimeConfig, StoreConfig, SyncerConfig,
+                                  TrainConfig, WorldConfig)
 
-__all__ = ["ChaosConfig", "CodecConfig", "ConfigError", "DataConfig", "FinetuneConfig", "FragmentsConfig",
-           "InnerConfig", "LoraConfig", "MeshConfig", "ModelConfig", "OuterConfig", "RunConfig", "RuntimeConfig",
-           "SyncerConfig", "TrainConfig", "from_dict", "load", "start_errors", "to_dict", "validate"]
+__all__ = ["AuthConfig", "ChaosConfig", "CodecConfig", "ConfigError", "DataConfig", "FinetuneConfig",
+           "FragmentsConfig", "InnerConfig", "LoraConfig", "MeshConfig", "ModelConfig", "OuterConfig", "RayConfig",
+           "RunConfig", "RuntimeConfig", "StoreConfig", "SyncerConfig", "TrainConfig", "WorldConfig", "from_dict",
+           "load", "start_errors", "to_dict", "validate"]
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:

@@ -14,8 +14,8 @@ from diloco.algo.codecs import CODECS
 from diloco.algo.fragments import FRAGMENTERS
 from diloco.algo.merge import MERGES
 from diloco.algo.outer import OUTER
-from diloco.config.schema import (ChaosConfig, DataConfig, FinetuneConfig, InnerConfig, MeshConfig, ModelConfig,
-                                  RunConfig, RuntimeConfig, TrainConfig)
+from diloco.config.schema import (AuthConfig, ChaosConfig, DataConfig, FinetuneConfig, InnerConfig, MeshConfig,
+                                  ModelConfig, RunConfig, RuntimeConfig, StoreConfig, TrainConfig)
 from diloco.store import network
 
 # finetune.lora.targets: each name and the projection of every block it adapts (the params path
@@ -26,7 +26,7 @@ LORA_TARGETS = {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "
 # diloco/model/transformer.py's REMAT_POLICIES (a test holds the two lists equal).
 ATTENTION_KERNELS = ("auto", "xla", "cudnn", "reference")
 REMAT_NAMES = ("none", "full", "dots")
-# runtime.world_address: "", host, :port, host:port or [v6]:port (groups: host, port).
+# runtime.world.address: "", host, :port, host:port or [v6]:port (groups: host, port).
 WORLD_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]*)(?::([0-9]{1,5}))?")
 
 
@@ -230,17 +230,7 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     check(e, -1 <= r.learner_index < r.learners,
           f"runtime.learner_index={r.learner_index} must be in 0..{r.learners - 1} (runtime.learners={r.learners}), "
           "or -1 where no single learner is meant")
-    for name in ("learner_resources", "syncer_resources"):
-        res = getattr(r, name)
-        check(e, all(isinstance(v, float) and v >= 0 for v in res.values()) and any(v > 0 for v in res.values()),
-              f"runtime.{name}={res} must map Ray resource names to amounts >= 0, at least one > 0")
-    check(e, bool(r.tpu_topology) == bool(r.tpu_version),
-          f"runtime.tpu_topology={r.tpu_topology!r} and runtime.tpu_version={r.tpu_version!r}: set both "
-          "(a slice per learner, e.g. 4x4 and v6e) or neither")
-    check(e, not r.tpu_topology or re.fullmatch(r"[0-9]+x[0-9]+(x[0-9]+)?", r.tpu_topology) is not None,
-          f"runtime.tpu_topology={r.tpu_topology!r} is not a TPU topology such as 2x2, 4x4 or 2x2x2")
-    check(e, not r.tpu_topology or r.kind == "ray",
-          f"runtime.tpu_topology={r.tpu_topology!r} needs runtime.kind=ray (got {r.kind!r})")
+    e += ray_errors(r)
     check(e, not (cfg.chaos.enabled and cfg.chaos.scavenge and r.kind != "sim"),
            f"chaos.scavenge={list(cfg.chaos.scavenge)} needs runtime.kind=sim (got {r.kind!r})")
     check(e, cfg.chaos.wall_scale > 0, f"chaos.wall_scale={cfg.chaos.wall_scale} must be > 0")
@@ -258,10 +248,7 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     check(e, r.rejoin_at in ("own", "schedule"), f"runtime.rejoin_at={r.rejoin_at!r} must be own or schedule")
     check(e, r.batch_learners in ("auto", "on", "off"),
           f"runtime.batch_learners={r.batch_learners!r} must be auto, on or off")
-    check(e, r.auth in ("auto", "on", "off"), f"runtime.auth={r.auth!r} not in auto|on|off")
-    e += store_errors(r)
-    check(e, re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", r.auth_secret_env) is not None,
-          f"runtime.auth_secret_env={r.auth_secret_env!r} is not an environment variable name")
+    e += auth_errors(r.auth) + store_errors(r.store)
     check(e, r.rejoin_at != "schedule" or r.step_period_s > 0,
           f"runtime.rejoin_at=schedule needs runtime.step_period_s > 0 (got {r.step_period_s}): "
           "without a paced schedule there is no step the other learners are at")
@@ -269,26 +256,7 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
            f"runtime.learner_checkpoint_every={r.learner_checkpoint_every} must be >= 0")
     check(e, r.learners >= 1, f"runtime.learners={r.learners} must be >= 1")
     check(e, r.devices_per_learner >= 1, f"runtime.devices_per_learner={r.devices_per_learner} must be >= 1")
-    # A learner world (docs/multihost.md): its processes are started and restarted as one by the
-    # procs supervisor (their actors by the ray driver), each contributing an equal share of the
-    # learner's devices.
-    P = r.processes_per_learner
-    check(e, P >= 1, f"runtime.processes_per_learner={P} must be >= 1")
-    check(e, P == 1 or r.kind in ("procs", "ray"),
-          f"runtime.processes_per_learner={P} needs runtime.kind=procs or ray (got {r.kind!r})")
-    check(e, 0 <= r.process_index < max(P, 1),
-          f"runtime.process_index={r.process_index} must be in 0..{P - 1} (runtime.processes_per_learner={P})")
-    check(e, r.process_index == 0 or r.launch == "external",
-          f"runtime.process_index={r.process_index} needs runtime.launch=external (scripts/learner.py): "
-          "the procs supervisor starts every process of a learner itself")
-    check(e, WORLD_ADDRESS.fullmatch(r.world_address) is not None,
-          f"runtime.world_address={r.world_address!r} is not host, host:port or empty")
-    check(e, P < 1 or r.devices_per_learner % P == 0,
-          f"runtime.devices_per_learner={r.devices_per_learner} is not divisible by "
-          f"runtime.processes_per_learner={P}: each process of a learner holds an equal share of its devices")
-    check(e, r.world_heartbeat_s >= 1,
-          f"runtime.world_heartbeat_s={r.world_heartbeat_s} must be >= 1 (the coordination service counts "
-          "whole seconds)")
+    e += world_errors(r)
     check(e, len(r.speeds) in (0, r.learners),
            f"runtime.speeds has {len(r.speeds)} entries for runtime.learners={r.learners}")
     check(e, all(x > 0 for x in r.speeds), f"runtime.speeds={list(r.speeds)} must all be > 0")
@@ -307,30 +275,85 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     return e
 
 
-def store_errors(r: RuntimeConfig) -> list[str]:
-    """The procs object store's URL and options (diloco/store/network.py's validators: they
-    name the value, and never echo a password an endpoint should not hold)."""
+def store_errors(s: StoreConfig) -> list[str]:
+    """runtime.store: the procs object store's URL and options (diloco/store/network.py's
+    validators: they name the value, and never echo a password an endpoint should not hold)."""
     e: list[str] = []
-    scheme = r.store_url.partition("://")[0] if "://" in r.store_url else ""
+    scheme = s.url.partition("://")[0] if "://" in s.url else ""
     try:
-        network.split_options(r.store_url)
+        network.split_options(s.url)
     except ValueError as err:
-        e.append(f"runtime.store_url: {err}")
-    for name, ok_schemes, validate in (("store_endpoint", ("s3",), network.check_endpoint),
-                                       ("store_region", ("s3",), network.check_region)):
-        value = getattr(r, name)
+        e.append(f"runtime.store.url: {err}")
+    for name, ok_schemes, validate in (("endpoint", ("s3",), network.check_endpoint),
+                                       ("region", ("s3",), network.check_region)):
+        value = getattr(s, name)
         if not value:
             continue
         try:
-            validate(value, f"runtime.{name}")
+            validate(value, f"runtime.store.{name}")
         except ValueError as err:
             e.append(str(err))
-        check(e, scheme in ok_schemes, f"runtime.{name} is set but runtime.store_url="
-              f"{network.redacted(r.store_url)!r} is not an s3:// URL")
+        check(e, scheme in ok_schemes, f"runtime.store.{name} is set but runtime.store.url="
+              f"{network.redacted(s.url)!r} is not an s3:// URL")
     try:
-        network.check_retry_s(r.store_retry_s, "runtime.store_retry_s")
+        network.check_retry_s(s.retry_s, "runtime.store.retry_s")
     except ValueError as err:
         e.append(str(err))
+    return e
+
+
+def auth_errors(a: AuthConfig) -> list[str]:
+    """runtime.auth: the mode and where the run secret is read from."""
+    e: list[str] = []
+    check(e, a.mode in ("auto", "on", "off"), f"runtime.auth.mode={a.mode!r} not in auto|on|off")
+    check(e, re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", a.secret_env) is not None,
+          f"runtime.auth.secret_env={a.secret_env!r} is not an environment variable name")
+    return e
+
+
+def world_errors(r: RuntimeConfig) -> list[str]:
+    """runtime.world, a learner of several processes (docs/multihost.md): its processes are started
+    and restarted as one by the procs supervisor (their actors by the ray driver), each
+    contributing an equal share of the learner's devices."""
+    e: list[str] = []
+    w = r.world
+    P = w.processes_per_learner
+    check(e, P >= 1, f"runtime.world.processes_per_learner={P} must be >= 1")
+    check(e, P == 1 or r.kind in ("procs", "ray"),
+          f"runtime.world.processes_per_learner={P} needs runtime.kind=procs or ray (got {r.kind!r})")
+    check(e, 0 <= w.process_index < max(P, 1),
+          f"runtime.world.process_index={w.process_index} must be in 0..{P - 1} "
+          f"(runtime.world.processes_per_learner={P})")
+    check(e, w.process_index == 0 or r.launch == "external",
+          f"runtime.world.process_index={w.process_index} needs runtime.launch=external (scripts/learner.py): "
+          "the procs supervisor starts every process of a learner itself")
+    check(e, WORLD_ADDRESS.fullmatch(w.address) is not None,
+          f"runtime.world.address={w.address!r} is not host, host:port or empty")
+    check(e, P < 1 or r.devices_per_learner % P == 0,
+          f"runtime.devices_per_learner={r.devices_per_learner} is not divisible by "
+          f"runtime.world.processes_per_learner={P}: each process of a learner holds an equal share of its devices")
+    check(e, w.heartbeat_s >= 1,
+          f"runtime.world.heartbeat_s={w.heartbeat_s} must be >= 1 (the coordination service counts "
+          "whole seconds)")
+    return e
+
+
+def ray_errors(r: RuntimeConfig) -> list[str]:
+    """runtime.ray: the resources of the learners' bundles and the syncer's actor, and a TPU slice
+    per learner."""
+    e: list[str] = []
+    y = r.ray
+    for name in ("learner_resources", "syncer_resources"):
+        res = getattr(y, name)
+        check(e, all(isinstance(v, float) and v >= 0 for v in res.values()) and any(v > 0 for v in res.values()),
+              f"runtime.ray.{name}={res} must map Ray resource names to amounts >= 0, at least one > 0")
+    check(e, bool(y.tpu_topology) == bool(y.tpu_version),
+          f"runtime.ray.tpu_topology={y.tpu_topology!r} and runtime.ray.tpu_version={y.tpu_version!r}: set both "
+          "(a slice per learner, e.g. 4x4 and v6e) or neither")
+    check(e, not y.tpu_topology or re.fullmatch(r"[0-9]+x[0-9]+(x[0-9]+)?", y.tpu_topology) is not None,
+          f"runtime.ray.tpu_topology={y.tpu_topology!r} is not a TPU topology such as 2x2, 4x4 or 2x2x2")
+    check(e, not y.tpu_topology or r.kind == "ray",
+          f"runtime.ray.tpu_topology={y.tpu_topology!r} needs runtime.kind=ray (got {r.kind!r})")
     return e
 
 

@@ -1,5 +1,5 @@
 """Plain data (Hydra's output, YAML, JSON) <-> the frozen config dataclasses, rejecting unknown keys
-and wrong types with the offending path named."""
+and wrong types with the offending path named, and reading moved options' old keys (legacy.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,14 @@ import types
 import typing
 from typing import Any
 
+from diloco.config.legacy import upgraded
 from diloco.config.schema import ConfigError
 
 
 def from_dict(cls: type, raw: Any, path: str = "") -> Any:
-    """Build dataclass `cls` from nested plain data, rejecting unknown keys and wrong types."""
+    """Build dataclass `cls` from nested plain data, rejecting unknown keys and wrong types; an old
+    key of a moved option (config/legacy.py) is read as its new one."""
+    raw = upgraded(raw, path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path or 'config'} must be a mapping, got {type(raw).__name__}: {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -69,6 +72,20 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path} must be a string, got {value!r}")
         return value
     return value
+
+
+def options_by_path(raw: dict, cls: type) -> dict[tuple[str, ...], Any]:
+    """Plain config data of dataclass `cls` as {("runtime", "store", "url"): value}: its sections
+    walked into, every other value (a mapping of Ray resources too) one option. How two configs are
+    compared key by key (a resume, a learner joining a run)."""
+    hints = typing.get_type_hints(cls)
+    out: dict[tuple[str, ...], Any] = {}
+    for name, value in raw.items():
+        if dataclasses.is_dataclass(hints.get(name)) and isinstance(value, dict):
+            out.update({(name, *path): v for path, v in options_by_path(value, hints[name]).items()})
+        else:
+            out[(name,)] = value
+    return out
 
 
 def to_dict(cfg: Any) -> dict:

@@ -62,6 +62,21 @@ def options() -> list[tuple[str, Any, str]]:
     return rows(schema.TrainConfig(), "")
 
 
+def sections() -> dict[str, str]:
+    """Dotted key of each section (runtime, runtime.store, finetune.lora) -> its dataclass's
+    docstring in one line: the heading `--describe` gives its options."""
+    def walk(obj: Any, prefix: str) -> dict[str, str]:
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                out[prefix + f.name] = " ".join((type(value).__doc__ or "").split())
+                out.update(walk(value, f"{prefix}{f.name}."))
+        return out
+
+    return walk(schema.TrainConfig(), "")
+
+
 def describe(width: int = 100) -> str:
     """The listing `scripts/train.py --describe` prints: library defaults (configs/*.yaml presets
     override some; the resolved values of a run are in its config.yaml)."""
@@ -69,12 +84,12 @@ def describe(width: int = 100) -> str:
 
     out = ["Options (key = library default: meaning). Presets in configs/ override some defaults;",
            "a run's resolved values are in <run>/config.yaml. Set any as key=value.", ""]
-    section = None
+    section, nested = None, sections()
     for key, default, doc in options():
-        head = key.split(".")[0]
+        head = key.rsplit(".", 1)[0] if "." in key else key  # runtime.store: a heading of its own
         if head != section:
             section = head
-            out.append(f"[{head}]")
+            out.append(textwrap.fill(f"[{head}] {nested.get(head, '')}".rstrip(), width, subsequent_indent="    "))
         line = f"  {key} = {default!r}"
         out.append(line if not doc else line + "\n" + textwrap.fill(
             doc, width, initial_indent="      ", subsequent_indent="      "))

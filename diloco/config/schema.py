@@ -221,6 +221,70 @@ class SyncerConfig:
 
 
 @dataclass(frozen=True)
+class StoreConfig:
+    """The object store of a procs or ray run's traffic (docs/design.md#object-store-transport).
+    Credentials come from the environment, never the config."""
+
+    url: str = ""  # gs://..., s3://...; "" = <run dir>/store (file://)
+    # s3:// url: an S3-compatible server's http(s)://host:port ("" = AWS_ENDPOINT_URL_S3 or
+    # AWS_ENDPOINT_URL, else AWS)
+    endpoint: str = ""
+    region: str = ""  # s3:// url: the S3 region ("" = AWS_REGION, else us-east-1 with an endpoint)
+    # s3:// and gs://: seconds a store operation is retried through an outage before the run fails
+    retry_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """Learner authentication (docs/algorithm.md#authenticated-learners): each contribution carries
+    an HMAC tag under its learner's key, derived from a run secret, which is never logged."""
+
+    # auto = on where frames cross a process boundary (procs, ray), off in-process (sim, threads)
+    mode: str = "auto"  # auto | on | off
+    # the environment variable holding the run secret, read if secret_file is ""; with neither set a
+    # random one is made for the run (one host only: hosts of a cluster must share it)
+    secret_env: str = "DILOCO_AUTH_SECRET"
+    secret_file: str = ""  # a file holding the run secret; "" = secret_env's
+
+
+@dataclass(frozen=True)
+class WorldConfig:
+    """A learner spanning several processes (hosts), one jax.distributed world whose devices are its
+    global mesh (docs/multihost.md); procs and ray only."""
+
+    # processes of each learner's world; runtime.devices_per_learner stays the learner's device
+    # count, each process contributing devices_per_learner / processes_per_learner
+    processes_per_learner: int = 1
+    # heartbeat period of a learner's world: it bounds how long a world's survivors run on after
+    # one of its processes died
+    heartbeat_s: float = 5.0
+    # scripts/learner.py with processes_per_learner > 1 (docs/cluster.md#a-learner-of-several-hosts):
+    # which process of the learner's world this is (0 leads: it claims the incarnation and serves
+    # the world's coordination service)
+    process_index: int = 0
+    # the address the world's leader advertises for that service: "" = its host name's address and
+    # a free port, "host" = that host and a free port, "host:port"
+    address: str = ""
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """Where the ray runtime places the learners and the syncer (docs/cluster.md)."""
+
+    # the cluster to join: "" = start one on this machine; "auto" or host:port = a running one
+    address: str = ""
+    # each learner's placement group bundle (Ray resources: CPU, GPU, TPU, ...)
+    learner_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    syncer_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})  # the syncer actor's (a CPU node)
+    # on TPUs: each learner one whole slice of this topology (e.g. "4x4"), reserved through
+    # ray.util.tpu (docs/cluster.md#tpu-slices-on-ray): its placement group holds one bundle per
+    # host of that slice, learner_resources are added to each, and world.processes_per_learner
+    # must be the slice's host count. "" = the bundles of learner_resources.
+    tpu_topology: str = ""
+    tpu_version: str = ""  # the slices' TPU generation, e.g. v6e, v5p, v4 (with tpu_topology)
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     """Who runs the learners and how time passes. sim: virtual clock, modelled link."""
 
@@ -252,51 +316,19 @@ class RuntimeConfig:
     max_rejoin_staleness: int = 4
     restart_s: float = 5.0  # seconds from a learner's slices returning to its first step again
     learner_checkpoint_every: int = 50  # inner steps between a learner's own checkpoints; 0 = never
-    store_url: str = ""  # procs: object store of the run's traffic (gs://..., s3://...); "" = <run dir>/store
-    # s3:// store_url: an S3-compatible server's http(s)://host:port ("" = AWS_ENDPOINT_URL_S3 or
-    # AWS_ENDPOINT_URL, else AWS) and region ("" = AWS_REGION, else us-east-1 with an endpoint);
-    # s3:// and gs://: how long a store operation is retried through an outage before the run fails
-    # (docs/design.md#object-store-transport). Credentials come from the environment, never the config.
-    store_endpoint: str = ""
-    store_region: str = ""  # the S3 region (see store_endpoint)
-    store_retry_s: float = 60.0  # seconds a store operation is retried through an outage (see store_endpoint)
-    # Learner authentication (docs/algorithm.md#authenticated-learners): each contribution carries an
-    # HMAC tag under its learner's key, derived from a run secret. auto = on where frames cross a
-    # process boundary (procs), off in-process (sim, threads). The secret is read from the file
-    # auth_secret_file, else from the environment variable auth_secret_env; if neither is set a
-    # random one is made for the run (one host only: hosts of a cluster must share it). Never logged.
-    auth: str = "auto"  # auto | on | off
-    auth_secret_env: str = "DILOCO_AUTH_SECRET"  # environment variable holding the run secret (see auth)
-    auth_secret_file: str = ""  # file holding the run secret; "" = auth_secret_env's
     # Beyond one machine (docs/cluster.md). procs: local = this process spawns the syncer and every
     # learner and restarts them; external = it hosts the syncer only (scripts/syncer.py) and each
     # learner is started apart by a scheduler (scripts/learner.py), coupled through the store.
     launch: str = "local"
-    # A learner spanning several processes (hosts), one jax.distributed world whose devices are its
-    # global mesh (docs/multihost.md): devices_per_learner stays the learner's device count, each
-    # process contributes devices_per_learner / processes_per_learner; procs and ray only. The
-    # heartbeat bounds how long a world's survivors run on after one of its processes died.
-    processes_per_learner: int = 1
-    world_heartbeat_s: float = 5.0  # heartbeat period of a learner's world (see processes_per_learner)
     learner_index: int = -1  # scripts/learner.py: the learner this process runs, 0..learners-1
-    # scripts/learner.py with processes_per_learner > 1 (docs/cluster.md#a-learner-of-several-hosts):
-    # which process of the learner's world this is (0 leads: it claims the incarnation and serves
-    # the world's coordination service), and the address the leader advertises for that service:
-    # "" = its host name's address and a free port, "host" = that host and a free port, "host:port".
-    process_index: int = 0
-    world_address: str = ""  # the address the world's leader advertises (see process_index)
-    # ray: the cluster to join ("" = start one on this machine; "auto" or host:port = a running one),
-    # each learner's placement group bundle (Ray resources: CPU, GPU, TPU, ...) and the syncer
-    # actor's resources (a CPU node).
-    ray_address: str = ""
-    learner_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})  # ray: each learner's bundle
-    syncer_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})  # ray: the syncer's actor
-    # ray on TPUs: each learner one whole slice of this topology and generation (e.g. "4x4" of
-    # "v6e"), reserved through ray.util.tpu (docs/cluster.md#tpu-slices-on-ray): its placement
-    # group holds one bundle per host of that slice, learner_resources are added to each, and
-    # processes_per_learner must be the slice's host count. "" = the bundles of learner_resources.
-    tpu_topology: str = ""
-    tpu_version: str = ""  # ray on TPUs: the slices' generation (see tpu_topology)
+    # procs and ray: the object store carrying the run's traffic (docs/design.md#object-store-transport)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    # learner authentication (docs/algorithm.md#authenticated-learners)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    # procs and ray: a learner spanning several processes (docs/multihost.md)
+    world: WorldConfig = field(default_factory=WorldConfig)
+    # ray: the cluster, each learner's placement and the syncer actor's (docs/cluster.md)
+    ray: RayConfig = field(default_factory=RayConfig)
 
     @property
     def shares_mesh(self) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from diloco.config import ConfigError, TrainConfig, from_dict, load
+from diloco.config import ConfigError, TrainConfig, from_dict, legacy, load
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -163,7 +163,7 @@ def train_config(spec: ExperimentSpec, variant: Variant, seed: int, settings: Se
                  f"run.out_dir={run_dir(settings.out_dir, spec.name, variant.label, seed)}",
                  "run.progress=false", "run.plot=false"]
     try:
-        raw = _compose("train", overrides)
+        raw = _compose("train", legacy.overrides(overrides))
     except Exception as err:  # Hydra's and OmegaConf's errors (a bad override) share no base class
         raise ConfigError(f"experiment {spec.name}, variant {variant.label}: {err}") from None
     batch = raw["data"]["batch_size"]

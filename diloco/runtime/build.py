@@ -50,29 +50,29 @@ AUTH_BY_DEFAULT = ("procs", "ray")
 
 
 def auth_secret(cfg: TrainConfig) -> Secret | None:
-    """The run secret when runtime.auth is on (docs/algorithm.md#authenticated-learners): from
-    runtime.auth_secret_file, else the environment variable runtime.auth_secret_env, else a new
+    """The run secret when runtime.auth.mode is on (docs/algorithm.md#authenticated-learners): from
+    runtime.auth.secret_file, else the environment variable runtime.auth.secret_env, else a new
     random one, put into that variable so this process's children (procs) share it. Errors name the
     file or variable, never their contents."""
-    r = cfg.runtime
-    if r.auth == "off" or (r.auth == "auto" and r.kind not in AUTH_BY_DEFAULT):
+    r, a = cfg.runtime, cfg.runtime.auth
+    if a.mode == "off" or (a.mode == "auto" and r.kind not in AUTH_BY_DEFAULT):
         return None
-    if r.auth_secret_file:
+    if a.secret_file:
         try:
-            raw = Path(r.auth_secret_file).expanduser().read_bytes().rstrip(b"\r\n")
+            raw = Path(a.secret_file).expanduser().read_bytes().rstrip(b"\r\n")
         except OSError as e:
-            raise ConfigError(f"runtime.auth_secret_file={r.auth_secret_file!r} cannot be read: "
+            raise ConfigError(f"runtime.auth.secret_file={a.secret_file!r} cannot be read: "
                               f"{e.strerror or e}") from None
-        where = f"runtime.auth_secret_file={r.auth_secret_file!r}"
-    elif os.environ.get(r.auth_secret_env):
-        raw, where = os.environ[r.auth_secret_env].encode("utf-8"), f"${r.auth_secret_env}"
+        where = f"runtime.auth.secret_file={a.secret_file!r}"
+    elif os.environ.get(a.secret_env):
+        raw, where = os.environ[a.secret_env].encode("utf-8"), f"${a.secret_env}"
     elif r.launch == "external":  # processes started apart cannot inherit a secret made here
         raise ConfigError(f"runtime.auth is on and the learners are started apart (runtime.launch=external): "
-                          f"every process needs the same run secret, in ${r.auth_secret_env} or "
-                          "runtime.auth_secret_file (e.g. `openssl rand -hex 32`), or set runtime.auth=off")
+                          f"every process needs the same run secret, in ${a.secret_env} or "
+                          "runtime.auth.secret_file (e.g. `openssl rand -hex 32`), or set runtime.auth.mode=off")
     else:
-        os.environ[r.auth_secret_env] = secrets.token_hex(32)
-        raw, where = os.environ[r.auth_secret_env].encode("utf-8"), "a random secret"
+        os.environ[a.secret_env] = secrets.token_hex(32)
+        raw, where = os.environ[a.secret_env].encode("utf-8"), "a random secret"
     if len(raw) < MIN_SECRET_BYTES:
         raise ConfigError(f"the authentication secret in {where} has {len(raw)} bytes; it needs at "
                           f"least {MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32`)")

@@ -174,7 +174,7 @@ def s3_spec(bucket: str, path: str, opts: Mapping[str, str], env: Mapping[str, s
 def attempt_s(retry_s: float) -> float:
     """How long one attempt of an operation may take: a quarter of the deadline, at least 10 s
     (a 16 MB put at a few MB/s), at most the deadline. A larger object over a slower link needs a
-    larger runtime.store_retry_s."""
+    larger runtime.store.retry_s."""
     return min(retry_s, max(retry_s / 4, 10.0))
 
 
@@ -216,11 +216,10 @@ def call(op: Callable[[], Any], what: str, retry_s: float, *, sleep: Callable[[f
 
 
 def run_store_url(runtime: Any, default: str) -> str:
-    """A run's store URL: `runtime.store_url` with the runtime's store options (store_endpoint,
-    store_region, store_retry_s) in its query, or `default` (the run directory's file:// store)."""
-    url = runtime.store_url
-    if not url:
+    """A run's store URL: `runtime.store.url` with the store's options (endpoint, region, retry_s)
+    in its query, or `default` (the run directory's file:// store)."""
+    store = runtime.store
+    if not store.url:
         return default
-    takes = _OPTIONS.get(url.partition("://")[0], ())
-    return with_options(url, runtime.store_endpoint, runtime.store_region,
-                        runtime.store_retry_s if "retry_s" in takes else None)
+    takes = _OPTIONS.get(store.url.partition("://")[0], ())
+    return with_options(store.url, store.endpoint, store.region, store.retry_s if "retry_s" in takes else None)
