@@ -1,7 +1,7 @@
 """Host the syncer of a run whose learners are started apart (docs/cluster.md): this process spawns
 and restarts the syncer, evaluates, and writes the run's metrics and summary.
 
-    python scripts/syncer.py runtime.store_url=gs://bucket/run1 run.out_dir=/disk/run1 [overrides]
+    python scripts/syncer.py runtime.store.url=gs://bucket/run1 run.out_dir=/disk/run1 [overrides]
     python scripts/learner.py runtime.learner_index=0 <the same overrides>   # one per learner
 
 Started again with the same command line (a Kubernetes or Slurm restart), it resumes the run from

@@ -1,6 +1,6 @@
 """Where the ray runtime's learners run: each learner's processes in a placement group of its own,
 so that a learner fails alone (docs/cluster.md#ray). The group is either P bundles of
-runtime.learner_resources, or with runtime.tpu_topology one whole TPU slice reserved through
+runtime.ray.learner_resources, or with runtime.ray.tpu_topology one whole TPU slice reserved through
 ray.util.tpu (docs/cluster.md#tpu-slices-on-ray).
 
 Why a slice through ray.util.tpu: the hosts of a multi-host slice are one interconnect, so a
@@ -37,22 +37,22 @@ def actor_options(resources: dict[str, float]) -> dict:
 
 
 def slice_shape(r: RuntimeConfig) -> tuple[int, dict[str, float]]:
-    """(hosts, each host's bundle) of one slice of runtime.tpu_topology and tpu_version, with
-    runtime.learner_resources added to each bundle (a TPU entry there overrides the chips per host).
+    """(hosts, each host's bundle) of one slice of runtime.ray.tpu_topology and tpu_version, with
+    runtime.ray.learner_resources added to each bundle (a TPU entry there overrides the chips per host).
     ConfigError unless the learner's world fits it: one process per host, the slice's TPU devices
     the learner's devices."""
     from ray.util import tpu
 
     try:
-        hosts, bundle = tpu.get_tpu_worker_resources(r.tpu_topology, r.tpu_version, dict(r.learner_resources))
+        hosts, bundle = tpu.get_tpu_worker_resources(r.ray.tpu_topology, r.ray.tpu_version, dict(r.ray.learner_resources))
     except ValueError as e:  # an unknown generation, or chips that do not divide into hosts
-        raise ConfigError(f"runtime.tpu_topology={r.tpu_topology} of runtime.tpu_version={r.tpu_version}: {e}") from None
-    if hosts != r.processes_per_learner:
-        raise ConfigError(f"a {r.tpu_version} slice of {r.tpu_topology} has {hosts} host(s): set "
-                          f"runtime.processes_per_learner={hosts} (got {r.processes_per_learner}), one process per host")
+        raise ConfigError(f"runtime.ray.tpu_topology={r.ray.tpu_topology} of runtime.ray.tpu_version={r.ray.tpu_version}: {e}") from None
+    if hosts != r.world.processes_per_learner:
+        raise ConfigError(f"a {r.ray.tpu_version} slice of {r.ray.tpu_topology} has {hosts} host(s): set "
+                          f"runtime.world.processes_per_learner={hosts} (got {r.world.processes_per_learner}), one process per host")
     devices = hosts * int(bundle["TPU"])
     if devices != r.devices_per_learner:
-        raise ConfigError(f"a {r.tpu_version} slice of {r.tpu_topology} holds {devices} TPU devices ({hosts} host(s) x "
+        raise ConfigError(f"a {r.ray.tpu_version} slice of {r.ray.tpu_topology} holds {devices} TPU devices ({hosts} host(s) x "
                           f"{int(bundle['TPU'])}): set runtime.devices_per_learner={devices} "
                           f"(got {r.devices_per_learner})")
     return hosts, bundle
@@ -62,23 +62,23 @@ def learner_placement(r: RuntimeConfig, m: int, name: str, timeout_s: float) -> 
     """Learner m's placement group (named `name`), ready; ConfigError naming the cluster's
     resources if the cluster cannot place it within `timeout_s`. A slice's shape is checked
     (slice_shape) before Ray starts, not here."""
-    P = r.processes_per_learner
-    if r.tpu_topology:
+    P = r.world.processes_per_learner
+    if r.ray.tpu_topology:
         from ray.util.tpu import SlicePlacementGroup
 
-        what = f"a {r.tpu_version} slice of {r.tpu_topology} (runtime.tpu_topology)"
+        what = f"a {r.ray.tpu_version} slice of {r.ray.tpu_topology} (runtime.ray.tpu_topology)"
         try:
             # SPREAD, Ray's choice for a slice: one bundle per host of the slice.
-            handle = SlicePlacementGroup(r.tpu_topology, r.tpu_version, resources_per_bundle=dict(r.learner_resources),
+            handle = SlicePlacementGroup(r.ray.tpu_topology, r.ray.tpu_version, resources_per_bundle=dict(r.ray.learner_resources),
                                          strategy="SPREAD", name=name, head_reservation_timeout_s=timeout_s)
         except ValueError as e:  # checked before anything is reserved
-            raise ConfigError(f"runtime.tpu_topology={r.tpu_topology} of runtime.tpu_version={r.tpu_version}: {e}") from None
+            raise ConfigError(f"runtime.ray.tpu_topology={r.ray.tpu_topology} of runtime.ray.tpu_version={r.ray.tpu_version}: {e}") from None
         except (TimeoutError, RuntimeError) as e:  # no free slice head, or a slice without its name
             raise ConfigError(f"the Ray cluster could not reserve {what} for learner {m} in {timeout_s:.0f} s: {e}; "
                               f"it has {ray.cluster_resources()}") from None
         group, bundle, release = handle.placement_group, handle.bundle_resources, handle.shutdown
     else:
-        bundle = dict(r.learner_resources)
+        bundle = dict(r.ray.learner_resources)
         what = f"bundle {bundle}" if P == 1 else f"{P} bundles {bundle}"
         # A world's processes on as few nodes as hold their bundles (PACK): one node if it can,
         # else across nodes, a bundle being what one of its hosts offers (docs/multihost.md#ray).
@@ -87,5 +87,5 @@ def learner_placement(r: RuntimeConfig, m: int, name: str, timeout_s: float) -> 
     if not ray.wait([group.ready()], timeout=timeout_s)[0]:
         release()
         raise ConfigError(f"the Ray cluster could not place learner {m}'s {what} in {timeout_s:.0f} s "
-                          f"(runtime.learner_resources); it has {ray.cluster_resources()}")
+                          f"(runtime.ray.learner_resources); it has {ray.cluster_resources()}")
     return Placement(group, bundle, release)

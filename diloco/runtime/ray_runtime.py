@@ -1,5 +1,5 @@
 """The ray runtime: Decoupled DiLoCo on a Ray cluster. Each learner is an actor in a placement group
-of its own (runtime.learner_resources: CPUs, GPUs or a TPU slice); the syncer is a named, detached
+of its own (runtime.ray.learner_resources: CPUs, GPUs or a TPU slice); the syncer is a named, detached
 actor on a CPU node; this process, the driver, is the procs supervisor, and RayLauncher (a
 Launcher, diloco/runtime/interfaces.py) starts its processes as actors.
 
@@ -19,7 +19,7 @@ next incarnation on it, which rejoins. The syncer actor is detached and named so
 well-known process of the run; when Ray restarts it, this process starts the next syncer
 incarnation on it, which restores its newest checkpoint and journal, exactly as in procs.
 
-A learner of several processes (runtime.processes_per_learner P > 1, docs/multihost.md#ray): its
+A learner of several processes (runtime.world.processes_per_learner P > 1, docs/multihost.md#ray): its
 placement group holds P bundles and one actor per bundle, each running one process of the
 learner's jax.distributed world, and the driver holds the P as one child (RayWorld), with
 world_group's rule: the world ends as a whole at its first death and comes back as a whole.
@@ -271,7 +271,7 @@ class RayWorld(WorldGroup):
 
 
 def connect(cfg: TrainConfig, M: int) -> bool:
-    """Ray for a run of M learners: the cluster at runtime.ray_address, else a cluster of this
+    """Ray for a run of M learners: the cluster at runtime.ray.address, else a cluster of this
     machine with the logical CPUs the actors ask for; whether this process started it (and so
     stops it). Nothing if Ray is up already."""
     r = cfg.runtime
@@ -285,10 +285,10 @@ def connect(cfg: TrainConfig, M: int) -> bool:
         # that only masks SIGINT; JAX, initialised in this process by then, warns at every fork
         # that a forked child may deadlock. The child runs no JAX, so the warning is not ours.
         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-        if r.ray_address:
-            ray.init(address=r.ray_address, namespace=NAMESPACE, log_to_driver=True)
+        if r.ray.address:
+            ray.init(address=r.ray.address, namespace=NAMESPACE, log_to_driver=True)
             return False
-        need = M * r.processes_per_learner * r.learner_resources.get("CPU", 0.0) + r.syncer_resources.get("CPU", 0.0)
+        need = M * r.world.processes_per_learner * r.ray.learner_resources.get("CPU", 0.0) + r.ray.syncer_resources.get("CPU", 0.0)
         # "local": a new cluster of its own, even where another is running on this machine
         # (without an address Ray joins the newest one it finds, and refuses num_cpus there)
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
@@ -308,7 +308,7 @@ class RayLauncher:
         self.hosts: dict[int, list] = {}  # learner -> its actors (one a world process), kept across incarnations
         self.groups: dict[int, Placement] = {}  # learner -> its placement group
         self.syncer_host = None
-        self.owns_ray = False  # this process started Ray (runtime.ray_address=""), and stops it
+        self.owns_ray = False  # this process started Ray (runtime.ray.address=""), and stops it
         self.prefix = ""
 
     def open(self, run: RunSpec) -> None:
@@ -316,7 +316,7 @@ class RayLauncher:
         self.run = run
         # actor names of this run's store: the same from any driver process
         self.prefix = f"diloco-{hashlib.sha256(run.url.encode()).hexdigest()[:8]}"
-        if run.cfg.runtime.tpu_topology:
+        if run.cfg.runtime.ray.tpu_topology:
             slice_shape(run.cfg.runtime)
         self.owns_ray = connect(run.cfg, run.cfg.runtime.learners)
 
@@ -324,7 +324,7 @@ class RayLauncher:
         """What every actor's process needs of this one's environment: the run secret, the simulated
         CPU device count, JAX's settings and tensorstore's (TENSORSTORE_GCS_HTTP_URL names the gs://
         server), which a Ray worker does not inherit from the driver."""
-        keep = {self.run.cfg.runtime.auth_secret_env}
+        keep = {self.run.cfg.runtime.auth.secret_env}
         env = {k: v for k, v in os.environ.items() if k in keep or k.startswith(("JAX_", "XLA_", "TENSORSTORE_"))}
         return {"env_vars": env}
 
@@ -338,7 +338,7 @@ class RayLauncher:
                 pass
             self.syncer_host = Host.options(
                 name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=MAX_RESTARTS, max_task_retries=0,
-                max_concurrency=2, runtime_env=self._env(), **actor_options(r.cfg.runtime.syncer_resources)).remote()
+                max_concurrency=2, runtime_env=self._env(), **actor_options(r.cfg.runtime.ray.syncer_resources)).remote()
         host, args = self.syncer_host, (r.url, r.cfg, r.cache, r.run_dir, r.want_evals, incarnation, reports_read,
                                          resume)
         return RayChild(host, lambda: host.syncer.remote(*args))
@@ -349,7 +349,7 @@ class RayLauncher:
 
     def spawn_learner(self, m: int, incarnation: int, resumed: bool) -> Child:
         r = self.run
-        P = r.cfg.runtime.processes_per_learner
+        P = r.cfg.runtime.world.processes_per_learner
         if m not in self.hosts:
             place = self.groups[m] = learner_placement(r.cfg.runtime, m, f"{self.prefix}-learner-{m}",
                                                        PLACE_TIMEOUT_S)
@@ -377,7 +377,7 @@ class RayLauncher:
         if m is None:
             return {"syncer": None, "syncer_actor": f"{self.prefix}-syncer", "namespace": NAMESPACE}
         out = {"pid": None, "actor": self._actor(m)}
-        P = self.run.cfg.runtime.processes_per_learner
+        P = self.run.cfg.runtime.world.processes_per_learner
         if P > 1:
             out["actors"] = [self._actor(m, i) for i in range(P)]
         return out

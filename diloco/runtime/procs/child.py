@@ -86,18 +86,18 @@ def child_setup(cfg: TrainConfig, store: bs.BlobStore) -> Setup:
 
 def keep_secret(cfg: TrainConfig, run_dir: Path | None) -> None:
     """The run secret (runtime.auth) into this process's environment, where every child reads it.
-    A run with a directory and no runtime.auth_secret_file keeps it in <run>/auth_secret (0600),
+    A run with a directory and no runtime.auth.secret_file keeps it in <run>/auth_secret (0600),
     so that a resume verifies what the learners sealed before the stop with the same keys."""
     r = cfg.runtime
-    path = None if run_dir is None or r.auth_secret_file else Path(run_dir) / SECRET_FILE
+    path = None if run_dir is None or r.auth.secret_file else Path(run_dir) / SECRET_FILE
     if cfg.run.resume and path is not None and path.is_file():
-        os.environ[r.auth_secret_env] = path.read_text().strip()
+        os.environ[r.auth.secret_env] = path.read_text().strip()
     if build_setup.auth_secret(cfg) is None or path is None or cfg.run.resume:
         return
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(os.environ[r.auth_secret_env])
+        f.write(os.environ[r.auth.secret_env])
 
 
 def child_main(name: str, store_url: str, cfg: TrainConfig, cache: str | None, body: Callable, *args: Any) -> None:

@@ -1,6 +1,6 @@
 """The default launcher of a procs run (diloco/runtime/interfaces.py Launcher): every process
 spawned on this machine by the supervisor, spawn not fork (fork would copy jax's threads and
-devices); a learner of runtime.processes_per_learner > 1 is a world of that many processes on a
+devices); a learner of runtime.world.processes_per_learner > 1 is a world of that many processes on a
 fresh coordinator port (diloco/runtime/world_group.py), one child that ends and restarts as a whole.
 
 Reference: docs/design.md#procs; docs/multihost.md#supervisor.
@@ -45,7 +45,7 @@ class Local:
         name = f"diloco-learner-{m}-{incarnation}"
         # os.getpid(): the supervisor, whose death its children notice (child.orphaned)
         args = (r.url, r.cfg, r.cache, r.run_dir, m, incarnation, os.getpid(), resumed)
-        P = r.cfg.runtime.processes_per_learner
+        P = r.cfg.runtime.world.processes_per_learner
         if P > 1:
             p = WorldGroup(learner_main, args, P, name=name, ctx=self.ctx)
         else:

@@ -367,7 +367,7 @@ def learner_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m:
         # Before child_setup starts the backend. On CPU each process contributes its share of
         # the learner's devices (jax_num_cpu_devices wins over an inherited XLA_FLAGS count).
         world = learner_world.join_world(spec.coordinator, spec.processes, spec.index,
-                                         heartbeat_s=r.world_heartbeat_s,
+                                         heartbeat_s=r.world.heartbeat_s,
                                          cpu_devices=r.devices_per_learner // spec.processes)
     rt = ProcLearner(store, cfg, run_dir, m, incarnation, parent, resumed, superseded, world)
     if exposed is not None:
@@ -385,7 +385,7 @@ def learner_body(store: bs.BlobStore, cfg: TrainConfig, run_dir: Path | None, m:
             # A collective broken by a dead peer raises here moments before the coordination service
             # aborts this process (docs/multihost.md#what-a-dead-peer-does-to-the-others): wait for
             # that verdict, so that a lost peer is not reported as this process's own error.
-            time.sleep(2 * cfg.runtime.world_heartbeat_s + 2.0)
+            time.sleep(2 * cfg.runtime.world.heartbeat_s + 2.0)
         raise
     if rt.terminating:  # not done: the supervisor restarts it if the run goes on
         sys.exit(128 + signal.SIGTERM)

@@ -38,8 +38,9 @@ import time
 from pathlib import Path
 
 from diloco import store as bs
-from diloco.config import ConfigError, TrainConfig, to_dict
+from diloco.config import ConfigError, TrainConfig, legacy, to_dict
 from diloco.config.checks import WORLD_ADDRESS
+from diloco.config.convert import options_by_path
 from diloco.runtime.interfaces import Child, RunSpec
 from diloco.runtime.procs.child import EXIT_SUPERSEDED, POLL_MIN, child_main, died
 from diloco.runtime.procs.launch import Local
@@ -54,12 +55,12 @@ log = logging.getLogger(__name__)
 # is watched, and which learner it is. Everything else must be the syncer's (same model, data, rules).
 PER_PROCESS = {("run", "out_dir"), ("run", "resume"), ("run", "progress"), ("run", "tensorboard"),
                ("run", "wandb"), ("run", "wandb_project"), ("run", "plot"), ("runtime", "learner_index"),
-               ("runtime", "process_index"),
-               ("runtime", "world_address")}
+               ("runtime", "world", "process_index"),
+               ("runtime", "world", "address")}
 
 
 def store_url(cfg: TrainConfig) -> str:
-    """The run's store as every process of it opens it: runtime.store_url, else <run.out_dir>/store
+    """The run's store as every process of it opens it: runtime.store.url, else <run.out_dir>/store
     (one machine, or a shared file system), with the S3 options in the URL."""
     root = Path(cfg.run.out_dir).absolute()
     return network.run_store_url(cfg.runtime, f"file://{root / 'store'}")
@@ -85,10 +86,11 @@ def claim(store: bs.BlobStore, m: int, token: str, world: dict | None = None) ->
 
 
 def config_diff(mine: dict, theirs: dict) -> list[str]:
-    """The keys, outside PER_PROCESS, whose values differ between two resolved configs."""
-    return [f"{g}.{k}: {section.get(k)!r} here, {v!r} in the run" for g, other in theirs.items()
-            if isinstance(other, dict) for k, v in other.items()
-            if (section := mine.get(g, {})).get(k) != v and (g, k) not in PER_PROCESS]
+    """The options, outside PER_PROCESS, whose values differ between two resolved configs."""
+    here = options_by_path(mine, TrainConfig)
+    return [f"{'.'.join(key)}: {here.get(key)!r} here, {v!r} in the run"
+            for key, v in options_by_path(legacy.upgraded(theirs), TrainConfig).items()
+            if len(key) > 1 and here.get(key) != v and key not in PER_PROCESS]
 
 
 def wait_for_run(store: bs.BlobStore, cfg: TrainConfig, url: str) -> None:
@@ -109,11 +111,11 @@ def finished(cfg: TrainConfig) -> bool:
 def run_learner(cfg: TrainConfig) -> int:
     """Run learner runtime.learner_index as its next incarnation until it is done, stopped or
     superseded; its exit status (0 done, 75 its chaos tape down, 143 SIGTERM, 76 superseded). With
-    runtime.processes_per_learner > 1 this process is runtime.process_index of the learner's world:
+    runtime.world.processes_per_learner > 1 this process is runtime.world.process_index of the learner's world:
     the leader (0) claims the incarnation and alone writes exit notices, a follower joins the world
     of the newest claim it has not joined before."""
     r = cfg.runtime
-    m, i, P = r.learner_index, r.process_index, r.processes_per_learner
+    m, i, P = r.learner_index, r.world.process_index, r.world.processes_per_learner
     if m < 0:
         raise ConfigError(f"scripts/learner.py needs runtime.learner_index in 0..{r.learners - 1}, "
                           f"got {m} (e.g. runtime.learner_index=$SLURM_PROCID)")
@@ -125,7 +127,7 @@ def run_learner(cfg: TrainConfig) -> int:
         return 0
     if i == 0:
         token = secrets.token_hex(8)
-        world = None if P == 1 else {"coordinator": world_coordinator(r.world_address), "processes": P}
+        world = None if P == 1 else {"coordinator": world_coordinator(r.world.address), "processes": P}
         inc = claim(store, m, token, world)
         log.info("learner %d: incarnation %d, waiting for the syncer's run record", m, inc)
     else:
@@ -160,7 +162,7 @@ def run_learner(cfg: TrainConfig) -> int:
 
 def world_coordinator(address: str) -> str:
     """host:port of the coordination service a world's leader is about to serve, as its followers
-    reach it: runtime.world_address, with the host name's address for a missing host and a port
+    reach it: runtime.world.address, with the host name's address for a missing host and a port
     free now for a missing port (a restarted leader's predecessor may hold its old one in TIME_WAIT)."""
     host, port = WORLD_ADDRESS.fullmatch(address).groups()  # checked at start-up
     host = host or socket.gethostbyname(socket.gethostname())
@@ -191,7 +193,7 @@ def await_world(store: bs.BlobStore, m: int, index: int, processes: int) -> dict
     world = held.get("world") or {}
     if world.get("processes") != processes:
         raise ConfigError(f"learner {m}'s leader claimed incarnation {held['incarnation']} for a world of "
-                          f"{world.get('processes', 1)} process(es); this process has runtime.processes_per_learner={processes}")
+                          f"{world.get('processes', 1)} process(es); this process has runtime.world.processes_per_learner={processes}")
     bs.write_control(store, joined(m, int(held["incarnation"]), index),
                      {"host": socket.gethostname(), "pid": os.getpid(), "at": time.time()})
     return held

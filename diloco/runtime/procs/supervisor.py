@@ -1,7 +1,7 @@
 """The procs runtime's supervisor: learner processes and a syncer process, started by a Launcher
 (diloco/runtime/interfaces.py), and this process supervising them: incarnations and restarts,
 the syncer's reports, evaluation, stop and resume. All traffic goes through an object store
-(diloco/store/): file:// by default, gs:// or s3:// by `runtime.store_url`.
+(diloco/store/): file:// by default, gs:// or s3:// by `runtime.store.url`.
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 6 (a failed learner is
 absent from quorums while the global model advances; it rejoins from the syncer's state);
@@ -162,7 +162,7 @@ class Procs:
             if used:
                 raise ConfigError(f"the store {network.redacted(self.url)} holds another run's objects "
                                   f"({', '.join(used)}) but no record of its syncer: give each run its own "
-                                  "runtime.store_url")
+                                  "runtime.store.url")
             bs.write_control(self.store, "run", {"theta0": fingerprint(self.setup.theta0), "learners": self.M,
                                                  "config": to_dict(self.cfg)})  # each learner checks its own
             return self._spawn_syncer(0)
