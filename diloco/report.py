@@ -18,7 +18,7 @@ def due(step: int, every: int, total: int) -> bool:
 
 class MetricsWriter:
     """Appends one JSON object per line to metrics.jsonl; flushed per record so a crash loses nothing.
-    `rates` (Rates) adds each train record's throughput first; `watch` (diloco/watch.py RunWatch)
+    `rates` (train/flops.py Rates) adds each train record's throughput first; `watch` (diloco/watch.py RunWatch)
     sees every record too: the status line and TensorBoard."""
 
     def __init__(self, path: Path, watch: Callable[[dict], None] | None = None,
@@ -47,43 +47,6 @@ class MetricsWriter:
         self._file.close()
         if self.watch is not None and hasattr(self.watch, "close"):
             self.watch.close()
-
-
-class Rates:
-    """The learner-side series of each train record (docs/design.md#metrics-series): its inner
-    learning rate, `lr(step)`, and its throughput (docs/design.md#model-flops-and-mfu):
-    tokens_per_s, tokens_per_s_per_device and mfu (train/flops.py throughput) of its learner (0
-    without one) since that learner's previous train record. A record that brings its own lr or
-    tokens_per_s (the data-parallel trainer's, compilation left out) keeps it. `clock`: seconds
-    read as each record arrives, for runs whose record times are virtual (sim); None: the record's
-    own time (a wall clock run's). A learner's first record, and one after its count went back (a
-    rejoin), only start its interval; so do a resumed run's first ones: its rates are its own."""
-
-    def __init__(self, per_token: float, hardware, clock: Callable[[], float] | None = None,
-                 lr: Callable[[int], float] | None = None):
-        from diloco.train import flops  # the training stack, loaded only by runs that train
-
-        self.per_token, self.hardware, self.clock, self.lr = per_token, hardware, clock, lr
-        self._throughput = flops.throughput
-        self.last: dict[int, tuple[float, float]] = {}  # learner -> (time, tokens) of its last record
-
-    def __call__(self, record: dict) -> dict:
-        if record.get("kind") != "train":
-            return record
-        step = record.get("step")
-        if self.lr is not None and "lr" not in record and isinstance(step, int) and step > 0:
-            record = {**record, "lr": self.lr(step)}
-        if "tokens_per_s" not in record:
-            now = self.clock() if self.clock is not None else record.get("time")
-            tokens, m = record.get("tokens"), int(record.get("learner", 0))
-            if not (isinstance(now, (int, float)) and isinstance(tokens, (int, float))):
-                return record
-            before = self.last.get(m)
-            self.last[m] = (now, tokens)
-            if before is None or now <= before[0] or tokens <= before[1]:
-                return record
-            record = {**record, "tokens_per_s": (tokens - before[1]) / (now - before[0])}
-        return {**record, **self._throughput(record["tokens_per_s"], self.per_token, self.hardware)}
 
 
 def _plain(x: Any) -> Any:

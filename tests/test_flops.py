@@ -115,7 +115,7 @@ def test_throughput_analytic():
 
 def test_rates_of_each_learner_between_its_records():
     hw = flops.Hardware(devices=2, peak_tflops=1.0, device_kind="x")
-    rates = report.Rates(1e6, hw)
+    rates = flops.Rates(1e6, hw)
     records = [{"kind": "train", "learner": 0, "step": 2, "time": 1.0, "tokens": 100},
                {"kind": "train", "learner": 1, "step": 2, "time": 2.0, "tokens": 100},
                {"kind": "eval", "step": 2, "time": 2.0, "tokens": 200},
@@ -132,7 +132,7 @@ def test_rates_of_each_learner_between_its_records():
     assert dp["tokens_per_s"] == 40.0 and dp["tokens_per_s_per_device"] == 20.0
     # A clock read on arrival (sim: the record times are virtual).
     ticks = iter([10.0, 12.0])
-    sim = report.Rates(1e6, hw._replace(peak_tflops=None), clock=lambda: next(ticks))
+    sim = flops.Rates(1e6, hw._replace(peak_tflops=None), clock=lambda: next(ticks))
     sim({"kind": "train", "learner": 0, "step": 1, "time": 1.0, "tokens": 10})
     got = sim({"kind": "train", "learner": 0, "step": 2, "time": 2.0, "tokens": 30})
     assert got["tokens_per_s"] == 10.0 and "mfu" not in got
@@ -214,6 +214,6 @@ def test_a_tiny_run_reports_consistent_throughput(tmp_path, algo, peak):
         check_consistent(r, cfg.runtime.devices_per_learner if algo == "diloco" else devices, per_token, peak)
         assert ("mfu" in r) == (peak is not None)
     # every train record's lr is the schedule's at its step: DP's from its jitted step, DiLoCo's
-    # added by the writer (report.Rates), the same rule (docs/design.md#metrics-series)
+    # added by the writer (flops.Rates), the same rule (docs/design.md#metrics-series)
     step_lr = optim.step_lr(cfg.inner, cfg.run.steps)
     assert train and all(r["lr"] == pytest.approx(step_lr(r["step"]), rel=1e-6) for r in train)

@@ -10,9 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Package-level circles still in the tree, each as the set of its packages: data <-> hf
-# (hf/tokenizer.py subclasses data's Tokenizer; data/corpus.py loads HF tokenizers), and report,
-# runtime, train, watch (report.py's flops from train, watch.py's shares_mesh from runtime).
-KNOWN = [{"diloco.data", "diloco.hf"}, {"diloco.report", "diloco.runtime", "diloco.train", "diloco.watch"}]
+# (hf/tokenizer.py subclasses data's Tokenizer; data/corpus.py loads HF tokenizers).
+KNOWN = [{"diloco.data", "diloco.hf"}]
 
 
 def module_imports() -> dict[str, set[str]]:

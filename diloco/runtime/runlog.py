@@ -123,7 +123,7 @@ def _walk(path: Path, payloads: bool) -> Iterator[tuple[Input, int]]:
             yield Input(header["kind"], header["at"], data), pos
 
 
-def learner_rates(cfg, setup, clock: str) -> report.Rates:
+def learner_rates(cfg, setup, clock: str):
     """The learning rate and throughput of each learner's train records
     (docs/design.md#metrics-series, #model-flops-and-mfu), on runtime.devices_per_learner devices;
     on a virtual `clock` (sim) over the wall seconds between its records, during which every
@@ -131,14 +131,14 @@ def learner_rates(cfg, setup, clock: str) -> report.Rates:
     from diloco.train import flops, optim
 
     hw = flops.hardware(cfg.runtime.devices_per_learner, cfg.run.peak_tflops)
-    return report.Rates(setup.flops_per_token, hw, time.perf_counter if clock == "virtual" else None,
-                        optim.step_lr(cfg.inner, cfg.run.steps))
+    return flops.Rates(setup.flops_per_token, hw, time.perf_counter if clock == "virtual" else None,
+                       optim.step_lr(cfg.inner, cfg.run.steps))
 
 
 @contextlib.contextmanager
 def run_outputs(run_dir: Path | None, watch=None, rates=None,
                 inputs_seen: int | None = None) -> Iterator[tuple[report.MetricsWriter | None, InputLog | None]]:
-    """The metrics writer (with `rates`, report.Rates, adding throughput to its train records, and
+    """The metrics writer (with `rates`, train/flops.py Rates, adding throughput to its train records, and
     `watch`, diloco/watch.py, seeing them) and syncer input log of a DiLoCo run (None, None without
     a run dir), closed however the run ends. A resume passes `inputs_seen`, the records its syncer
     checkpoint had taken in: the log keeps those in place and drops the rest (inputs after the

@@ -7,7 +7,7 @@ module keeps are in docs/design.md#model-flops-and-mfu.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +128,40 @@ def throughput(tokens_per_s: float, per_token: float, hw: Hardware) -> dict:
     if hw.peak_tflops:
         out["mfu"] = per_token * tokens_per_s / (hw.devices * hw.peak_tflops * 1e12)
     return out
+
+
+class Rates:
+    """The learner-side series of each train record (docs/design.md#metrics-series): its inner
+    learning rate, `lr(step)`, and its throughput (docs/design.md#model-flops-and-mfu):
+    tokens_per_s, tokens_per_s_per_device and mfu (throughput above) of its learner (0
+    without one) since that learner's previous train record. A record that brings its own lr or
+    tokens_per_s (the data-parallel trainer's, compilation left out) keeps it. `clock`: seconds
+    read as each record arrives, for runs whose record times are virtual (sim); None: the record's
+    own time (a wall clock run's). A learner's first record, and one after its count went back (a
+    rejoin), only start its interval; so do a resumed run's first ones: its rates are its own."""
+
+    def __init__(self, per_token: float, hardware, clock: Callable[[], float] | None = None,
+                 lr: Callable[[int], float] | None = None):
+        self.per_token, self.hardware, self.clock, self.lr = per_token, hardware, clock, lr
+        self.last: dict[int, tuple[float, float]] = {}  # learner -> (time, tokens) of its last record
+
+    def __call__(self, record: dict) -> dict:
+        if record.get("kind") != "train":
+            return record
+        step = record.get("step")
+        if self.lr is not None and "lr" not in record and isinstance(step, int) and step > 0:
+            record = {**record, "lr": self.lr(step)}
+        if "tokens_per_s" not in record:
+            now = self.clock() if self.clock is not None else record.get("time")
+            tokens, m = record.get("tokens"), int(record.get("learner", 0))
+            if not (isinstance(now, (int, float)) and isinstance(tokens, (int, float))):
+                return record
+            before = self.last.get(m)
+            self.last[m] = (now, tokens)
+            if before is None or now <= before[0] or tokens <= before[1]:
+                return record
+            record = {**record, "tokens_per_s": (tokens - before[1]) / (now - before[0])}
+        return {**record, **throughput(record["tokens_per_s"], self.per_token, self.hardware)}
 
 
 def run_figures(tokens_per_s: float, per_token: float, hw: Hardware) -> dict:

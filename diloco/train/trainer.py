@@ -146,7 +146,7 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir
     val = held_out(corpus.val, batch_size=data.batch_size, seq_len=data.seq_len, n=run.eval_batches)
     manager = checkpoint.open_manager(run_dir / "checkpoints", run.keep_checkpoints)
     # tokens/s per device and MFU over the trainer's mesh (docs/design.md#model-flops-and-mfu)
-    rates = report.Rates(flops.of_run(cfg, model.apply, model.params),
+    rates = flops.Rates(flops.of_run(cfg, model.apply, model.params),
                          flops.hardware(mesh.devices.size, cfg.run.peak_tflops))
     writer = report.MetricsWriter(run_dir / "metrics.jsonl", run_watch.for_run(cfg, run_dir, "wall", progress=False),
                                   rates)
