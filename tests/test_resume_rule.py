@@ -42,6 +42,38 @@ def test_paths_are_compared_after_resolving(tmp_path, monkeypatch):
     drun.prepare_run_dir(replace(cfg, run=replace(cfg.run, resume=True, steps=9)), continuing=True)
 
 
+def test_a_run_saved_with_the_old_flat_runtime_keys_resumes(tmp_path, monkeypatch, capsys):
+    """A config.yaml from before the runtime had sections (runtime.store_url, runtime.auth=off, ...):
+    read with the new keys, so the same settings resume and a changed one is named by its new key."""
+    import yaml
+
+    from diloco.config import to_dict
+
+    monkeypatch.chdir(tmp_path)
+    cfg = make_cfg(tmp_path, out="runs/a")
+    cfg = replace(cfg, runtime=replace(cfg.runtime, store=replace(cfg.runtime.store, url="store"),
+                                       auth=replace(cfg.runtime.auth, mode="off")))
+    old = to_dict(cfg)
+    r = old["runtime"]
+    store, auth, world, ray = r.pop("store"), r.pop("auth"), r.pop("world"), r.pop("ray")
+    r.update({f"store_{k}": v for k, v in store.items()})  # store_url, store_endpoint, ...
+    r.update(auth=auth["mode"], auth_secret_env=auth["secret_env"], auth_secret_file=auth["secret_file"],
+             processes_per_learner=world["processes_per_learner"], world_heartbeat_s=world["heartbeat_s"],
+             process_index=world["process_index"], world_address=world["address"], ray_address=ray["address"],
+             learner_resources=ray["learner_resources"], syncer_resources=ray["syncer_resources"],
+             tpu_topology=ray["tpu_topology"], tpu_version=ray["tpu_version"])
+    (tmp_path / "runs/a").mkdir(parents=True)
+    (tmp_path / "runs/a/config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    resumed = replace(cfg, run=replace(cfg.run, resume=True))
+    drun.prepare_run_dir(resumed)  # the same settings: resumes
+    assert "warning: runtime.store_url is deprecated, use runtime.store.url" in capsys.readouterr().err
+    assert "store_url" not in (tmp_path / "runs/a/config.yaml").read_text()  # written back with the sections
+    (tmp_path / "runs/a/config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    with pytest.raises(ConfigError, match=r"runtime\.store\.url: 'store' -> 'other'"):
+        drun.prepare_run_dir(replace(resumed, runtime=replace(cfg.runtime, store=replace(cfg.runtime.store,
+                                                                                         url="other"))))
+
+
 def test_resume_of_a_directory_without_a_run_is_an_error_naming_it(tmp_path):
     for out in (tmp_path / "missing", tmp_path / "empty"):
         if out.name == "empty":
