@@ -3,6 +3,7 @@
 A citation is `docs/<name>.md`, optionally with a section as a GitHub anchor: `docs/algorithm.md#grace-window`
 is the heading "Grace window" of docs/algorithm.md. Inside docs/, relative links (`design.md#ledgers`,
 `#merge`) are checked the same way. The background specs outside the repo must not be cited at all.
+Every repo path the markdown names (`diloco/store/keys.py`, `diloco/runtime/procs/`) exists.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SUFFIXES = (".py", ".yaml", ".yml", ".ipynb", ".md")
 CITATION = re.compile(r"(?<![\w/.-])docs/([\w.-]+?\.md)(?:#([\w-]+))?")
 LINK = re.compile(r"\]\(([\w.-]+\.md)?(?:#([\w-]+))?\)")  # relative markdown links, inside docs/
+# A repo file by path (a .py, .yaml, .ipynb or .md under a top-level folder of code) or a folder
+# by its trailing slash; `<run>/store`, globs and strings such as `diloco/piece` are not paths.
+REPO_PATH = re.compile(r"(?<![\w/.<-])((?:diloco|scripts|tests|benchmarks|configs|notebooks)/[\w/.-]*?"
+                       r"(?:\.(?:py|yaml|ipynb|md)\b|/(?![\w.*<-])))")
 # The upper-case spec files that lived outside the repo (spelled in two parts so this file passes).
 OUTSIDE = re.compile(r"\b(?:ALGORITHM|DESIGN|EXPERIMENTS)" + r"\.md\b")
 
@@ -105,3 +110,15 @@ def test_readme_is_a_newcomers_page():
                                      "tables and analyses to docs/experiments.md")
     text = readme.read_text(encoding="utf-8")
     assert "pypi.org" not in text, "name packages by name and pip command, not by a package index URL"
+
+
+def test_every_repo_path_the_markdown_names_exists():
+    """A file moved or renamed leaves no stale path behind in the README or docs/."""
+    problems = []
+    for path in tracked_files():
+        if path.suffix != ".md":
+            continue
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            problems += [f"{rel(path)}:{n}: names {m[1]}, which does not exist"
+                         for m in REPO_PATH.finditer(line) if not (ROOT / m[1]).exists()]
+    assert not problems, "stale paths in the docs:\n" + "\n".join(problems)
