@@ -106,7 +106,7 @@ def prepare_run_dir(cfg: TrainConfig, continuing: bool = False) -> Path:
         before = options_by_path(saved, TrainConfig)
         changed = [f"{'.'.join(key)}: {before.get(key)!r} -> {v!r}"
                    for key, v in options_by_path(resolved, TrainConfig).items()
-                   if len(key) > 1 and not same_setting(key, before.get(key), v) and key not in allowed]
+                   if not same_setting(key, before.get(key), v) and key not in allowed]
         if changed:
             raise ConfigError(f"run.resume=true but the config in {path} differs:\n  " + "\n  ".join(changed))
     path.write_text(yaml.safe_dump(resolved, sort_keys=False))

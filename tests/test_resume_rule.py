@@ -40,6 +40,8 @@ def test_paths_are_compared_after_resolving(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"run.steps: 6 -> 9"):  # more steps only continue a finished run
         drun.prepare_run_dir(replace(cfg, run=replace(cfg.run, resume=True, steps=9)))
     drun.prepare_run_dir(replace(cfg, run=replace(cfg.run, resume=True, steps=9)), continuing=True)
+    with pytest.raises(ConfigError, match=r"algo: 'diloco' -> 'dp'"):  # a top-level option counts too
+        drun.prepare_run_dir(replace(cfg, algo="dp", run=replace(cfg.run, resume=True, steps=9)), continuing=True)
 
 
 def test_a_run_saved_with_the_old_flat_runtime_keys_resumes(tmp_path, monkeypatch, capsys):
