@@ -286,7 +286,9 @@ class RayConfig:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """Who runs the learners and how time passes. sim: virtual clock, modelled link."""
+    """Who runs the learners and how time passes: sim (virtual clock, modelled link), threads, procs
+    or ray (docs/design.md#runtimes); the sections store, auth, world and ray configure the
+    process-based ones."""
 
     kind: str = "sim"  # sim | threads | procs | ray (docs/design.md#runtimes)
     learners: int = 4  # M

@@ -1,6 +1,7 @@
 """Config -> the objects every runtime needs: fragments, schedule, codecs, syncer policy, learner units.
 
-Kept apart from the runtimes so that sim, threads and procs build exactly the same algorithm.
+Kept apart from the runtimes so that sim, threads and procs (and ray, which runs procs' processes) build
+exactly the same algorithm.
 """
 
 from __future__ import annotations
