@@ -15,7 +15,7 @@ from tokenizers import processors
 
 from diloco.hf.chat import ChatTemplateError
 from diloco.hf.source import CheckpointError
-from diloco.hf.tokenizer import (HFTokenizer, as_data_tokenizer, from_parts, load_tokenizer,
+from diloco.hf.tokenizer import (HFTokenizer, from_parts, load_tokenizer,
                                  save_tokenizer)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -309,7 +309,7 @@ def test_load_failures_name_the_file(tmp_path, tok):
 
 
 def test_data_adapter(smol):
-    d = as_data_tokenizer(smol)
+    d = smol.for_training()
     ids = d.encode("Hello<|im_end|>")
     assert (d.kind, d.vocab_size) == ("hf", smol.vocab_size) and ids.dtype == np.int32
     assert list(ids) == ids_of(smol, "Hello<|im_end|>") and d.decode(ids) == "Hello<|im_end|>"

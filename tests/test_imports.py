@@ -1,6 +1,6 @@
 """The import graph of diloco/, read from the source (nothing is imported): the object store imports
-only the algorithm, the algorithm nothing above it, and packages import each other in no circle
-but the known ones (issue 31: the house without circles; each known circle is to go)."""
+only the algorithm, the algorithm nothing above it, and neither packages nor modules import each
+other in a circle (docs/design.md#layers)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Package-level circles still in the tree, each as the set of its packages: data <-> hf
-# (hf/tokenizer.py subclasses data's Tokenizer; data/corpus.py loads HF tokenizers).
-KNOWN = [{"diloco.data", "diloco.hf"}]
 
 
 def module_imports() -> dict[str, set[str]]:
@@ -25,11 +22,21 @@ def module_imports() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                found.add(node.module)
-                if node.module == "diloco":  # from diloco import store: the package diloco.store
-                    found |= {f"diloco.{a.name}" for a in node.names}
-        out[name] = {m for m in found if m.startswith("diloco.")}
+                # from diloco.hf import chat imports the module diloco.hf.chat (and runs
+                # diloco/hf/__init__.py first, an edge the package's own modules do not count)
+                subs = {f"{node.module}.{a.name}" for a in node.names if _is_module(f"{node.module}.{a.name}")}
+                found |= subs
+                if len(subs) < len(node.names) or node.module == "diloco":
+                    found.add(node.module)
+        out[name] = {m for m in found if m.startswith("diloco.") and m != name}
+        if path.name != "__init__.py":  # a module importing its own package's names
+            out[name] = {m for m in out[name] if not name.startswith(m + ".")}
     return out
+
+
+def _is_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
 def package(module: str) -> str:
@@ -89,7 +96,9 @@ def test_the_algorithm_imports_nothing_above_it():
     assert package_graph()["diloco.algo"] == set()
 
 
-def test_no_package_level_circle_but_the_known_ones():
-    found = circles(package_graph())
-    unknown = [sorted(c) for c in found if not any(c <= k for k in KNOWN)]
-    assert not unknown, f"a new import circle between packages: {unknown}"
+def test_no_import_circle_between_packages_or_modules():
+    """A package that imports another which imports it back, at any distance, is a circle; so is
+    one between modules (a function's import included). A module's import of names its own
+    package's __init__ re-exports is not counted: __init__ runs first either way."""
+    assert circles(package_graph()) == []
+    assert circles(module_imports()) == []

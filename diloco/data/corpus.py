@@ -79,13 +79,11 @@ def load_corpus(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
 def _sft_corpus(cfg: DataConfig, tokenizer: Any) -> Corpus:
     """Conversations rendered, split and packed on every start (rendering is fast next to
     training; nothing is cached)."""
-    from diloco.hf.tokenizer import as_data_tokenizer
-
     train, val, counts = sft.load(sources.resolve_paths(cfg.paths), tokenizer, seq_len=cfg.seq_len,
                                   val_fraction=cfg.val_fraction, too_long=cfg.too_long, on_bad=cfg.on_bad,
                                   eval_paths=sources.resolve_paths(cfg.eval_paths, "data.eval_paths"))
     vocab = tokenizer.vocab_size
-    return Corpus(name="sft", train=train, val=val, vocab_size=vocab, tokenizer=as_data_tokenizer(tokenizer),
+    return Corpus(name="sft", train=train, val=val, vocab_size=vocab, tokenizer=tokenizer.for_training(),
                   entropy_floor=None, hf_tokenizer=tokenizer, sft=counts,
                   unigram_loss=unigram_loss(sft.trained_ids(train), sft.trained_ids(val), vocab))
 
@@ -126,9 +124,7 @@ def _prepare(cfg: DataConfig, files: list[Path], key: dict, out: Path, checkpoin
         else:
             text = sources.files_text(files, cfg.text_field)
         if checkpoint_tok is not None:
-            from diloco.hf.tokenizer import as_data_tokenizer
-
-            tokenizer = as_data_tokenizer(checkpoint_tok)
+            tokenizer = checkpoint_tok.for_training()
         elif cfg.tokenizer == "byte":
             tokenizer = byte_tokenizer()
         else:
@@ -162,9 +158,7 @@ def _open(root: Path, name: str, cfg: DataConfig, where: str, checkpoint_tok: An
     if cfg.source == "synthetic":
         tokenizer = None
     elif checkpoint_tok is not None:
-        from diloco.hf.tokenizer import as_data_tokenizer
-
-        tokenizer = as_data_tokenizer(checkpoint_tok)
+        tokenizer = checkpoint_tok.for_training()
     elif cfg.tokenizer == "byte":
         tokenizer = byte_tokenizer()
     else:

@@ -133,9 +133,7 @@ def _prefix_spans(tok, messages: list[dict]) -> tuple[str, list[tuple[int, int]]
 def render(tok, messages: list[dict]) -> Example:
     """Token ids of the conversation as the template renders it and the mask of the assistant's
     tokens (a token is the assistant's if it starts inside an assistant span)."""
-    from diloco.hf import chat
-
-    if tok.chat_template is not None and chat.has_generation_blocks(tok.chat_template):
+    if tok.marks_assistant:
         ids, mask = tok.apply_chat_template(messages, return_assistant_tokens_mask=True)
         return Example(np.asarray(ids, np.int32), np.asarray(mask, bool))
     text, spans = _prefix_spans(tok, messages)

@@ -113,6 +113,27 @@ class HFTokenizer:
                                   variables={**self.special_tokens_map, **kwargs})
         return (text, spans) if return_generation_spans else text
 
+    @property
+    def marks_assistant(self) -> bool:
+        """Whether the chat template marks the assistant's turns ({% generation %} blocks), so
+        apply_chat_template can return the mask of the assistant's tokens."""
+        return self.chat_template is not None and chat.has_generation_blocks(self.chat_template)
+
+    def for_training(self) -> Tokenizer:
+        """The training pipeline's view (diloco/data/tokenizer.py): no special tokens added, int32
+        ids, specials kept on decode. A method, so diloco/data uses a checkpoint's tokenizer
+        without importing this package."""
+
+        def encode(text: str) -> np.ndarray:
+            # One call over the whole text: a cut that is safe for GPT-2's split regex is not safe
+            # for every pre-tokenizer (a Metaspace one prepends '▁' to each piece).
+            return np.asarray(self.encode(text, add_special_tokens=False), dtype=np.int32)
+
+        def decode(ids) -> str:
+            return self.decode(ids, skip_special_tokens=False)
+
+        return Tokenizer("hf", self.vocab_size, encode, decode)
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = False,
                             tokenize: bool = True, return_assistant_tokens_mask: bool = False,
                             return_dict: bool = False, **kwargs):
@@ -131,7 +152,7 @@ class HFTokenizer:
         encoding = self.tok.encode(text, add_special_tokens=False)
         if not return_assistant_tokens_mask:
             return encoding.ids
-        if not chat.has_generation_blocks(self.chat_template):
+        if not self.marks_assistant:
             # transformers only warns and returns all zeros, which would train on nothing.
             raise ValueError("return_assistant_tokens_mask=True but the chat template has no "
                              "{% generation %} block to mark the assistant's tokens")
@@ -348,18 +369,3 @@ def save_tokenizer(t: HFTokenizer, folder: str | Path) -> None:
         gen = gen or {}
         gen["eos_token_id"] = list(t.stop_ids)
         gen_file.write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def as_data_tokenizer(t: HFTokenizer) -> Tokenizer:
-    """The training pipeline's view: no special tokens added, int32 ids, specials kept on decode."""
-
-    def encode(text: str) -> np.ndarray:
-        # One call over the whole text: a cut that is safe for GPT-2's split regex is not safe
-        # for every pre-tokenizer (a Metaspace one prepends '▁' to each piece).
-        return np.asarray(t.encode(text, add_special_tokens=False), dtype=np.int32)
-
-    def decode(ids) -> str:
-        return t.decode(ids, skip_special_tokens=False)
-
-    return Tokenizer("hf", t.vocab_size, encode, decode)
-
