@@ -1,5 +1,5 @@
 """Control objects: small JSON objects under `ctl/` (start time, readiness, deaths, heartbeats, who
-runs where), each overwritten by its one writer, and the store's control Channel.
+runs where), each overwritten by its one writer.
 
 Reference: docs/design.md#object-store-transport.
 """
@@ -26,15 +26,3 @@ def list_control(store: BlobStore, prefix: str = "") -> list[str]:
     """Names (without "ctl/") of the control objects under `prefix`, sorted."""
     return [k[len("ctl/"):] for k in store.list(f"ctl/{prefix}")]
 
-
-class ControlChannel:
-    """The store's control objects (`ctl/<name>`) as a Channel (diloco/runtime/interfaces.py)."""
-
-    def __init__(self, store: BlobStore):
-        self.store = store
-
-    def write(self, name: str, message: Any) -> None:
-        write_control(self.store, name, message)
-
-    def read(self, name: str) -> Any:
-        return read_control(self.store, name)
