@@ -12,6 +12,7 @@ Global tokens: a DiLoCo learner's train record counts its own tokens; the x-axis
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
@@ -24,6 +25,8 @@ from tqdm import tqdm
 tqdm.monitor_interval = 0
 
 from diloco.report import GlobalTokens, read_metrics
+
+_WRITERS = itertools.count()  # event files this process opened
 
 
 def live_output(enabled: bool) -> bool:
@@ -67,7 +70,10 @@ class RunWatch:
         self.tb = None
         if tensorboard_dir is not None:
             from tensorboardX import SummaryWriter  # imported here: only runs that write event files need it
-            self.tb = SummaryWriter(str(tensorboard_dir), flush_secs=10)
+            # Event files are named by the second they open in: a resume in the same second (a test's,
+            # or a quick restart) would write into the stopped run's file without a suffix of its own.
+            self.tb = SummaryWriter(str(tensorboard_dir), flush_secs=10,
+                                    filename_suffix=f".{os.getpid()}.{next(_WRITERS)}")
         self.wandb = wandb
 
     def resumed(self, records: list[dict]) -> None:
