@@ -70,6 +70,7 @@ def test_window_loss_and_gradients_in_chunks_equal_the_whole():
                                **TOL)
 
 
+@pytest.mark.slow  # 6 s; the tied float32 head's chunks run by default
 def test_untied_head_and_bfloat16_in_chunks_equal_the_whole():
     # bfloat16: the logits are float32 either way, but the head's gradients are summed in bf16 over
     # the whole batch or over each chunk, so they agree to bf16 rounding (2^-8) of the largest entry.
@@ -101,6 +102,7 @@ def test_masked_sft_loss_count_and_gradients_in_chunks_equal_the_whole():
     np.testing.assert_allclose(whole[0], -picked[batch["targets"]].mean(), **TOL)
 
 
+@pytest.mark.slow  # 6 s; the full model's chunked gradients run by default
 def test_lora_adapter_gradients_in_chunks_equal_the_whole():
     base = build(TINY, VOCAB, seed=3)
     adapted = lora.adapt(LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "down")), base)

@@ -333,7 +333,8 @@ def test_no_host_anchor_stays_on_the_devices_once_versions_live_there(setup):
 
 
 @pytest.mark.parametrize("setup", [1], indirect=True, ids=["data"])  # recompiles everything: once
-@pytest.mark.parametrize("warm", [True, False])
+# 8 s each; without warm_up (the control: arrivals compile) in the slow suite
+@pytest.mark.parametrize("warm", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_warm_up_compiles_the_broadcast_decoders_too(setup, warm):
     """After warm_up a learner's first int8 delta and a joiner's first fp32 copy compile nothing:
     each fragment shape's decoders ran on zero payloads before any clock (without warm_up, they

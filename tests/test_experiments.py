@@ -154,6 +154,7 @@ def test_relative_loss_is_paired_by_seed_and_time_to_target_interpolates():
     assert tables.time_to({"time": [10, 20], "loss": [3.0, 2.0]}, 1.0) == math.inf
 
 
+@pytest.mark.slow  # 15 s of runs; every variant's config and the reports' arithmetic are tested by default
 def test_quick_experiment_end_to_end(tmp_path):
     """Two variants, one seed, tiny model: reports with the expected rows, then a rerun that
     reuses the finished runs instead of training again."""

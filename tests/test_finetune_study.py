@@ -53,6 +53,7 @@ def tiny_ckpt(tmp_path_factory):
     return hf.save(tmp_path_factory.mktemp("ck") / "ckpt", shape, build(shape, tok.vocab_size, seed=0).params, tok)
 
 
+@pytest.mark.slow  # 12 s of four fine-tunes and their scoring
 def test_miniature_study_trains_scores_and_reuses(tiny_ckpt, tmp_path, monkeypatch):
     fast = ["run.steps=2", "inner.warmup_steps=0", "data.seq_len=384", "run.log_every=1",
             "codec=fp32", "codec.zstd_level=0"]

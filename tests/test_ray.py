@@ -119,6 +119,7 @@ def balanced(rt, summary, run_dir, learners: int = M, redone: int = 0) -> None:
         assert vs == list(range(1, len(vs) + 1)), (p, vs)
 
 
+@pytest.mark.slow  # 35 s; procs' own kill -9 and rejoin (tests/test_procs.py) runs by default
 def test_a_killed_learner_actor_restarts_and_rejoins(world, tmp_path):
     cfg, setup, evaluate, run_dir = variant(world, tmp_path)
 

@@ -198,8 +198,10 @@ def test_sigint_stops_a_threads_run_cleanly_and_resume_finishes_it(tmp_path, mon
     replays_to_its_decisions(run_dir, make_cfg(tmp_path, "threads"), monkeypatch)
 
 
-# schedule's rule is pinned without a run in tests/test_resume_rule.py; its whole run is slow
-@pytest.mark.parametrize("rejoin_at", ["own", pytest.param("schedule", marks=pytest.mark.slow)])
+# 30 s a run: slow. Each runtime's resume rule is pinned without a run in tests/test_resume_rule.py,
+# the pasted resume line in tests/test_cli.py, a procs run's stop in tests/test_procs.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("rejoin_at", ["own", "schedule"])
 def test_sigint_stops_a_procs_run_cleanly_and_resume_finishes_it(tmp_path, monkeypatch, rejoin_at):
     run_dir = tmp_path / "run"
     out, summary, recs = stop_and_resume(tmp_path, "procs", rejoin_at=rejoin_at)

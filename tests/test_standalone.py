@@ -63,6 +63,7 @@ def wait(poll, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+@pytest.mark.slow  # 26 s of five JAX processes; procs' kill -9 and rejoin runs by default
 def test_kill_9_a_learner_started_by_hand_and_start_it_again(tmp_path, env):
     args, run_dir = overrides(tmp_path), tmp_path / "run"
     syncer = start("syncer.py", args, tmp_path / "syncer.log", env)

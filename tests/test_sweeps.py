@@ -45,6 +45,7 @@ def test_preflight_passes_multirun_arguments_and_still_catches_a_mistyped_swept_
     assert "unknown option 'outer.lrr'; did you mean outer.lr?" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 12 s of three runs; the sweep's pre-flight and the slurm hand-off run by default
 def test_local_sweep_runs_each_job_in_its_own_directory_and_a_bad_value_is_its_error_line(tmp_path):
     """Three jobs through submitit_local: two finish in <run.out_dir>/0 and /1 with their swept
     inner.lr in config.yaml; the third's lr is refused as in a single run (no traceback, status 2)
