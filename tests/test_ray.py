@@ -10,6 +10,7 @@ import json
 import math
 import threading
 import time
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -44,8 +45,12 @@ def cluster():
     custom resource learners ask for), so that the learners of a removed worker fit on the other."""
     with pytest.MonkeyPatch.context() as mp:
         loopback(mp)
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-        workers = [c.add_node(**WORKER) for _ in range(2)]
+        with warnings.catch_warnings():
+            # Ray forks and execs its node processes from this one, where earlier tests started
+            # JAX: its fork warning, which ray_runtime.connect silences for runs, is not ours.
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+            c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+            workers = [c.add_node(**WORKER) for _ in range(2)]
         yield c, workers
         if ray.is_initialized():
             ray.shutdown()
