@@ -287,8 +287,7 @@ class RayConfig:
 @dataclass(frozen=True)
 class RuntimeConfig:
     """Who runs the learners and how time passes: sim (virtual clock, modelled link), threads, procs
-    or ray (docs/design.md#runtimes); the sections store, auth, world and ray configure the
-    process-based ones."""
+    or ray (docs/design.md#runtimes); store, auth, world and ray configure the process-based ones."""
 
     kind: str = "sim"  # sim | threads | procs | ray (docs/design.md#runtimes)
     learners: int = 4  # M
@@ -334,8 +333,7 @@ class RuntimeConfig:
 
     @property
     def shares_mesh(self) -> bool:
-        """Whether every learner runs on the one sub-mesh with one compiled step: sim steps its
-        learners one after another, so disjoint devices buy nothing but a compile per learner
+        """Whether every learner runs on one sub-mesh with one compiled step: sim steps them in turn
         (docs/design.md#runtimes); the wall-clock runtimes step them at once, on devices of their own."""
         return self.kind == "sim"
 
