@@ -47,9 +47,10 @@ def world(tmp_path_factory, pytestconfig):
         yield cfg, setup, evaluate_global, initial
 
 
-def variant(world, tmp_path, **runtime):
-    """The module's config with other runtime settings (same model, steps and compiled code)."""
-    cfg, setup, _, _ = world
+def variant(built, tmp_path, **runtime):
+    """The module's config (`built`: the world fixture's value) with other runtime settings (same
+    model, steps and compiled code); runtime may name a section, e.g. world=WorldConfig(...)."""
+    cfg, setup, _, _ = built
     cfg = validate(replace(cfg, runtime=replace(cfg.runtime, **runtime),
                            run=replace(cfg.run, out_dir=str(tmp_path / "run"))))
     (tmp_path / "run").mkdir()
