@@ -102,10 +102,13 @@ def test_the_compiled_steps_take_the_frozen_weights_as_one_placed_argument(files
     texts = [compiled.train_step.lower(state, batch).as_text(),
              compiled.eval_step.lower(state.params, batch).as_text(),
              compiled.train_many(2).lower((state, state), (batch, batch)).as_text()]
-    embedded = [sum(len(h) // 2 for h in re.findall(r'dense<"0x([0-9A-F]+)">', text)) for text in texts]
+    def constant_bytes(text):  # the bytes of the program's hex-encoded dense constants
+        return sum(len(h) // 2 for h in re.findall(r'dense<"0x([0-9A-F]+)">', text))
+
+    embedded = [constant_bytes(text) for text in texts]
     assert max(embedded) < frozen_bytes / 4, (embedded, frozen_bytes)  # the As, small, remain constants
     closure = jax.jit(make_eval_step(make_loss(model, True))).lower(state.params, batch).as_text()
-    assert sum(len(h) // 2 for h in re.findall(r'dense<"0x([0-9A-F]+)">', closure)) >= frozen_bytes
+    assert constant_bytes(closure) >= frozen_bytes
     placed = compiled.train_step.last
     assert compiled.eval_step.last is placed and compiled.train_many(2).last is placed
     loss, tokens = compiled.eval_step(state.params, batch)
