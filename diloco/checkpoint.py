@@ -120,7 +120,10 @@ def verify(state: Any, meta: dict, record: Any) -> None:
 def save(manager: ocp.CheckpointManager, step: int, state: Any, meta: dict | None = None) -> None:
     """Start saving `state` (any pytree) and a small JSON `meta` at `step`, with their digests;
     returns before the write ends (the digests are taken now, from a host copy)."""
-    meta = meta or {}
+    # A copy taken now: the caller goes on changing the lists it passed (a sim's link clocks, say)
+    # while the write runs in the background, and a meta written after such a change would no
+    # longer match the digest taken here, so the checkpoint would be refused as damaged.
+    meta = json.loads(json.dumps(meta or {}))
     manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         meta=ocp.args.JsonSave(meta),

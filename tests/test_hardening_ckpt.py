@@ -183,6 +183,28 @@ def test_a_syncer_checkpoint_without_a_field_falls_back(tmp_path, saved_syncer, 
     assert "carries no digest" in caplog.text and "step 20 unusable" in caplog.text
 
 
+def test_a_meta_changed_by_its_owner_while_the_save_runs_is_saved_as_it_was(tmp_path, caplog):
+    """An asynchronous save writes the meta in the background; the caller's lists (a sim's link
+    clocks) go on changing meanwhile. What lands is the meta as it was at save(), matching its
+    digest, so the newest snapshot is not refused as damaged (a resume then retrained steps)."""
+    manager = checkpoint.open_manager(tmp_path / "ck", keep=2, async_save=True)
+    state = {"w": np.arange(4096, dtype=np.float32)}
+    links = [0.0, 1.0]
+    try:
+        checkpoint.save(manager, 1, state, {"link_up": links})
+        links.extend(range(10_000))
+        links[0] = 9.0
+    finally:
+        manager.wait_until_finished()
+        manager.close()
+    manager = checkpoint.open_manager(tmp_path / "ck", keep=2, async_save=False)
+    try:
+        step, _, meta = checkpoint.restore_latest(manager, state)
+    finally:
+        manager.close()
+    assert step == 1 and meta == {"link_up": [0.0, 1.0]} and "unusable" not in caplog.text
+
+
 def test_a_checkpoint_written_before_digests_is_restored_with_a_warning(tmp_path, caplog):
     """The documented choice: accepted, unverified, with a warning naming it."""
     manager = checkpoint.open_manager(tmp_path / "ck", keep=2, async_save=False)
