@@ -102,6 +102,10 @@ class LearnerUnit:
         # values on the host (sent_local) anyway, so it encodes there.
         self.device_codec = (device_codecs.for_spec(spec.up_spec)
                              if spec.device_encode and not spec.schedule.keep else None)
+        # Broadcasts are decoded on the devices too, unless they span processes (a learner world):
+        # there receive stays host work, as the leader takes broadcasts alone (docs/multihost.md).
+        self.device_decode = self.device_codec is not None and all(
+            x.sharding.is_fully_addressable for x in jax.tree.leaves(self.state.params))
         # fragment -> (host values, their copy on the devices): the anchor the device encoder reads
         self._placed: dict[int, tuple[Mapping, dict[Path, jax.Array]]] = {}
         self.host_bytes = 0  # bytes contributions copied from the devices to the host
@@ -194,6 +198,8 @@ class LearnerUnit:
         states = dict(self.codec_states)
         for p, frag in enumerate(s.fragments):  # each fragment shape's encoder; its results dropped
             self._start(lsm.Send(p, 0, 0, 0, 0, 0), copy=False).work()
+            if not self.device_decode:
+                continue
             # and the decoders of a broadcast coming back, delta and full copy, on zero payloads
             paths = sorted(frag.paths)
             shapes = [tuple(get_path(self.state.params, path).shape) for path in paths]
@@ -371,7 +377,7 @@ class LearnerUnit:
     def receive(self, frame: bytes) -> tuple[int, int] | None:
         """A broadcast arrived: decode it against the newest version held; (fragment, version) or
         None. A unit that encodes on its devices decodes there too (when the frame's codec has a
-        device decoder): only the payload crosses, and the values stay there."""
+        device decoder, and not in a learner world): only the payload crosses, the values stay."""
         try:
             msg = messages.decode(frame)
             h = msg.header
@@ -379,7 +385,7 @@ class LearnerUnit:
             frag = self.spec.fragments[p]
             base_version, base = self.latest[p]
             expected = {path: (get_path(self.state.params, path).shape, np.float32) for path in frag.paths}
-            decoder = None if self.device_codec is None else device_codecs.decoder_for(h["codec"])
+            decoder = device_codecs.decoder_for(h["codec"]) if self.device_decode else None
             if decoder is not None:
                 layout = payloads.tensor_layout(h, expected)
                 raw = decoder.check(h, msg.payload, [shape for _, shape in layout])
