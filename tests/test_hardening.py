@@ -33,7 +33,8 @@ def _refused(pol, st, frame_, reason, key, now=1.0):
     st, actions = sync.on_contribution(pol, st, frame_, now)
     assert actions == (sync.Outcome(key, f"quarantined:{reason}"),)
     assert st.quarantined.get(reason, 0) == before.quarantined.get(reason, 0) + 1
-    assert st.decisions[-1]["event"] == "quarantine" and st.decisions[-1]["reason"] == reason
+    assert st.refusals.latest[-1]["event"] == "quarantine" and st.refusals.latest[-1]["reason"] == reason
+    assert st.decisions == before.decisions  # refusals are counted apart, never in the unbounded records
     assert _bits(st) == bits and st.merges == before.merges
     assert st.fragments is before.fragments  # nothing of any fragment moved, not even its norms
     return st
@@ -161,7 +162,7 @@ def test_a_huge_finite_contribution_is_quarantined_before_the_median_is_armed():
     st = start(pol)
     big = {W: np.full((2, 3), 1e30, np.float32), B: np.full(2, 1e30, np.float32)}
     st = _refused(pol, st, raw_frame(*_wire(big)), "exploding_norm", (0, 0, 1))
-    assert "Theta" in st.decisions[-1]["detail"]
+    assert "Theta" in st.refusals.latest[-1]["detail"]
     st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 1), THETA0[0], seq=2), 2.0)
     assert sync.Outcome((0, 0, 2), "merged") in actions
 
@@ -212,7 +213,7 @@ def test_a_codec_other_than_the_runs_is_wrong_codec():
     st = start(pol)
     local = shifted(THETA0[0], 0.5)
     st = _refused(pol, st, frame(local, THETA0[0]), "wrong_codec", (0, 0, 1))  # fp32 is not this run's
-    assert "int8" in st.decisions[-1]["detail"]
+    assert "int8" in st.refusals.latest[-1]["detail"]
     st, actions = sync.on_contribution(pol, st, frame(local, THETA0[0], codec=make_codec("int8"), spec="int8"), 2.0)
     assert sync.Outcome((0, 0, 1), "merged") in actions
 

@@ -70,9 +70,11 @@ def test_quarantine_leaves_theta_bit_identical(case):
     st, actions = sync.on_contribution(pol, st, bad, 1.0)
     assert actions == (sync.Outcome(key, f"quarantined:{reason}"),)
     assert st.quarantined == {reason: 1}
-    rec = st.decisions[-1]
-    assert (rec["event"], rec["reason"], rec["key"], rec["at"]) == ("quarantine", reason, key, 1.0)
-    assert st.decisions[:-1] == before.decisions
+    rec = st.refusals.latest[-1]
+    assert (rec["event"], rec["reason"], rec["key"], rec["at"]) == ("quarantine", reason,
+                                                                     None if key is None else list(key), 1.0)
+    assert st.decisions == before.decisions and st.refusals.total == before.refusals.total + 1
+    assert st.refusals.counts[(reason, None if key is None else key[0])] == 1
     assert {p: x.tobytes() for p, x in sync.theta(st).items()} == snapshot
     assert st.fragments is before.fragments and st.merges == 0
     assert st.last_seq == before.last_seq and st.live == before.live
@@ -136,7 +138,7 @@ def test_a_pseudo_gradient_far_above_the_running_median_is_quarantined():
                                                       base_version=version), 9.0)
     assert actions == (sync.Outcome((0, 0, 9), "quarantined:exploding_norm"),)
     assert st.quarantined == {"exploding_norm": 1} and st.fragments[0].theta is theta
-    assert st.decisions[-1]["reason"] == "exploding_norm" and "median" in st.decisions[-1]["detail"]
+    assert st.refusals.latest[-1]["reason"] == "exploding_norm" and "median" in st.refusals.latest[-1]["detail"]
     st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 3), THETA0[0], seq=10,
                                                       base_version=version), 10.0)
     assert sync.Outcome((0, 0, 10), "merged") in actions  # 3x the median is within the bound

@@ -80,3 +80,27 @@ class Records:
 
     def __repr__(self) -> str:
         return f"Records({len(self)} records)"
+
+
+RING = 64  # refusal records a syncer state keeps (docs/design.md#damage-in-the-store)
+
+
+class Refusals(NamedTuple):
+    """The syncer's refused frames, bounded whatever a sender does: exact counts per (reason,
+    learner), learner None for a frame that could not be attributed, and the RING latest records,
+    oldest first. `total` numbers them, so a reader that saw n can take the total - n newest."""
+
+    counts: dict[tuple[str, int | None], int] = {}
+    latest: tuple[dict, ...] = ()
+    total: int = 0
+
+
+def refuse(r: Refusals, record: dict, reason: str, learner: int | None) -> Refusals:
+    """r with one more refusal of `reason` by `learner`, its record the newest kept."""
+    key = (reason, learner)
+    return Refusals({**r.counts, key: r.counts.get(key, 0) + 1}, (r.latest + (record,))[-RING:], r.total + 1)
+
+
+def newest(r: Refusals, seen: int) -> tuple[dict, ...]:
+    """The records of refusals after the first `seen` (those still kept: at most RING)."""
+    return r.latest[len(r.latest) - min(r.total - seen, len(r.latest)):] if r.total > seen else ()

@@ -16,7 +16,7 @@ import optax
 from diloco.algo import merge as merging
 from diloco.algo import auth, quorum, roundsum
 from diloco.algo.codecs import Codec
-from diloco.algo.eventlog import Records
+from diloco.algo.eventlog import Records, Refusals, refuse
 from diloco.algo.fragments import Fragment, Path
 
 Values = dict[Path, np.ndarray]
@@ -109,12 +109,15 @@ class SyncerState(NamedTuple):
     held: dict[int, tuple[int, ...]]  # learner -> version of each fragment it was last sent
     step_times: quorum.StepTimes = quorum.StepTimes()
     merges: int = 0
-    quarantined: dict[str, int] = {}
-    decisions: Records = Records()  # every decision as a plain dict, append-only (O(1) each)
+    quarantined: dict[str, int] = {}  # refused frames per reason; `refusals` has them per learner too
+    decisions: Records = Records()  # every admission and merge as a plain dict, append-only (O(1) each)
     # (learner, incarnation, fragment) -> the base version of its last admitted contribution: a
     # learner applies versions in order, so its later contributions are based on no older one, and
     # older refs that no live learner can still use are freed (`_kept`, docs/design.md#syncer-memory).
     bases: dict[tuple[int, int, int], int] = {}
+    # Refusals are counted and only the latest kept: a sender can make any number of them
+    # (docs/design.md#damage-in-the-store); run.log_refusals writes every one to metrics.jsonl.
+    refusals: Refusals = Refusals()
 
 
 class SetDeadline(NamedTuple):
@@ -149,11 +152,14 @@ def with_fragment(st: SyncerState, p: int, fs: FragmentState) -> SyncerState:
 
 
 def quarantine(st: SyncerState, reason: str, key, now: float, detail: str) -> tuple[SyncerState, tuple]:
-    """A refused contribution booked: its reason counted and recorded, and its Outcome for the ledger."""
+    """A refused contribution booked: its reason counted and its record kept among the latest
+    (st.refusals), and its Outcome for the ledger."""
     counts = {**st.quarantined, reason: st.quarantined.get(reason, 0) + 1}
-    record = {"event": "quarantine", "at": now, "reason": reason, "key": key, "detail": detail[:200]}
+    record = {"event": "quarantine", "at": now, "reason": reason, "key": None if key is None else list(key),
+              "detail": detail[:200]}
+    refusals = refuse(st.refusals, record, reason, None if key is None else int(key[0]))
     outcome = "stale" if reason == "stale" else f"quarantined:{reason}"
-    return st._replace(quarantined=counts, decisions=st.decisions.add(record)), (Outcome(key, outcome),)
+    return st._replace(quarantined=counts, refusals=refusals), (Outcome(key, outcome),)
 
 
 def decision_record(event: str, d: quorum.Decision, c: Contribution | None) -> dict:

@@ -7,6 +7,7 @@ as the rules that hold between the settings.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -126,6 +127,8 @@ def run_errors(r: RunConfig) -> list[str]:
     """run.peak_tflops and run.profile (docs/design.md#model-flops-and-mfu, #profiling-a-run)."""
     e: list[str] = []
     check(e, r.peak_tflops >= 0, f"run.peak_tflops={r.peak_tflops} must be >= 0 (0: the device's known peak)")
+    check(e, math.isfinite(r.checkpoint_fail_s) and r.checkpoint_fail_s >= 0,
+          f"run.checkpoint_fail_s={r.checkpoint_fail_s} must be a finite number of seconds >= 0 (0: never fail)")
     if r.profile:
         window = list(r.profile)
         check(e, len(window) == 2 and 0 <= window[0] < window[1] <= r.steps,

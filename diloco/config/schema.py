@@ -128,6 +128,9 @@ class RunConfig:
     # torn or damaged newest one falls back to the one before (1 saves disk and loses that); a sim
     # snapshot holds syncer.history broadcast references and every learner's optimizer state
     keep_checkpoints: int = 2
+    # seconds of failed checkpoint commits (each logged, retried at the next) before a run fails; 0 = never
+    checkpoint_fail_s: float = 600.0  # (docs/design.md#checkpoint-integrity)
+    log_refusals: bool = False  # every refused frame's record in metrics.jsonl (docs/design.md#damage-in-the-store)
     out_dir: str = "runs/default"  # the run directory (configs/train.yaml: runs/<timestamp>)
     resume: bool = False  # continue the run in out_dir from what it saved (docs/design.md#resuming-a-run)
     progress: bool = True  # a live status line on stderr (off under CI=1)

@@ -16,6 +16,7 @@ from typing import Callable
 
 from diloco.algo import hostpool, ledger, roundsum, timeline, traffic
 from diloco.algo import syncer as sync
+from diloco.algo.eventlog import newest
 from diloco.algo.replay import Input, apply as deliver
 from diloco.chaos import tapes
 from diloco.runtime import events as ev
@@ -36,21 +37,23 @@ class SyncerHost:
                  on_deadline: Callable[[int, float], None] | None = None, transport: Transport | None = None,
                  on_publish: Callable[[sync.Publish], None] | None = None, learners_fetch: bool = False,
                  on_step: Callable[[ev.StepDone], None] | None = None, pace: keepup.Plan | None = None,
-                 on_merge: Callable[[dict], None] | None = None):
+                 on_merge: Callable[[dict], None] | None = None, log_refusals: bool = False):
         """learners_fetch: learners pull broadcasts themselves and report what they fetched (procs),
         so down bytes are booked from their events, not per Publish; their clocks are several
         processes' wall clocks, so an interval starting a hair before the previous one ended is
         clipped rather than an error. on_publish sees every whole Publish (procs stores it).
         on_step sees each step once it is booked and before its contributions are delivered: the
         global model as it stood when the learner finished the step (evals, reports).
-        on_merge sees each merge's metrics record (summary.merge_record), for the run's metrics.
+        on_merge sees each merge's metrics record (summary.merge_record), for the run's metrics;
+        log_refusals: and each refused frame's record as kind "refusal" (run.log_refusals: the state
+        keeps only counts and the latest, docs/design.md#damage-in-the-store).
         pace: check whether the syncer keeps up (docs/design.md#does-the-syncer-keep-up); its rounds
         are timed here, before any clock starts, on copies of the state."""
         self.setup, self.policy = setup, setup.policy
         self.learners_fetch = learners_fetch
         self.on_publish = on_publish or (lambda action: None)
         self.on_step = on_step or (lambda event: None)
-        self.on_merge = on_merge
+        self.on_merge, self.log_refusals = on_merge, log_refusals
         self.counted = traffic.Sent()  # the byte ledger's chunks summed so far (merge records)
         self.inputs = inputs  # every syncer input, in delivery order: the replayable tape
         self.state = sync.init(setup.policy, setup.fragments, setup.theta0, dict(learners))
@@ -228,7 +231,7 @@ class SyncerHost:
         self.inputs_seen += 1
         if self.inputs is not None:
             self.inputs.append(event)
-        decided = len(self.state.decisions)
+        decided, refused = len(self.state.decisions), self.state.refusals.total
         self.state, actions = deliver(self.policy, self.state, event)
         for a in actions:
             if isinstance(a, sync.SetDeadline):
@@ -246,6 +249,8 @@ class SyncerHost:
                     self.transport(m, frame, a.fragment, full)
         if self.on_merge is not None:  # after the actions: a merge's broadcast is in its bytes_down
             self._merged(decided)
+            for r in newest(self.state.refusals, refused) if self.log_refusals else ():
+                self.on_merge({"kind": "refusal", "time": r["at"], **r})
 
     def _merged(self, decided: int) -> None:
         """The metrics record of every merge among the decisions from index `decided` on."""

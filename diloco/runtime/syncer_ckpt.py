@@ -1,7 +1,8 @@
 """Orbax checkpoints of the syncer (docs/design.md#checkpoints): Theta and the outer optimizer state of
 every fragment, the broadcast references learners decode against, open rounds with the
 contributions admitted into them, versions, live incarnations, sequence numbers, step-time
-estimates, quarantine counts and the decision records.
+estimates, quarantine counts, the decision records of admissions and merges, and the refusals
+bounded (counts per reason and learner, the latest eventlog.RING records).
 
 Arrays go through Orbax (async, written to a temporary directory and renamed, so a torn
 checkpoint is never listed); everything else is a JSON document saved in the same step, and both
@@ -22,7 +23,7 @@ import numpy as np
 from diloco import checkpoint
 from diloco.algo import quorum
 from diloco.algo import syncer as sync
-from diloco.algo.eventlog import Records
+from diloco.algo.eventlog import Records, Refusals
 from diloco.algo.fragments import Fragment
 from diloco.runtime import ledger_ckpt
 
@@ -77,6 +78,9 @@ def to_checkpoint(st: sync.SyncerState) -> tuple[dict, dict]:
         "step_times": {"decay": st.step_times.decay, "estimates": [list(e) for e in st.step_times.estimates]},
         "merges": st.merges, "quarantined": dict(st.quarantined), "decisions": list(st.decisions),
         "bases": sorted([*k, v] for k, v in st.bases.items()),
+        "refusals": {"counts": sorted(([r, m, n] for (r, m), n in st.refusals.counts.items()),
+                                      key=lambda row: (row[0], -1 if row[1] is None else row[1])),
+                     "latest": list(st.refusals.latest), "total": st.refusals.total},
     }
     return arrays, meta
 
@@ -106,12 +110,15 @@ def from_checkpoint(arrays: dict, meta: dict, policy: sync.Policy,
                                         _round(fm["round"]), contributions, tuple(fm.get("norms", ()))))
     st_times = quorum.StepTimes(meta["step_times"]["decay"],
                                 tuple((int(m), s) for m, s in meta["step_times"]["estimates"]))
+    refused = meta.get("refusals", {"counts": [], "latest": [], "total": 0})  # none before they were bounded
+    refusals = Refusals({(r, m): n for r, m, n in refused["counts"]}, tuple(refused["latest"]), refused["total"])
     return sync.SyncerState(
         tuple(frags), {m: inc for m, inc in meta["live"]},
         {(m, inc): seq for m, inc, seq in meta["last_seq"]},
         {m: tuple(v) for m, v in meta["held"]}, st_times, meta["merges"],
         dict(meta["quarantined"]), Records(meta["decisions"]),
-        {(m, inc, p): v for m, inc, p, v in meta.get("bases", [])})  # none saved: every ref kept (up to history)
+        {(m, inc, p): v for m, inc, p, v in meta.get("bases", [])},  # none saved: every ref kept (up to history)
+        refusals)
 
 
 def pairs(d: dict) -> list:

@@ -22,6 +22,7 @@ FIELDS = {
     "rejoin": {"time", "learner", "incarnation", "step"},
     "eval": {"step", "time", "tokens", "merges", "paths"},
     "merge": {"time", "merges", "tokens", "quorum", "bytes_up", "bytes_down", "stalls", "quarantined", "goodput"},
+    "refusal": {"time", "reason", "key"},  # run.log_refusals
     "end": {"time", "summary", "steps", "tokens", "dead", "finished_at", "merges", "processed0", "complete",
             "paths"},
 }

@@ -88,7 +88,7 @@ class ProcSyncer(HostedRuntime):
         self.host = SyncerHost(s, {m: 0 for m in range(self.M)}, on_deadline=self._arm,
                                on_publish=self._publish, learners_fetch=True, on_step=self._on_step,
                                pace=None if restart else keepup.plan(cfg),  # a restart's learners are running
-                               on_merge=self._report)
+                               on_merge=self._report, log_refusals=cfg.run.log_refusals)
         self.current = dict.fromkeys(range(self.M), 0)  # incarnation booked now
         self.cursor = dict.fromkeys(range(self.M), 0)  # its next event number
         self.steps = dict.fromkeys(range(self.M), 0)  # last step booked per learner

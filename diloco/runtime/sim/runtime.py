@@ -75,7 +75,8 @@ class Sim(HostedRuntime):
         base = range(r.learners)
         self.host = SyncerHost(setup, {m: 0 for m in base}, inputs,
                                on_deadline=lambda p, at: self.push(at, "deadline", p), transport=self._transmit,
-                               pace=keepup.plan(cfg), on_merge=writer.write if writer is not None else None)
+                               pace=keepup.plan(cfg), on_merge=writer.write if writer is not None else None,
+                               log_refusals=cfg.run.log_refusals)
         self.units = [new_unit(setup, m, 0, self.host.state) if m in base else None for m in range(self.M)]
         self.alive = {m: m in base for m in range(self.M)}
         self.died_at: dict[int, tuple[float, int]] = {}  # dead learner -> (time, step it stopped at)

@@ -96,7 +96,7 @@ class Threads(StopAndResume, HostedRuntime):
             self.speeds = list(tape.speeds[:self.M])
         self.host = SyncerHost(setup, {m: 0 for m in range(self.M)}, inputs, on_deadline=self._arm,
                                transport=self._transmit, on_step=self._on_step, pace=keepup.plan(cfg),
-                               on_merge=self._write)
+                               on_merge=self._write, log_refusals=cfg.run.log_refusals)
         self.run_dir, self.syncer_ckpts = run_dir, syncer_ckpts
         # Each learner thread builds its own unit (device_put of its params) from this initial state.
         self.units: list[LearnerUnit | None] = [None] * self.M
