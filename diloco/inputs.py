@@ -11,7 +11,7 @@ import jax
 
 from diloco.config import ConfigError, TrainConfig, start_errors
 from diloco.data import Corpus, load_corpus
-from diloco.model import Model, build, lora, with_params
+from diloco.model import Model, abstract_params, build, lora, with_params
 
 
 class Inputs(NamedTuple):
@@ -21,8 +21,10 @@ class Inputs(NamedTuple):
     pretrained: Any  # diloco.hf.Pretrained of model.init_from (its model the full one), or None
 
 
-def load_checkpoint(cfg: TrainConfig):
+def load_checkpoint(cfg: TrainConfig, weights: bool = True):
     """(cfg with model.init_from's shape, its Pretrained), or (cfg, None) for a random init.
+    The weights are read to host memory (numpy, hf.HOST), never through a device: whoever trains
+    places them straight into its own shardings; `weights=False` reads none (hf.load).
     ConfigError, naming the value, for a path that is missing or not a checkpoint this code reads,
     for data.source=sft without one, or for a data.seq_len beyond the checkpoint's context."""
     errors = start_errors(cfg)
@@ -35,7 +37,7 @@ def load_checkpoint(cfg: TrainConfig):
 
     try:
         # The run's model.dtype stays a choice of the run: it is the compute dtype, not the weights'.
-        pre = hf.load(hf.resolve(path), dtype=cfg.model.dtype)
+        pre = hf.load(hf.resolve(path), shardings=hf.HOST, dtype=cfg.model.dtype, weights=weights)
     except (hf.CheckpointError, OSError) as e:
         raise ConfigError(f"model.init_from={path!r} cannot be read as a checkpoint: {e}") from None
     # So are how the inner step computes: attention kernel, remat, loss chunk (docs/models.md).
@@ -56,13 +58,21 @@ def load_checkpoint(cfg: TrainConfig):
     return dataclasses.replace(cfg, model=model), pre
 
 
-def load_inputs(cfg: TrainConfig) -> Inputs:
+def load_inputs(cfg: TrainConfig, weights: bool = True) -> Inputs:
     """The resolved config, the corpus (encoded with the checkpoint's tokenizer when there is one)
     and the model: the checkpoint's weights, or a random init from run.seed; with
-    finetune.lora.rank > 0 the checkpoint frozen and LoRA adapters as the params that train."""
-    cfg, pre = load_checkpoint(cfg)
+    finetune.lora.rank > 0 the checkpoint frozen and LoRA adapters as the params that train.
+    `weights=False`: the model's params are shapes only (a procs child reads Theta_0 from the
+    store, diloco/runtime/procs/theta0.py); the frozen checkpoint of a LoRA run is still read."""
+    weights = weights or cfg.finetune.lora.rank > 0
+    cfg, pre = load_checkpoint(cfg, weights)
     corpus = load_corpus(cfg.data, None if pre is None else pre.tokenizer)
-    model = pre.model if pre is not None else build(cfg.model, corpus.vocab_size, cfg.run.seed)
+    if pre is not None:
+        model = pre.model
+    elif weights:
+        model = build(cfg.model, corpus.vocab_size, cfg.run.seed)
+    else:
+        model = with_params(cfg.model, corpus.vocab_size, abstract_params(cfg.model, corpus.vocab_size))
     if cfg.finetune.lora.rank > 0:  # start_errors: only with model.init_from
         model = lora.adapt(cfg.finetune.lora, model)
     return Inputs(cfg, corpus, model, pre)

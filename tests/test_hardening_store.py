@@ -25,7 +25,7 @@ from diloco.algo import auth, ledger, messages
 from diloco.algo import syncer as sync
 from diloco.config import validate
 from diloco.runtime import events as ev
-from diloco.runtime.procs import child
+from diloco.runtime.procs import child, theta0
 from diloco.runtime.procs import intake, reading
 from diloco.runtime.procs import learner as pl
 from diloco.runtime.procs import syncer as ps
@@ -49,9 +49,11 @@ def small(tmp_path_factory):
 
 
 def _store_for(setup) -> bs.BlobStore:
-    """A fresh store with the run's Theta_0 fingerprint, as the supervisor writes it for its children."""
+    """A fresh store with the run's Theta_0 and its fingerprint, as the supervisor writes them for its
+    children."""
     store = bs.BlobStore("memory://")
-    bs.write_control(store, "run", {"theta0": child.fingerprint(setup.theta0), "learners": 2})
+    theta0.publish(store, setup.theta0)
+    bs.write_control(store, "run", {"theta0": theta0.fingerprint(setup.theta0), "learners": 2})
     return store
 
 

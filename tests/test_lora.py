@@ -246,8 +246,8 @@ def test_a_data_parallel_lora_run_exports_from_its_sharded_adapters(files):
 
 @pytest.mark.slow
 def test_procs_children_build_the_same_lora_model(files):
-    """Every procs child rebuilds the adapters and the As from the config (Theta_0's fingerprint
-    would refuse a mismatch) and ships the Bs only."""
+    """Every procs child reads the frozen checkpoint, rebuilds the As from the config, takes the
+    adapters' Theta_0 from the store, and ships the Bs only."""
     summary = run(lora_cfg(files, "procs", algo="diloco", runtime=dict(kind="procs")))
     assert summary["token_ledger_imbalance"] == 0 and summary["merges"] == 2
     assert summary["bytes_up"] < 0.1 * 307_488  # a full fine-tune of this config sends 307,488 bytes up in sim

@@ -254,10 +254,15 @@ def full_frames(st: SyncerState) -> dict[int, bytes]:
 
 def max_payload(st: SyncerState) -> int:
     """The largest payload a contribution of any fragment of `st` can honestly have, in bytes."""
+    return max_payload_of(tuple(fs.theta for fs in st.fragments))
+
+
+def max_payload_of(fragments: tuple[Values, ...]) -> int:
+    """max_payload of fragments given as path -> array (or ShapeDtypeStruct: only sizes count)."""
     # Per tensor of n values no codec sends more than top-k at fraction 1 (a uint32 index and a
     # float32 value each: 8n, twice fp32), and zstd adds at most n/32 of that plus 64 bytes and a
     # 22-byte frame header and checksum (ZSTD_COMPRESSBOUND); a larger payload is hostile.
-    return max(sum(8 * x.size + x.size // 32 + 96 for x in fs.theta.values()) for fs in st.fragments)
+    return max(sum(8 * x.size + x.size // 32 + 96 for x in values.values()) for values in fragments)
 
 
 def theta(st: SyncerState) -> dict[Path, np.ndarray]:

@@ -17,13 +17,13 @@ import jax
 
 from diloco.config import ModelConfig
 from diloco.hf import safetensors_file
-from diloco.hf.convert import export_tensors, load_params
+from diloco.hf.convert import HOST, check_fits, export_tensors, load_params
 from diloco.hf.families import family_for_export, family_of_config
 from diloco.hf.source import CheckpointError
 from diloco.pretrained import resolve  # noqa: F401 (hf.resolve: the name rule, kept where config checks can read it)
-from diloco.model import Model, Params, with_params
+from diloco.model import Model, Params, abstract_params, with_params
 
-__all__ = ["CheckpointError", "Pretrained", "load", "resolve", "save"]
+__all__ = ["HOST", "CheckpointError", "Pretrained", "load", "resolve", "save"]
 
 GGUF_MAGIC = b"GGUF"
 
@@ -51,11 +51,13 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def load(path: str | Path, shardings: Any = None, dtype: str | None = None) -> Pretrained:
+def load(path: str | Path, shardings: Any = None, dtype: str | None = None, weights: bool = True) -> Pretrained:
     """Import a checkpoint folder (config.json + safetensors) or a .gguf file.
 
     Weights become float32 master params, each placed with `shardings` as it is read (see
-    diloco.hf.convert.load_params); `dtype` overrides the compute dtype (float32 | bfloat16).
+    diloco.hf.convert.load_params; HOST keeps them numpy); `dtype` overrides the compute dtype
+    (float32 | bfloat16). `weights=False` checks every tensor's shape but reads none: the model's
+    params are then ShapeDtypeStructs (a procs child, which takes Theta_0 from the store).
     """
     from diloco.hf.tokenizer import from_parts, load_tokenizer
 
@@ -85,7 +87,11 @@ def load(path: str | Path, shardings: Any = None, dtype: str | None = None) -> P
         # Embedding lookups clamp out-of-range ids silently, so this would generate garbage.
         raise CheckpointError(f"{path}: the tokenizer has {tokenizer.vocab_size} ids but the model's "
                               f"embedding only {vocab} rows")
-    params = load_params(source, family, cfg, vocab, shardings)
+    if weights:
+        params = load_params(source, family, cfg, vocab, shardings)
+    else:
+        check_fits(source, family, cfg, vocab)
+        params = abstract_params(cfg, vocab)
     return Pretrained(with_params(cfg, vocab, params), cfg, vocab, tokenizer, str(path))
 
 

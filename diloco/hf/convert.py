@@ -34,6 +34,12 @@ def _nest(flat: dict[str, Any]) -> Params:
     return out
 
 
+# load_params(shardings=HOST): numpy arrays on the host, on no device. A run's inputs are read so
+# (diloco/inputs.py): each trainer or learner then places them straight into its own shardings,
+# instead of every weight passing through the first device on its way (docs/design.md#fine-tuning).
+HOST = "host"
+
+
 def _sharding_for(shardings: Any, path: str):
     if shardings is None:
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -66,15 +72,21 @@ def problems(source: TensorSource, family: Family, cfg: ModelConfig, vocab: int)
     return out
 
 
-def load_params(source: TensorSource, family: Family, cfg: ModelConfig, vocab: int,
-                shardings: Any = None) -> Params:
-    """Fill the model's params from `source`, one tensor on the host at a time, each placed with its
-    sharding as it is read (a NamedSharding pytree like the params, one Sharding, or None for the
-    first device). Raises CheckpointError listing every problem before anything is read."""
+def check_fits(source: TensorSource, family: Family, cfg: ModelConfig, vocab: int) -> None:
+    """CheckpointError listing every problem (see `problems`) unless the checkpoint fits."""
     found = problems(source, family, cfg, vocab)
     if found:
         raise CheckpointError(f"checkpoint does not fit the {family.name} config "
                               f"({len(found)} problem(s)):\n  " + "\n  ".join(found))
+
+
+def load_params(source: TensorSource, family: Family, cfg: ModelConfig, vocab: int,
+                shardings: Any = None) -> Params:
+    """Fill the model's params from `source`, one tensor on the host at a time, each placed with its
+    sharding as it is read (a NamedSharding pytree like the params, one Sharding, or None for the
+    first device, or HOST for numpy arrays on none). Raises CheckpointError listing every problem
+    before anything is read."""
+    check_fits(source, family, cfg, vocab)
     in_file = strip_prefix(source.keys(), family)
     flat: dict[str, jax.Array] = {}
     for hf, ours, transform in expand(family, cfg):
@@ -83,6 +95,9 @@ def load_params(source: TensorSource, family: Family, cfg: ModelConfig, vocab: i
             raise CheckpointError(f"{source.where(in_file[hf])}: {hf} holds non-finite values")
         for path, part in zip(ours, transform.to_ours(host)):
             part = np.asarray(part, np.float32)
+            if shardings is HOST:
+                flat[path] = part
+                continue
             # Each device receives only its own slice: no full copy per device.
             flat[path] = jax.make_array_from_callback(part.shape, _sharding_for(shardings, path),
                                                       lambda index, part=part: part[index])

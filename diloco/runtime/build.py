@@ -36,7 +36,9 @@ class Setup(NamedTuple):
     policy: sync.Policy
     spec: UnitSpec
     compiled: tuple[Compiled, ...]  # one per learner sub-mesh (one for all learners in sim)
-    theta0: tuple[dict, ...]  # per fragment, host FP32: the global model every learner starts from
+    # per fragment, host FP32: the global model every learner starts from (ShapeDtypeStructs in a
+    # setup built around abstract params, until the values are read: procs/theta0.py)
+    theta0: tuple[dict, ...]
     flops_per_token: int = 0  # model FLOPs of one trained token (train/flops.py): the records' MFU
 
 
@@ -159,6 +161,11 @@ def learner_meshes(cfg: TrainConfig) -> list:
     return [make_mesh(mesh_cfg, cfg.data.batch_size, list(devs)) for devs in learner_device_lists(cfg, jax.devices())]
 
 
+def is_abstract(params) -> bool:
+    """Whether params are shapes only (jax.ShapeDtypeStruct leaves), no values."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(params))
+
+
 def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
     f = cfg.fragments
     # One fragment holds everything: there is nothing to separate embeddings from.
@@ -172,8 +179,12 @@ def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
     spec = UnitSpec(corpus.train, cfg.run.seed, cfg.runtime.learners, cfg.data.batch_size, cfg.data.seq_len,
                     fragments, schedule, wire.up, wire.up_spec, cfg.data.shard_block, down_spec=wire.down_spec)
     compiled = tuple(compile_steps(model, cfg, mesh) for mesh in learner_meshes(cfg))
-    host = jax.device_get(model.params)
-    theta0 = tuple({p: np.asarray(v, np.float32) for p, v in extract(host, frag).items()} for frag in fragments)
+    if is_abstract(model.params):  # a procs child: Theta_0 comes from the store (procs/theta0.py)
+        theta0 = tuple({p: jax.ShapeDtypeStruct(v.shape, np.float32) for p, v in extract(model.params, frag).items()}
+                       for frag in fragments)
+    else:
+        host = jax.device_get(model.params)
+        theta0 = tuple({p: np.asarray(v, np.float32) for p, v in extract(host, frag).items()} for frag in fragments)
     return Setup(fragments, policy(cfg, wire), spec, compiled, theta0, flops.of_run(cfg, model.apply, model.params))
 
 

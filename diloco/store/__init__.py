@@ -11,7 +11,8 @@ from diloco.store.exchange import (OVERSIZED, Published, fetch_fragment, full_ve
                                    latest_or_rebuilt, parse_pointer, poll_contributions, publish, read_ack,
                                    send_contribution, write_ack)
 from diloco.store.json_objects import MAX_COUNT, MAX_JSON_BYTES, is_count, loads_object, read_json
-from diloco.store.keys import LATEST, Key, ack_key, broadcast_key, contribution_key, ctl_key, parse_contribution_key
+from diloco.store.keys import (LATEST, Key, ack_key, broadcast_key, contribution_key, ctl_key,
+                              parse_contribution_key, theta0_key)
 from diloco.store.network import StoreUnavailable
 from diloco.store.poller import Poller
 
@@ -19,4 +20,5 @@ __all__ = ["LATEST", "MAX_COUNT", "MAX_JSON_BYTES", "OVERSIZED", "BlobStore", "K
            "Published", "StoreUnavailable", "TooLarge", "ack_key", "broadcast_key", "contribution_key", "ctl_key",
            "fetch_fragment", "full_versions", "gc", "get_frame", "is_count", "latest", "latest_or_rebuilt",
            "list_control", "loads_object", "parse_contribution_key", "parse_pointer", "poll_contributions",
-           "publish", "read_ack", "read_control", "read_json", "send_contribution", "write_ack", "write_control"]
+           "publish", "read_ack", "read_control", "read_json", "send_contribution", "theta0_key", "write_ack",
+           "write_control"]

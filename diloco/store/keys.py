@@ -35,6 +35,12 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+def theta0_key(fragment: int) -> str:
+    """Fragment `fragment` of the run's Theta_0 (its full copy at version 0): written once, before
+    the run starts, and never collected, so a learner starting at any time reads it there."""
+    return f"init/{fragment:04d}.full"
+
+
 def contribution_key(learner: int, incarnation: int, seq: int) -> str:
     return f"up/{learner:04d}/{incarnation:04d}/{seq:012d}"
 

@@ -1,6 +1,6 @@
 """What every process of a procs run shares, the learner's, the syncer's and the supervisor's: how
 a spawned child starts (environment, signals, the run secret, its Setup rebuilt from the config and
-checked against the supervisor's Theta_0), the keys and control names they couple by, the exit
+with Theta_0 read from the store), the keys and control names they couple by, the exit
 statuses, and the largest frame the run can hold.
 
 Reference: docs/design.md#procs.
@@ -27,13 +27,14 @@ from diloco.config import TrainConfig
 from diloco.inputs import load_inputs
 from diloco.runtime import build as build_setup
 from diloco.runtime.build import Setup
+from diloco.runtime.procs import theta0
 
 POLL_MIN, POLL_MAX = 0.002, 0.05  # seconds: back-off bounds of every procs poll loop
 EXIT_DOWN = 75  # a learner whose chaos tape took all its slices (EX_TEMPFAIL): restarted, not an error
 # A learner started apart (diloco/runtime/procs/standalone.py) that finds a newer incarnation of
 # itself has claimed its index: the scheduler started a replacement, so this one steps aside.
 EXIT_SUPERSEDED = 76
-PREFIXES = ("up/", "down/", "ack/", "ctl/", "ev/", "rep/")  # every key scheme of a procs run
+PREFIXES = ("up/", "down/", "ack/", "ctl/", "ev/", "rep/", "init/")  # every key scheme of a procs run
 SECRET_FILE = "auth_secret"  # <run>/auth_secret: the run secret a resume needs (mode 0600)
 
 
@@ -63,25 +64,16 @@ def buried(learner: int, incarnation: int) -> str:
     return f"buried/{learner:04d}/{incarnation:04d}"
 
 
-def fingerprint(theta0: tuple[dict, ...]) -> str:
-    """A hash of Theta_0: every process rebuilds it from the config and must get the same one."""
-    h = hashlib.sha256()
-    for frag in theta0:
-        for path in sorted(frag):
-            h.update(json.dumps(path).encode() + np.ascontiguousarray(frag[path], np.float32).tobytes())
-    return h.hexdigest()[:16]
-
-
 def child_setup(cfg: TrainConfig, store: bs.BlobStore) -> Setup:
-    """In a spawned child: the Setup rebuilt from the config (jitted functions do not pickle).
-    Steps compile lazily, so building every learner's (as setup.build does) costs little."""
-    _, corpus, model, _ = load_inputs(cfg)  # the same checkpoint (model.init_from) and data as the supervisor's
+    """In a spawned child: the Setup rebuilt from the config (jitted functions do not pickle)
+    around the model's shapes, and Theta_0 read from the store, where the supervisor wrote it
+    (procs/theta0.py): no child loads the checkpoint's weights or draws the init again, except
+    the frozen checkpoint of a LoRA run. Steps compile lazily, so building every learner's (as
+    setup.build does) costs little."""
+    _, corpus, model, _ = load_inputs(cfg, weights=False)
     setup = build_setup.build(cfg, corpus, model)
     want = (bs.read_control(store, "run") or {}).get("theta0")
-    if want != fingerprint(setup.theta0):
-        raise RuntimeError(f"this process rebuilt Theta_0 {fingerprint(setup.theta0)} from the config, the "
-                           f"supervisor has {want}: model init must be a pure function of the config")
-    return setup
+    return setup._replace(theta0=theta0.read(store, setup.theta0, want, max_frame(setup)))
 
 
 def keep_secret(cfg: TrainConfig, run_dir: Path | None) -> None:
@@ -134,9 +126,9 @@ def wait_for(poll: Callable[[], Any], parent: int | None, stopping: Callable[[],
     return found
 
 
-def max_frame(setup: Setup, merges: bool = True) -> int:
+def max_frame(setup: Setup) -> int:
     """The largest frame of this run, up or down: the prefix (magic, header length), the header
     bound and the syncer's payload bound (diloco/algo/syncer.py), which no codec's payload exceeds
-    and a full FP32 copy (4 bytes a value) is below; a larger object in the store is damage."""
-    st = sync.init(setup.policy, setup.fragments, setup.theta0, {}, merges)
-    return len(messages.MAGIC) + 4 + messages.MAX_HEADER_BYTES + sync.max_payload(st)
+    and a full FP32 copy (4 bytes a value) is below; a larger object in the store is damage.
+    Shapes only: it holds before Theta_0's values are read (child_setup)."""
+    return len(messages.MAGIC) + 4 + messages.MAX_HEADER_BYTES + sync.max_payload_of(setup.theta0)

@@ -106,7 +106,7 @@ class ProcLearner:
         self.t0 = 0.0
         self.nap_until = float("inf")
         self.poller = bs.Poller(POLL_MIN, POLL_MAX, sleep=self._nap)
-        self.max_frame = max_frame(self.setup, self.merges)
+        self.max_frame = max_frame(self.setup)
         self.bad: set[str] = set()  # broadcast keys found unreadable: never fetched again
         self.skipped: Counter = Counter()  # what damage made it skip, by kind (also logged)
         self._bad_pointer: str | None = None  # the last malformed pointer logged, not to log it each poll

@@ -49,7 +49,8 @@ from diloco import report
 from diloco import store as bs
 from diloco.config import ConfigError, TrainConfig, to_dict
 from diloco.runtime.interfaces import Child, Launcher, RunSpec
-from diloco.runtime.procs.child import EXIT_DOWN, PREFIXES, died, fingerprint, keep_secret
+from diloco.runtime.procs.child import EXIT_DOWN, PREFIXES, died, keep_secret
+from diloco.runtime.procs import theta0
 from diloco.runtime.procs.recovery import restartable
 from diloco.runtime.procs.reports import rep_key, report_theta
 from diloco.runtime.build import Setup
@@ -146,10 +147,17 @@ class Procs:
             return self._resume()
         for prefix in PREFIXES:  # a store left by an earlier run into the same directory
             self.store.delete_prefix(prefix)
-        bs.write_control(self.store, "run", {"theta0": fingerprint(self.setup.theta0), "learners": self.M})
+        self._announce({})
         self._spawn_syncer(0)
         for m in range(self.M):
             self._spawn(m, 0)
+
+    def _announce(self, extra: dict) -> None:
+        """Theta_0 into the store, then the run control naming its fingerprint: a child that finds
+        the run control finds Theta_0 (procs/theta0.py)."""
+        theta0.publish(self.store, self.setup.theta0)
+        bs.write_control(self.store, "run", {"theta0": theta0.fingerprint(self.setup.theta0), "learners": self.M,
+                                             **extra})
 
     def _start_apart(self) -> None:
         """The syncer of learners started apart: a new run on a store that holds no other run's
@@ -163,14 +171,14 @@ class Procs:
                 raise ConfigError(f"the store {network.redacted(self.url)} holds another run's objects "
                                   f"({', '.join(used)}) but no record of its syncer: give each run its own "
                                   "runtime.store.url")
-            bs.write_control(self.store, "run", {"theta0": fingerprint(self.setup.theta0), "learners": self.M,
-                                                 "config": to_dict(self.cfg)})  # each learner checks its own
+            self._announce({"config": to_dict(self.cfg)})  # each learner checks its own against it
             return self._spawn_syncer(0)
         if not restartable(self.cfg, self.run_dir):
             raise ConfigError("the store holds this run's syncer already; starting it again restores its "
                               f"checkpoints and journal, kept only with run.checkpoint_every > 0 (got "
                               f"{self.cfg.run.checkpoint_every})")
         self.reports = int((bs.read_control(self.store, "reports") or {}).get("read", 0))
+        theta0.publish(self.store, self.setup.theta0)  # a store written before Theta_0 was kept there
         self._spawn_syncer(int(procs["syncer_incarnation"]) + 1)
 
     def _resume(self) -> None:
@@ -201,6 +209,7 @@ class Procs:
         back = [m for m in range(self.M) if m not in self.done]
         self.resume = {"at": float(stopped["at"]), "learners": back,
                        "incarnations": {m: self.incarnation[m] + 1 for m in back}}
+        theta0.publish(self.store, self.setup.theta0)  # a store written before Theta_0 was kept there
         self._spawn_syncer(int(procs["syncer_incarnation"]) + 1)
         for m in back:
             self._spawn(m, self.incarnation[m] + 1)
