@@ -6,7 +6,9 @@ checkpoint is never listed. What Orbax does not catch is damage after the rename
 in a data file restores as a wrong value, an edited JSON field restores as edited), so `save`
 writes a digest of every array and of the meta next to them, and every restore checks it
 (docs/design.md#checkpoint-integrity). `newest` is the one fallback rule: a step that fails to
-read or to verify is skipped with a warning naming it, and the next older one is tried.
+read or to verify is skipped with a warning naming it, and the next older one is tried. `Saves` is
+the one rule for a save that fails: logged, retried at the next, fatal only after
+run.checkpoint_fail_s seconds without a commit.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import hashlib
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -30,6 +33,10 @@ T = TypeVar("T")
 
 class Damaged(ValueError):
     """A checkpoint whose arrays or meta differ from what was saved, or that lacks a field."""
+
+
+class CheckpointsFailing(RuntimeError):
+    """No checkpoint of a manager committed for longer than run.checkpoint_fail_s."""
 
 
 class Newer(Exception):
@@ -129,6 +136,68 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, meta: dict | Non
         meta=ocp.args.JsonSave(meta),
         integrity=ocp.args.JsonSave(digests(state, meta)),
     ))
+
+
+class Saves:
+    """A manager's saves, none of whose failures stops a run by itself (docs/design.md#checkpoint-integrity).
+
+    Orbax commits an async save in a background thread and raises its failure only from the next
+    wait for it (before the next save, a restore or the close), where it used to abort that save or,
+    at the close, the run. Here a save that fails to start or to commit is logged and the next save
+    is the retry; only when none has committed for `fail_s` seconds (0: never) does the next
+    attempt raise CheckpointsFailing. `clock` is for tests."""
+
+    def __init__(self, manager: ocp.CheckpointManager, what: str, fail_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.manager, self.what, self.fail_s, self.clock = manager, what, fail_s, clock
+        self.since = clock()  # when the newest save known to have committed started, or the start
+        self.pending: tuple[int, float] | None = None  # (step, started at) of a save not yet known done
+        self.failures = 0
+
+    def save(self, step: int, state: Any, meta: dict | None = None) -> bool:
+        """Start saving (state, meta) at `step` (`save`) once the previous one has settled; True if
+        it started. A failure is logged; CheckpointsFailing if none has committed for too long."""
+        self.settle()
+        started = self.clock()
+        try:
+            save(self.manager, step, state, meta)
+        except Exception as err:  # noqa: BLE001 - a full disk, a torn directory: the next save retries
+            self._failed(step, err)
+            return False
+        self.pending = (step, started)
+        if not self.manager.is_saving_in_progress():  # a synchronous save: committed already
+            self.settle()
+        return True
+
+    def settle(self, fatal: bool = True) -> None:
+        """Wait for the save in flight. A commit that failed is logged (and its step is gone from the
+        manager's list); fatal=False never raises (a close at the end of a run)."""
+        pending, self.pending = self.pending, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as err:  # noqa: BLE001 - a failed commit is a failed save, not a crash
+            self._failed(None if pending is None else pending[0], err, fatal)
+            return
+        if pending is not None:
+            self.since = pending[1]
+
+    def _failed(self, step: int | None, err: BaseException, fatal: bool = True) -> None:
+        self.failures += 1
+        quiet = self.clock() - self.since
+        log.error("%s %s step %s failed (%s: %s); %d failed so far, none committed for %.0f s; the next "
+                  "save retries", self.what, self.manager.directory, step, type(err).__name__, err,
+                  self.failures, quiet)
+        if fatal and self.fail_s and quiet > self.fail_s:
+            raise CheckpointsFailing(
+                f"no {self.what} could be written to {self.manager.directory} for {quiet:.0f} s "
+                f"(run.checkpoint_fail_s={self.fail_s:g}; {self.failures} saves failed, the last with "
+                f"{type(err).__name__}: {err}): check the disk or the store, or raise run.checkpoint_fail_s "
+                f"(0: never fail)") from err
+
+    def close(self) -> None:
+        """Settle the last save (a failure logged, never raised) and close the manager."""
+        self.settle(fatal=False)
+        self.manager.close()
 
 
 def abstract_like(state: Any) -> Any:

@@ -48,11 +48,14 @@ class LearnerCheckpoints:
     """One Orbax manager per learner under `root/learner-<m>`; not thread-safe (one per runtime
     thread that owns the learner, or one for a sequential runtime)."""
 
-    def __init__(self, root: Path | None, every: int, keep: int = 2, lock=None, primary: bool = True):
+    def __init__(self, root: Path | None, every: int, keep: int = 2, lock=None, primary: bool = True,
+                 fail_s: float = 0.0):
         """primary: this process clears torn saves when it opens a learner's directory; False in
-        the followers of a learner's world, whose leader does it (docs/multihost.md)."""
-        self.root, self.every, self.keep, self.primary = root, every, keep, primary
+        the followers of a learner's world, whose leader does it (docs/multihost.md). fail_s:
+        run.checkpoint_fail_s (a failed save is logged and retried, checkpoint.Saves)."""
+        self.root, self.every, self.keep, self.primary, self.fail_s = root, every, keep, primary, fail_s
         self._managers: dict[int, object] = {}
+        self._saves: dict[int, checkpoint.Saves] = {}
         # Orbax managers saving at the same moment from several threads race on their temporary
         # directories (seen on orbax-checkpoint 0.12.8), so threaded learners share a lock and
         # save synchronously; a sequential runtime passes none and saves asynchronously.
@@ -66,6 +69,7 @@ class LearnerCheckpoints:
         if m not in self._managers:
             self._managers[m] = checkpoint.open_manager(self.root / f"learner-{m}", self.keep,
                                                         async_save=self._lock is None, clean=self.primary)
+            self._saves[m] = checkpoint.Saves(self._managers[m], f"learner {m} checkpoint", self.fail_s)
         return self._managers[m]
 
     def maybe_save(self, unit: LearnerUnit, final: bool = False) -> bool:
@@ -78,12 +82,11 @@ class LearnerCheckpoints:
             return False
         meta = {"learner": unit.learner, "incarnation": unit.ls.incarnation, "step": step,
                 "versions": list(unit.ls.versions)}
+        self._manager(unit.learner)
         if self._lock is None:
-            checkpoint.save(self._manager(unit.learner), step, unit.state, meta)
-        else:
-            with self._lock:
-                checkpoint.save(self._manager(unit.learner), step, unit.state, meta)
-        return True
+            return self._saves[unit.learner].save(step, unit.state, meta)
+        with self._lock:
+            return self._saves[unit.learner].save(step, unit.state, meta)
 
     def latest(self, m: int, target, check: Callable[[int, object, dict], None] | None = None
                ) -> tuple[int, object, dict] | None:
@@ -92,14 +95,14 @@ class LearnerCheckpoints:
         if not self.enabled or not (self.root / f"learner-{m}").exists():
             return None
         manager = self._manager(m)
-        manager.wait_until_finished()
+        self._saves[m].settle(fatal=False)
         return checkpoint.restore_latest(manager, target, check)
 
     def close(self) -> None:
-        for manager in self._managers.values():
-            manager.wait_until_finished()
-            manager.close()
+        for saves in self._saves.values():
+            saves.close()
         self._managers.clear()
+        self._saves.clear()
 
 
 def staleness(syncer_state: sync.SyncerState, versions: list[int]) -> int:

@@ -14,7 +14,6 @@ continues from exactly that input: no fragment version is applied twice or skipp
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import jax
@@ -27,7 +26,6 @@ from diloco.algo.eventlog import Records, Refusals
 from diloco.algo.fragments import Fragment
 from diloco.runtime import ledger_ckpt
 
-log = logging.getLogger(__name__)
 FORMAT = "diloco.syncer/1"
 SYNCER_DIR = "syncer"  # <run>/syncer/: the syncer checkpoints of a threads or procs run
 
@@ -153,11 +151,12 @@ def host_in(host, state: sync.SyncerState, arrays: dict, meta: dict) -> None:
 class SyncerCheckpoints:
     """Save every `every` merges (and on demand); restore the newest readable one. async_save=False
     where other threads of the process save Orbax checkpoints too (threads: they race otherwise,
-    see diloco/runtime/rejoin.py)."""
+    see diloco/runtime/rejoin.py). fail_s: run.checkpoint_fail_s (checkpoint.Saves)."""
 
-    def __init__(self, directory: Path, every: int, keep: int = 2, async_save: bool = True):
+    def __init__(self, directory: Path, every: int, keep: int = 2, async_save: bool = True, fail_s: float = 0.0):
         self.every = every
         self.manager = checkpoint.open_manager(directory, keep, async_save=async_save)
+        self.saves = checkpoint.Saves(self.manager, "syncer checkpoint", fail_s)
         self._last_merges = 0
 
     def maybe_save(self, st: sync.SyncerState, inputs_seen: int) -> bool:
@@ -171,20 +170,17 @@ class SyncerCheckpoints:
         """Start an async save tagged with the number of syncer inputs delivered so far (also the
         Orbax step unless `step` is given); `extra` (arrays, meta) is the runtime's own bookkeeping,
         saved in the same step under "extra". True if the save started. A failed save (a full
-        disk) is logged and the run goes on: the previous checkpoint still stands."""
+        disk, an async commit that failed) is logged and the run goes on: the previous checkpoint
+        still stands, and the next save is the retry (checkpoint.Saves)."""
         arrays, meta = to_checkpoint(st)
         meta["inputs_seen"] = inputs_seen
         if extra is not None:
             arrays["extra"], meta["extra"] = extra
         step = inputs_seen if step is None else step
-        try:
-            checkpoint.save(self.manager, step, arrays, meta)
-            self._last_merges = st.merges
-            return True
-        except Exception as err:  # noqa: BLE001 - I/O errors of any kind must not stop the syncer
-            log.error("syncer checkpoint at step %d failed (%s: %s); continuing", step,
-                      type(err).__name__, err)
+        if not self.saves.save(step, arrays, meta):
             return False
+        self._last_merges = st.merges
+        return True
 
     def latest(self, policy: sync.Policy, fragments: tuple[Fragment, ...]) -> tuple[sync.SyncerState, int] | None:
         """(state, inputs_seen) of the newest readable checkpoint, or None."""
@@ -197,7 +193,7 @@ class SyncerCheckpoints:
         "extra" if the save had it), or None. A step that fails to read, to verify against its
         digests or to rebuild a syncer (a missing field) is skipped with a warning naming it, and the
         next older one is tried (docs/design.md#checkpoint-integrity)."""
-        self.manager.wait_until_finished()
+        self.saves.settle(fatal=False)
 
         def read(step: int):
             arrays, meta = checkpoint.restore_untyped(self.manager, step)
@@ -209,6 +205,5 @@ class SyncerCheckpoints:
         return None if found is None else found[1]
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        self.saves.close()
 

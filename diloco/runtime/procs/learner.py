@@ -100,7 +100,7 @@ class ProcLearner:
         # the leader has begun a save would remove that save).
         self.checkpoints = LearnerCheckpoints(None if run_dir is None else run_dir / "learners",
                                               r.learner_checkpoint_every, cfg.run.keep_checkpoints,
-                                              primary=self.leader)
+                                              primary=self.leader, fail_s=cfg.run.checkpoint_fail_s)
         self.n = 0  # next event number
         self.fetched: list[list] = []  # [time, fragment, bytes, codec], booked with the next event
         self.t0 = 0.0

@@ -114,7 +114,7 @@ class Recovery:
     def __init__(self, cfg: TrainConfig, run_dir: Path | None):
         self.run_dir, self.every = run_dir, cfg.run.checkpoint_every
         self.enabled = restartable(cfg, run_dir)
-        self.keep = cfg.run.keep_checkpoints
+        self.keep, self.fail_s = cfg.run.keep_checkpoints, cfg.run.checkpoint_fail_s
         self.ckpts: SyncerCheckpoints | None = None
         self.journal: Journal | None = None
         self.saved_merges = 0
@@ -134,7 +134,7 @@ class Recovery:
         directory = self.run_dir / CHECKPOINTS
         if not restart:  # a run into a used directory must never restore the earlier run's syncer
             shutil.rmtree(directory, ignore_errors=True)
-        self.ckpts = SyncerCheckpoints(directory, self.every, self.keep)
+        self.ckpts = SyncerCheckpoints(directory, self.every, self.keep, fail_s=self.fail_s)
         if not restart:
             rt.host.inputs, self.journal = InputLog(self.run_dir / INPUTS), Journal(self.run_dir / JOURNAL)
             return []

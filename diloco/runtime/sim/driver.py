@@ -52,7 +52,8 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable
     """Run Decoupled DiLoCo in virtual time; returns the finished Sim (for its state) and a summary
     (None if `stop` ended it early). With run.resume it continues from the run's latest snapshot."""
     every = cfg.run.checkpoint_every * cfg.runtime.learners
-    snapshots = SimSnapshots(None if run_dir is None else run_dir / "sim", every, cfg.run.keep_checkpoints)
+    snapshots = SimSnapshots(None if run_dir is None else run_dir / "sim", every, cfg.run.keep_checkpoints,
+                             cfg.run.checkpoint_fail_s)
     found = snapshots.latest() if cfg.run.resume else None
     try:
         # The input log restarts from the snapshot: inputs after it are delivered again.
@@ -64,7 +65,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable
             # dies (a resume restores every learner from the run's snapshot), so none are written.
             every = cfg.runtime.learner_checkpoint_every if tape is not None else 0
             ckpts = LearnerCheckpoints(None if run_dir is None else run_dir / "learners", every,
-                                       cfg.run.keep_checkpoints)
+                                       cfg.run.keep_checkpoints, fail_s=cfg.run.checkpoint_fail_s)
             sim = Sim(cfg, setup, writer, evaluate, inputs, tape, ckpts, trace)
             with interruptible(sim):
                 if found is None:

@@ -12,7 +12,6 @@ falls back to the previous one (docs/design.md#checkpoint-integrity).
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import jax
@@ -27,7 +26,6 @@ from diloco.runtime.build import new_unit
 from diloco.runtime.unit import LearnerUnit
 
 FORMAT = "diloco.sim/1"
-log = logging.getLogger(__name__)
 
 
 def _frame(x: bytes) -> np.ndarray:
@@ -189,9 +187,11 @@ def restore(sim, arrays: dict, meta: dict) -> None:
 class SimSnapshots:
     """Orbax snapshots of a sim run every `every` inner steps (summed over learners)."""
 
-    def __init__(self, directory: Path | None, every: int, keep: int = 2):
+    def __init__(self, directory: Path | None, every: int, keep: int = 2, fail_s: float = 0.0):
+        """fail_s: run.checkpoint_fail_s (a failed save is logged and retried, checkpoint.Saves)."""
         self.every = every if directory is not None else 0
         self.manager = checkpoint.open_manager(directory, keep) if self.every else None
+        self.saves = checkpoint.Saves(self.manager, "sim snapshot", fail_s) if self.every else None
         self.next_at = every
 
     def maybe_save(self, sim, final: bool = False) -> None:
@@ -201,17 +201,13 @@ class SimSnapshots:
         if self.every and sim.steps_done >= self.next_at:
             self.next_at = (sim.steps_done // self.every + 1) * self.every
             arrays, meta = snapshot(sim)
-            try:
-                checkpoint.save(self.manager, sim.steps_done, arrays, meta)
-            except Exception as err:  # noqa: BLE001 - a full disk must not end the run
-                log.error("sim snapshot at %d steps failed (%s: %s); continuing", sim.steps_done,
-                          type(err).__name__, err)
+            self.saves.save(sim.steps_done, arrays, meta)  # a failure is logged; the next is the retry
 
     def latest(self) -> tuple[dict, dict] | None:
         """(arrays, meta) of the newest usable snapshot, or None."""
         if self.manager is None:
             return None
-        self.manager.wait_until_finished()
+        self.saves.settle(fatal=False)
 
         def read(step: int) -> tuple[dict, dict]:
             arrays, meta = checkpoint.restore_untyped(self.manager, step)
@@ -222,6 +218,5 @@ class SimSnapshots:
         return None if found is None else found[1]
 
     def close(self) -> None:
-        if self.manager is not None:
-            self.manager.wait_until_finished()
-            self.manager.close()
+        if self.saves is not None:
+            self.saves.close()

@@ -29,7 +29,8 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
     if run_dir is not None:
         if not cfg.run.resume:  # a new run must never resume from an earlier run's syncer
             shutil.rmtree(run_dir / SYNCER_DIR, ignore_errors=True)
-        ckpts = SyncerCheckpoints(run_dir / SYNCER_DIR, 0, cfg.run.keep_checkpoints, async_save=False)
+        ckpts = SyncerCheckpoints(run_dir / SYNCER_DIR, 0, cfg.run.keep_checkpoints, async_save=False,
+                                  fail_s=cfg.run.checkpoint_fail_s)
     try:
         if cfg.run.resume and ckpts is not None:
             found = latest_stop(cfg, setup, ckpts, run_dir)

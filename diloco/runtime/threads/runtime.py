@@ -187,7 +187,8 @@ class Threads(StopAndResume, HostedRuntime):
         """Learner m's thread: its incarnations one after another, each until done or killed; in a
         resumed run it first comes back as after a crash, from the restored syncer's Theta."""
         r = self.cfg.runtime
-        ckpts = LearnerCheckpoints(self.checkpoint_dir, r.learner_checkpoint_every, lock=self._ckpt_lock)
+        ckpts = LearnerCheckpoints(self.checkpoint_dir, r.learner_checkpoint_every, lock=self._ckpt_lock,
+                                   fail_s=self.cfg.run.checkpoint_fail_s)
         plan = self.comeback.get(m)
         unit = self.units[m] = new_unit(self.setup, m, 0 if plan is None else plan.incarnation, self.initial)
         unit.warm_up(*(() if self.tape is None else self.tape.smaller_batches()))
