@@ -123,6 +123,8 @@ def test_one_learner_on_two_processes_trains_as_on_one(runs):
     assert lead_j["received"] == foll_j["received"] == ref_j["received"] and sum(lead_j["received"]) >= 4
     assert lead_j["versions"] == foll_j["versions"] == ref_j["versions"] and min(lead_j["versions"]) >= 2
     assert lead_j["dropped"] == foll_j["dropped"] == 0
+    # a world decodes broadcasts on the host: its leader takes them alone (no collective may run)
+    assert not lead_j["device_decode"] and not foll_j["device_decode"] and ref_j["device_decode"]
     print(f"\nworld: 3 processes in {runs['wall_s']:.1f} s; {STEPS} steps {lead_j['steps_s']:.2f} s (world, "
           f"compile included), {ref_j['steps_s']:.2f} s (one process)")
 

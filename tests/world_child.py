@@ -62,8 +62,10 @@ def learner(cfg):
 
 def drive(setup, unit, steps: int, leader: bool, mirror) -> dict:
     """`steps` passes of the wall-clock loop's order (docs/design.md#deferred-encode aside): take
-    the broadcasts (mirror(frames) on every process: the leader's frames everywhere), apply the due
-    ones, step. Only the leader runs the syncer on its contributions."""
+    the broadcasts, apply the due ones, step. Only the leader runs the syncer on its contributions,
+    and its unit takes each broadcast as it is published, alone, as a procs world's leader takes
+    them from the store between boundaries (docs/multihost.md#learner-process); the followers' units
+    take the same frames at the next pass, through mirror(frames) (the leader's, everywhere)."""
     from diloco.algo import syncer as sync
 
     state = sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0}) if leader else None
@@ -73,7 +75,7 @@ def drive(setup, unit, steps: int, leader: bool, mirror) -> dict:
         got = mirror(pending if leader else None)
         pending = []
         received.append(len(got))
-        for frame in got:
+        for frame in got if not leader else ():
             unit.receive(frame)
         unit.apply_due()
         result = unit.step(fetch_loss=True)
@@ -84,7 +86,9 @@ def drive(setup, unit, steps: int, leader: bool, mirror) -> dict:
         if leader:
             for frame in result.frames:
                 state, actions = sync.on_contribution(setup.policy, state, frame, float(i))
-                pending += [a.frames[0] for a in actions if isinstance(a, sync.Publish)]
+                for published in (a.frames[0] for a in actions if isinstance(a, sync.Publish)):
+                    unit.receive(published)  # the leader alone: host work only (a collective here hangs)
+                    pending.append(published)
     return {"losses": losses, "frames": frames, "received": received, "first": first,
             "versions": [unit.anchors[p][0] for p in range(len(setup.fragments))]}
 
@@ -131,7 +135,7 @@ def train(index: int, processes: int, port: int, out: Path, steps: int) -> None:
     (out / f"p{index}.json").write_text(json.dumps({
         "broadcast_ok": got == message, "agreed": agreed, "received": done["received"],
         "versions": done["versions"], "join_s": joined, "steps_s": t2 - t1, "broadcast_s": t3 - t2,
-        "agree_s": t4 - t3, "dropped": unit.dropped_frames,
+        "agree_s": t4 - t3, "dropped": unit.dropped_frames, "device_decode": unit.device_decode,
         "rows_ok": bool(np.array_equal(mine, batch[index * share:(index + 1) * share])),
         "gathered_batch_ok": None if back is None else all(np.array_equal(v, batch) for v in back.values())}))
     world.leave_world()
