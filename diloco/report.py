@@ -154,6 +154,8 @@ def render_summary(summary: dict[str, Any], title: str) -> str:
     failures = [f"{g(k):,} {label}" for k, label in (("learner_deaths", "learner deaths"), ("rejoins", "rejoins"),
                                                      ("stalls", "stalls"), ("quarantined", "quarantined frames"))
                 if g(k) is not None]
+    if g("events_lost"):  # gaps in learners' event streams (docs/design.md#damage-in-the-store)
+        failures.append(f"{g('events_lost'):,} learner events lost ({g('tokens_lost_in_gaps'):,} tokens booked lost)")
     if g("slice_failures") is not None:  # a chaos tape: what it injected, then what that caused
         failures.insert(0, f"{g('slice_failures'):,} slice failures injected ({g('learner_outages'):,} took a "
                            "learner's last slice)")

@@ -29,6 +29,7 @@ from diloco.runtime.procs import child, theta0
 from diloco.runtime.procs import intake, reading
 from diloco.runtime.procs import learner as pl
 from diloco.runtime.procs import syncer as ps
+from diloco.runtime.syncer_ckpt import host_in, host_out
 from syncer_frames import THETA0, frame, policy, start
 from test_procs import M, STEPS, merge_versions, variant, world  # noqa: F401 - world is a fixture
 
@@ -566,3 +567,69 @@ def test_a_damaged_contribution_object_is_quarantined_or_admitted_never_raised(d
     st, actions = sync.on_contribution(pol, start(pol), got, 1.0)
     outcomes = [a.outcome for a in actions if isinstance(a, sync.Outcome)]
     assert all(o == "merged" or o.split(":", 1)[1] in messages.QUARANTINE_REASONS for o in outcomes if o != "merged")
+
+
+# --- issue 32 item 4: lost events booked lost (docs/design.md#damage-in-the-store) ------------------
+# A learner's events lost in the store (a gap in its stream, skipped by the gap detector) have their
+# steps booked processed and lost in the token ledger, with the detector's evidence, so the ledger
+# balances and the summary says what was lost.
+
+def _steps(rt, store, m, n_steps, missing, tokens, last=None):
+    """Learner m's events 0..n_steps-1 (event n is step n + 1), those in `missing` never written,
+    then `last` (Done, say) as event n_steps."""
+    for n in range(n_steps):
+        if n not in missing:
+            _emit(rt, store, m, 0, n, ev.StepDone(m, 0, n + 1, float(n), n + 0.5, tokens, ()))
+    if last is not None:
+        _emit(rt, store, m, 0, n_steps, last)
+
+
+def test_the_steps_of_lost_events_are_booked_lost_with_the_evidence(syncer, monkeypatch, caplog):
+    store, rt, tokens = syncer
+    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
+    _steps(rt, store, 0, 6, {2, 3}, tokens)  # steps 3 and 4 lost
+    with caplog.at_level(logging.ERROR):
+        assert rt._poll(0)
+    assert rt.host.events_lost == [{"learner": 0, "incarnation": 0, "events": [2, 3], "after_step": 2,
+                                    "steps": 2, "tokens": 2 * tokens}]
+    assert "2 steps after step 2" in caplog.text
+    led = rt.host.tokens
+    assert led.processed[0] == 6 * tokens and led.lost[0] == 2 * tokens  # the lost steps were processed
+    ledger.check_balance(led)
+    summary = rt.host.summary(clock="wall", end=10.0, window=1.0)
+    assert summary["events_lost"] == 2 and summary["tokens_lost_in_gaps"] == 2 * tokens
+    assert summary["tokens_processed"] == 6 * tokens and summary["token_ledger_imbalance"] == 0
+    assert summary["lost_events"] == rt.host.events_lost
+    # a syncer checkpoint carries them (a restarted procs syncer, a resumed run)
+    arrays, meta = host_out(rt.host)
+    before = list(rt.host.events_lost)
+    rt.host.events_lost, rt.host.gaps = [], {}
+    host_in(rt.host, rt.host.state, arrays, meta)
+    assert rt.host.events_lost == before
+
+
+@pytest.mark.parametrize("end", ["done", "died"])
+def test_a_gap_at_the_end_of_a_stream(syncer, monkeypatch, end):
+    """Lost before the final Done: the steps up to run.steps are lost, at a full batch; before a
+    death no later event tells how many there were: recorded, steps unknown."""
+    store, rt, tokens = syncer
+    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
+    steps = rt.cfg.run.steps
+    _steps(rt, store, 0, 3, {2}, tokens, ev.Done(0, 0, 9.0) if end == "done" else None)
+    if end == "died":
+        _emit(rt, store, 0, 0, 3, ev.StepDone(0, 0, 4, 3.0, 3.5, tokens, ()))
+        store.delete(child.event_key(0, 0, 3))  # the last event written, then lost: no later one is listed
+        _emit(rt, store, 0, 0, 4, ev.Flushed(0, 0, 4.0, ()))
+        store.delete(child.event_key(0, 0, 4))
+        _emit(rt, store, 0, 0, 5, ev.Applied(0, 0, ()))
+        bs.write_control(store, child.died(0, 0), {"at": 6.0, "exitcode": -9})
+    assert rt._poll(0)
+    (gap,) = rt.host.events_lost
+    if end == "done":
+        assert gap["events"] == [2, 2] and gap["steps"] == steps - 2
+        assert gap["tokens"] == (steps - 2) * rt.setup.spec.batch_size * rt.setup.spec.seq_len
+        assert rt.host.done == {0}
+    else:
+        assert gap["events"] == [2, 4] and gap["steps"] is None and gap["tokens"] == 0
+        assert (0, 0) in rt.host.tokens.dead
+    ledger.check_balance(rt.host.tokens)

@@ -24,7 +24,8 @@ Token ledger, per fragment p (every token a learner processes is processed once 
   c_steps/c_tokens there (docs/algorithm.md#applying-merged-fragments), so these tokens (the tau overlap steps after a
   send, with alpha = 0 also their update to p) never reach the syncer. An apply that keeps the
   local progress (fragments.keep_overlap) leaves them pending: they ride in the next send.
-* lost_p: pending when the learner incarnation died, or in a contribution lost in transit.
+* lost_p: pending when the learner incarnation died, in a contribution lost in transit, or of
+  steps whose events never reached the syncer (`lose`: booked processed and lost at once).
 """
 
 from __future__ import annotations
@@ -161,6 +162,18 @@ def die(led: TokenLedger, learner: int, incarnation: int) -> TokenLedger:
     row = led.pending.get(key, (0,) * led.num_fragments)
     pending = {k: v for k, v in led.pending.items() if k != key}
     return led._replace(pending=pending, lost=_plus(led.lost, row), dead=led.dead | {key})
+
+
+def lose(led: TokenLedger, learner: int, incarnation: int, tokens: int) -> TokenLedger:
+    """Steps of `tokens` tokens whose events were lost before the syncer read them: processed, for
+    every fragment, and lost with them (nothing of theirs can be sent any more: a send named in a
+    lost event is never delivered), so the equation balances."""
+    if (learner, incarnation) in led.dead:
+        raise LedgerError(f"learner {learner} incarnation {incarnation} is dead and cannot process")
+    if tokens < 0:
+        raise LedgerError(f"tokens must be >= 0, got {tokens}")
+    step = (tokens,) * led.num_fragments
+    return led._replace(processed=_plus(led.processed, step), lost=_plus(led.lost, step))
 
 
 def outstanding(led: TokenLedger) -> tuple[int, ...]:

@@ -76,6 +76,8 @@ class SyncerHost:
         self.done: set[int] = set()  # learners whose Done was booked
         self.finished_at: dict[int, float] = {}  # learner -> time of its Done
         self.refused_events = 0  # learner events that could not be booked (repeats, forgeries)
+        self.gaps: dict[tuple[int, int], dict] = {}  # (learner, incarnation) -> events lost, not yet booked
+        self.events_lost: list[dict] = []  # each gap booked: its evidence and the steps and tokens lost
 
     def adopt(self, state: sync.SyncerState) -> None:
         """Take a restored syncer state (procs restart), the live set with it."""
@@ -93,6 +95,8 @@ class SyncerHost:
             self.refused_events += 1
             log.warning("learner event refused, nothing booked: %s (%s)", why, type(e).__name__)
             return
+        if (m, inc) in self.gaps and not isinstance(e, ev.Applied):
+            self.gap_closed(e)
         for at, p, nbytes, codec in getattr(e, "fetched", ()):
             self.bytes = traffic.add_bytes(self.bytes, at, nbytes, "down", m, p, codec)
         for start, end in getattr(e, "stalls", ()):
@@ -180,6 +184,34 @@ class SyncerHost:
                 self.tokens = ledger.resolve(self.tokens, (m, inc, seq), "lost")
             else:
                 self.bytes = traffic.add_bytes(self.bytes, at, len(frame), "up", m, p, self.setup.spec.up_spec)
+
+    def lost_events(self, m: int, inc: int, first: int, last: int, after_step: int, final_step: int) -> None:
+        """Events first..last of learner m's incarnation inc never reached the syncer (a gap in its
+        stream: diloco/runtime/procs/syncer.py), after it had booked `after_step` steps. Their steps are
+        booked processed and lost by the next event that tells how many there were: a step (its
+        number, at its token count), or the final sync or Done (`final_step`, at a full batch);
+        a death tells nothing, and the gap is recorded with its steps unknown
+        (docs/design.md#damage-in-the-store)."""
+        gap = self.gaps.setdefault((m, inc), {"learner": m, "incarnation": inc, "events": [first, last],
+                                              "after_step": after_step, "final_step": final_step})
+        gap["events"][1] = last  # a second gap before the next step: one stretch of lost steps
+
+    def gap_closed(self, e: ev.Event) -> None:
+        gap = self.gaps.pop((e.learner, e.incarnation))
+        steps, tokens = None, 0
+        if isinstance(e, ev.StepDone):
+            steps = max(e.step - 1 - gap["after_step"], 0)
+            tokens = steps * e.tokens
+        elif isinstance(e, (ev.Flushed, ev.Done)):
+            steps = max(gap["final_step"] - gap["after_step"], 0)
+            tokens = steps * self.setup.spec.batch_size * self.setup.spec.seq_len
+        if tokens:
+            self.tokens = ledger.lose(self.tokens, e.learner, e.incarnation, tokens)
+        self.events_lost.append({"learner": e.learner, "incarnation": e.incarnation, "events": gap["events"],
+                                 "after_step": gap["after_step"], "steps": steps, "tokens": tokens})
+        log.error("learner %d incarnation %d: events %d to %d were lost; %s", e.learner, e.incarnation,
+                  *gap["events"], "its steps are unknown (it died)" if steps is None else
+                  f"{steps} steps after step {gap['after_step']} ({tokens:,} tokens) booked lost")
 
     def applied(self, m: int, inc: int, fragments) -> None:
         for p in fragments:
@@ -272,6 +304,7 @@ class SyncerHost:
         tape second (chaos.wall_scale on a wall clock); what it injected by `end` is counted."""
         return run_summary(self.state, self.tokens, self.bytes, self.time, clock=clock, end=end,
                            window=window, stalls=self.stalls, busy_s=self.busy_s, pace_share=self.pace_share,
+                           events_lost=self.events_lost + [{**g, "steps": None, "tokens": 0} for g in self.gaps.values()],
                            round_s=None if self.rounds is None else max(self.rounds.seconds),
                            injected=None if tape is None else tapes.injected(tape, end / scale))
 

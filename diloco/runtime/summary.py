@@ -36,21 +36,26 @@ def merge_record(st: sync.SyncerState, decision: dict, merges: int, tokens: ledg
 def run_summary(st: sync.SyncerState, tokens: ledger.TokenLedger, bytes_: traffic.ByteLedger,
                 time: timeline.TimeLedger, *, clock: str, end: float, window: float, stalls: int,
                 busy_s: float = 0.0, pace_share: float | None = None, round_s: float | None = None,
-                injected: dict | None = None) -> dict:
+                injected: dict | None = None, events_lost: list[dict] = ()) -> dict:
     """Plain numbers; raises if the token ledger does not balance. `clock` names the clock the
     run's times are on: "virtual" (sim) or "wall" (threads); clock_s is the run's length on it.
     busy_s: real seconds the syncer spent on its inputs, a share of the run only on a wall clock
     (sim merges in zero virtual time); pace_share, round_s: the start-up check's prediction and its
     largest fragment's round (docs/design.md#does-the-syncer-keep-up), None when it did not run.
     injected: what a chaos tape did by the end (tapes.injected: slice failures, learner outages),
-    beside the deaths and rejoins they caused (docs/design.md#the-summary)."""
+    beside the deaths and rejoins they caused (docs/design.md#the-summary). events_lost: the gaps in
+    learners' event streams (SyncerHost.lost_events), each with its evidence; only when there were any."""
     ledger.check_balance(tokens)
     merges = [r for r in st.decisions if r["event"] == "merge"]
     quorum_sizes = [len(r["learners"]) for r in merges]
     graces = [r["grace"] for r in merges if r["grace"] is not None]
     sums = ledger.summary(tokens, bytes_, time, start=0.0, end=max(end, 1e-9), window=window)
+    lost = {} if not events_lost else {
+        "events_lost": sum(g["events"][1] - g["events"][0] + 1 for g in events_lost),
+        "tokens_lost_in_gaps": sum(g["tokens"] for g in events_lost),
+        "lost_events": [{k: v for k, v in g.items() if k != "final_step"} for g in events_lost]}
     return {
-        **(injected or {}),
+        **(injected or {}), **lost,
         "clock": clock,
         "clock_s": end,
         "merges": st.merges,

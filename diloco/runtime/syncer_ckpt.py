@@ -132,7 +132,8 @@ def host_out(host) -> tuple[dict, dict]:
     meta = {"ledgers": ledgers, "stalls": host.stalls, "done": sorted(host.done),
             "finished_at": pairs(host.finished_at), "inputs_seen": host.inputs_seen,
             "incarnations": pairs(host.incarnations), "alive": sorted(host.alive),
-            "refused_events": host.refused_events}
+            "refused_events": host.refused_events, "gaps": list(host.gaps.values()),
+            "events_lost": host.events_lost}
     return {"ledgers": arrays}, meta
 
 
@@ -146,6 +147,8 @@ def host_in(host, state: sync.SyncerState, arrays: dict, meta: dict) -> None:
     if "incarnations" in meta:
         host.incarnations, host.alive = dict(meta["incarnations"]), set(meta["alive"])
     host.refused_events = meta.get("refused_events", 0)
+    host.gaps = {(g["learner"], g["incarnation"]): g for g in meta.get("gaps", [])}
+    host.events_lost = list(meta.get("events_lost", []))
 
 
 class SyncerCheckpoints:

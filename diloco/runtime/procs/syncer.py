@@ -193,6 +193,7 @@ class ProcSyncer(HostedRuntime):
                 raise RuntimeError(f"journal entry {entry} does not follow learner {m}'s incarnation "
                                    f"{self.current[m]} event {self.cursor[m]}")
             self.cursor[m] = entry["to"]
+            self.host.lost_events(m, inc, entry["n"], entry["to"] - 1, self.steps[m], self.cfg.run.steps)
         elif kind == "done":  # it exited 0, but its Done event never came: its last event is lost
             self.host.on_event(ev.Done(entry["m"], entry["inc"], entry["at"]), self.now)
         elif kind == "deadline":
