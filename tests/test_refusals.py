@@ -55,3 +55,28 @@ def test_newest_gives_the_refusals_after_those_seen():
     assert [x["at"] for x in eventlog.newest(r, r.total - 3)] == [r.total - 3, r.total - 2, r.total - 1]
     assert eventlog.newest(r, r.total) == ()
     assert len(eventlog.newest(r, 0)) == eventlog.RING  # more than the ring holds: the latest RING
+
+
+def _host(pol, log_refusals):
+    from diloco.runtime.build import Setup
+    from diloco.runtime.host import SyncerHost
+
+    written = []
+    host = SyncerHost(Setup(FRAGS, pol, None, (), THETA0), {0: 0, 1: 0}, on_merge=written.append,
+                      log_refusals=log_refusals)
+    return host, written
+
+
+def test_log_refusals_writes_every_refusal_to_the_runs_metrics():
+    from diloco.algo.replay import Input
+
+    pol = policy(K=2)
+    host, written = _host(pol, log_refusals=True)
+    n = eventlog.RING + 5
+    for i in range(n):
+        host.deliver(Input("contribution", float(i), b"junk"))
+    assert [r["kind"] for r in written] == ["refusal"] * n  # more than the state keeps
+    assert [r["time"] for r in written] == [float(i) for i in range(n)] and written[0]["reason"] == "bad_magic"
+    quiet, none = _host(pol, log_refusals=False)
+    quiet.deliver(Input("contribution", 0.0, b"junk"))
+    assert none == [] and quiet.state.refusals.total == 1
