@@ -145,6 +145,7 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir
     compiled = compile_steps(model, cfg, mesh)
     val = held_out(corpus.val, batch_size=data.batch_size, seq_len=data.seq_len, n=run.eval_batches)
     manager = checkpoint.open_manager(run_dir / "checkpoints", run.keep_checkpoints)
+    saves = checkpoint.Saves(manager, "checkpoint", run.checkpoint_fail_s)  # a failed one is logged, retried
     # tokens/s per device and MFU over the trainer's mesh (docs/design.md#model-flops-and-mfu)
     rates = flops.Rates(flops.of_run(cfg, model.apply, model.params),
                          flops.hardware(mesh.devices.size, cfg.run.peak_tflops))
@@ -163,17 +164,17 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir
             if found is not None:
                 start, state, meta = found
                 tokens = int(meta.get("tokens", start * data.batch_size * data.seq_len))
-        state, summary = _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, stop, trace)
-        manager.wait_until_finished()
+        state, summary = _loop(cfg, corpus, compiled, state, start, tokens, val, saves, writer, stop, trace)
+        saves.settle(fatal=False)
         writer.summary(summary)
         return state, summary
     finally:
         trace.close()
         writer.close()
-        manager.close()
+        saves.close()
 
 
-def _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, stop, trace):
+def _loop(cfg, corpus, compiled, state, start, tokens, val, saves, writer, stop, trace):
     """`tokens`: trained tokens (positions) before `start`, counted on from there into the
     records, checkpoints and the summary; fine-tuning adds its assistant tokens beside them
     (docs/design.md#fine-tuning). `trace` (train/profile.py) is told the steps done before each
@@ -212,7 +213,7 @@ def _loop(cfg, corpus, compiled, state, start, tokens, val, manager, writer, sto
         stopping = stop(step)
         # checkpoint_every=0 saves none, not even the last step's (a stop still saves, to resume from)
         if stopping or (run.checkpoint_every > 0 and report.due(step, run.checkpoint_every, run.steps)):
-            checkpoint.save(manager, step, state, {"tokens": tokens})
+            saves.save(step, state, {"tokens": tokens})
         if stopping:
             break
     trace.at(int(state.step), state)
