@@ -210,7 +210,7 @@ class SyncerHost:
         self.events_lost.append({"learner": e.learner, "incarnation": e.incarnation, "events": gap["events"],
                                  "after_step": gap["after_step"], "steps": steps, "tokens": tokens})
         log.error("learner %d incarnation %d: events %d to %d were lost; %s", e.learner, e.incarnation,
-                  *gap["events"], "its steps are unknown (it died)" if steps is None else
+                  *gap["events"], "its steps are unknown (no later step or final sync tells)" if steps is None else
                   f"{steps} steps after step {gap['after_step']} ({tokens:,} tokens) booked lost")
 
     def applied(self, m: int, inc: int, fragments) -> None:
