@@ -32,7 +32,7 @@ import numpy as np
 
 from diloco.algo import close as closing
 from diloco.algo import merge as merging
-from diloco.algo import auth, bounds, codec_specs, hostpool, messages, payloads, quorum, roundsum
+from diloco.algo import auth, bounds, claims, codec_specs, hostpool, messages, payloads, quorum, roundsum
 from diloco.algo import syncer_publish as publishing
 from diloco.algo.fragments import Fragment, Path
 from diloco.algo.syncer_merge import merge_round, prepare, round_sums
@@ -116,6 +116,10 @@ def _received(cfg: Policy, st: SyncerState, msg: messages.Message, now: float,
                            f"learner {key[0]} incarnation {key[1]}")
     if reason is not None:
         return quarantine(st, reason, key, now, f"fragment {p} base {h['base_version']} now {version}")
+    if cfg.claim_slack is not None:  # what the header claims against what the syncer saw (claims.py)
+        why = claims.excess(st.claims, *key[:2], p, h["c_steps"], cfg.grace.tau + cfg.claim_slack)
+        if why:
+            return quarantine(st, "bad_counter", key, now, why)
     if cfg.up_spec is not None and h["codec"] != cfg.up_spec:  # before decoding allocates anything
         return quarantine(st, "wrong_codec", key, now, f"codec {h['codec']!r}, this run sends {cfg.up_spec!r}")
     fs = st.fragments[p]
@@ -146,7 +150,8 @@ def _received(cfg: Policy, st: SyncerState, msg: messages.Message, now: float,
     if norm > 0:  # zeros stay out: a median of zeros would refuse every nonzero contribution
         st = with_fragment(st, p, fs._replace(norms=(fs.norms + (norm,))[-cfg.norm_window:]))
     st = st._replace(last_seq={**st.last_seq, (h["learner"], h["incarnation"]): h["seq"]},
-                     bases={**st.bases, (*key[:2], p): h["base_version"]})
+                     bases={**st.bases, (*key[:2], p): h["base_version"]},
+                     claims=claims.admitted(st.claims, *key[:2], p))
     local = roundsum.local(ref, h, msg.payload)
     contribution = Contribution(key, h["base_version"], h["c_steps"], h["c_tokens"], local, now)
     return _admit(cfg, st, p, contribution, now, (deltas, tuple(delta_norms)))
@@ -212,7 +217,7 @@ def on_live_change(cfg: Policy, st: SyncerState, live: dict[int, int], now: floa
         if m in st.live and inc != st.live[m]:
             held[m] = (-1,) * len(st.fragments)
     bases = {k: v for k, v in st.bases.items() if live.get(k[0]) == k[1]}  # a joiner's stay unknown
-    st = st._replace(live=dict(live), held=held, bases=bases)
+    st = st._replace(live=dict(live), held=held, bases=bases, claims=claims.on_live(st.claims, live, st.live))
     actions: tuple = ()
     for p, fs in enumerate(st.fragments):
         if fs.round is None:
@@ -236,7 +241,9 @@ def _budget_step_time(cfg: Policy, st: SyncerState, waiting: set[int]) -> float:
 
 
 def observe_step_time(st: SyncerState, learner: int, seconds: float) -> SyncerState:
-    return st._replace(step_times=quorum.observe_step_time(st.step_times, learner, seconds))
+    """A step of `learner` took `seconds`: its step time for Eq. 3, and one step its claims may count."""
+    return st._replace(step_times=quorum.observe_step_time(st.step_times, learner, seconds),
+                       claims=claims.observe_step(st.claims, learner))
 
 
 def full_frame(st: SyncerState, p: int, merged: tuple[tuple[int, int, int], ...] = ()) -> bytes:

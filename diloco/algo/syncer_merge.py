@@ -14,7 +14,7 @@ import numpy as np
 
 from diloco.algo import close as closing
 from diloco.algo import merge as merging
-from diloco.algo import messages, quorum, roundsum
+from diloco.algo import claims, messages, quorum, roundsum
 from diloco.algo import syncer_publish as publishing
 from diloco.algo.codecs import NonFiniteError
 from diloco.algo.syncer_state import (
@@ -87,14 +87,16 @@ def merge_round(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
         "staleness": [fs.version - c.base_version for c in inside],
         "delta_norm": delta_norm, "clipped": [c.key[0] for c in inside if c.key in clipped],
     }
-    st = st._replace(merges=st.merges + 1, decisions=st.decisions.add(record))
+    st = st._replace(merges=st.merges + 1, decisions=st.decisions.add(record),
+                     claims=claims.merged(st.claims, [(*c.key[:2], p) for c in inside]))
     return st, dropped + (publish,) + tuple(Outcome(c.key, "merged") for c in inside)
 
 
 def _clipped(cfg: Policy, fs: FragmentState, inside: list[Contribution],
              rs: roundsum.RoundSum) -> tuple[list[float], set[tuple[int, int, int]]]:
-    """Each delta's clip factor: with norm per step above cfg.clip x the median of the fragment's
-    recent nonzero ones it is scaled down onto that bar (direction kept); and the keys scaled."""
+    """Each delta's clip factor: with norm per step (over at most cfg.clip_span steps) above cfg.clip
+    x the median of the fragment's recent nonzero ones it is scaled down onto that bar (direction
+    kept); and the keys scaled."""
     recent = [n for n in fs.norms if n > 0]
     scales = [1.0] * len(inside)
     if cfg.clip <= 0 or not recent:
@@ -102,7 +104,7 @@ def _clipped(cfg: Policy, fs: FragmentState, inside: list[Contribution],
     bar = cfg.clip * float(np.median(recent))
     clipped = set()
     for i, (c, part) in enumerate(zip(inside, rs.parts)):
-        allowed = bar * max(c.c_steps, 1)
+        allowed = bar * max(c.c_steps if cfg.clip_span is None else min(c.c_steps, cfg.clip_span), 1)
         if part.norm > allowed:
             scales[i] = float(np.float32(allowed / part.norm))  # the float32 factor a delta was scaled by
             clipped.add(c.key)

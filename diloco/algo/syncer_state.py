@@ -15,6 +15,7 @@ import optax
 
 from diloco.algo import merge as merging
 from diloco.algo import auth, quorum, roundsum
+from diloco.algo.claims import Claims
 from diloco.algo.codecs import Codec
 from diloco.algo.eventlog import Records, Refusals, refuse
 from diloco.algo.fragments import Fragment, Path
@@ -74,6 +75,15 @@ class Policy(NamedTuple):
     # down to at most clip x the median norm per step of the fragment's recent admitted ones (times
     # its own c_steps), so no one learner moves Theta much further than its peers; 0 = off.
     clip: float = 0.0
+    # Claims checked against observation (docs/algorithm.md#claims-checked-against-observation): a
+    # contribution may claim at most the steps its learner reported since its last merged
+    # contribution of the fragment arrived, plus tau (steps taken while it travelled) and this many
+    # (bad_counter beyond); None = unchecked (driven without step reports: unit tests, benchmarks).
+    claim_slack: int | None = None
+    # The most steps the clip allows a contribution's norm for: H + tau + claim_slack, what one send
+    # of a learner whose sends are answered spans; a learner whose frames were withheld or refused
+    # may truly claim more, but moves Theta no further than that (None = its c_steps).
+    clip_span: int | None = None
 
 
 class Contribution(NamedTuple):
@@ -118,6 +128,7 @@ class SyncerState(NamedTuple):
     # Refusals are counted and only the latest kept: a sender can make any number of them
     # (docs/design.md#damage-in-the-store); run.log_refusals writes every one to metrics.jsonl.
     refusals: Refusals = Refusals()
+    claims: Claims = Claims()  # the steps each learner reported, against which c_steps is checked
 
 
 class SetDeadline(NamedTuple):

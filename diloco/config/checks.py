@@ -222,6 +222,7 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     check(e, s.history >= 1, f"syncer.history={s.history} must be >= 1")
     check(e, s.theta_norm_bound >= 0, f"syncer.theta_norm_bound={s.theta_norm_bound} must be >= 0 (0: no bound)")
     check(e, s.clip == 0 or s.clip >= 1, f"syncer.clip={s.clip} must be 0 (off) or >= 1 (x the median norm)")
+    check(e, s.claim_slack >= -1, f"syncer.claim_slack={s.claim_slack} must be -1 (off) or >= 0 steps")
     check(e, s.grace_budget in ("waiting", "slowest"), f"syncer.grace_budget={s.grace_budget!r} not in waiting|slowest")
     check(e, s.anchor in ("current", "base"), f"syncer.anchor={s.anchor!r} not in current|base")
     check(e, s.scale in ("admitted", "live"), f"syncer.scale={s.scale!r} not in admitted|live")

@@ -207,9 +207,8 @@ class SyncerConfig:
     grace_budget: str = "waiting"  # Eq. 3 step time: waiting (fastest learner in the round) | slowest [unsure]
     scale: str = "admitted"  # one merge's delta: the admitted mean | x admitted / live learners [unsure]
     anchor: str = "current"  # delta_m = Theta_p - theta_m against: current (Theta now) | base (the version sent from) [unsure]
-    # Quarantine a contribution whose pseudo-gradient norm per inner step exceeds norm_bound x the
-    # median of the fragment's last norm_window admitted ones (once 8 are known); 0 = no bound.
-    # Loose on purpose: the learning-rate warmup alone moves the per-step norm several-fold.
+    # Quarantine a pseudo-gradient whose norm per step exceeds norm_bound x the median of the fragment's
+    # last norm_window admitted ones (once 8 are known; 0 = none): loose, as warmup moves it several-fold.
     norm_bound: float = 100.0
     norm_window: int = 32  # how many admitted norms the median of norm_bound is taken over
     # Armed from a fragment's first contribution, before the median has a window: quarantine a norm
@@ -218,6 +217,7 @@ class SyncerConfig:
     # Robust merge: scale each pseudo-gradient down to at most clip x the fragment's median norm per
     # step (docs/algorithm.md#robust-merges); 0 = off. Bounds what a plausible bad update can do.
     clip: float = 0.0
+    claim_slack: int = 2  # c_steps <= steps reported since the last merged contribution + tau + this; -1 = off
     # At start-up, time one fragment round on this host and warn once if the learners would hand
     # the syncer more work than it can do (docs/design.md#does-the-syncer-keep-up).
     check_pace: bool = True

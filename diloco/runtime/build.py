@@ -114,7 +114,8 @@ def policy(cfg: TrainConfig, wire: Codecs | None = None) -> sync.Policy:
                        grace_budget=s.grace_budget, anchor=s.anchor, scale=s.scale, norm_bound=s.norm_bound,
                        norm_window=s.norm_window, up_spec=wire.up_spec, max_steps=cfg.run.steps,
                        step_tokens=cfg.data.batch_size * cfg.data.seq_len, theta_norm_bound=s.theta_norm_bound,
-                       auth=auth_secret(cfg), clip=s.clip)
+                       auth=auth_secret(cfg), clip=s.clip, claim_slack=None if s.claim_slack < 0 else s.claim_slack,
+                       clip_span=cfg.fragments.H + cfg.fragments.tau + max(s.claim_slack, 0))
 
 
 # Runtimes whose every learner is a process of its own: such a process may see only its own

@@ -102,8 +102,9 @@ def round_seconds(policy: sync.Policy, fs: sync.FragmentState, M: int, codec: Co
     """Seconds of M `on_contribution` calls on a fresh syncer holding a copy of fragment `fs`, with
     quorum M so the M-th merges and publishes; the frames are built between the calls, untimed."""
     # K = M: the round is all M contributions; the norm bounds are off (their norms are still
-    # taken), so a strict bound cannot quarantine a synthetic pseudo-gradient.
-    pol = policy._replace(grace=policy.grace._replace(K=M), norm_bound=0.0, theta_norm_bound=0.0)
+    # taken), so a strict bound cannot quarantine a synthetic pseudo-gradient, and so is the check
+    # of claims against steps reported (the synthetic learners report none).
+    pol = policy._replace(grace=policy.grace._replace(K=M), norm_bound=0.0, theta_norm_bound=0.0, claim_slack=None)
     theta = {path: np.array(x, np.float32, copy=True) for path, x in fs.theta.items()}
     st = sync.init(pol, (fs.spec,), (theta,), {m: 0 for m in range(M)}, merges=False)
     ((tensors, payload),) = random_payloads(theta, 1, codec, rng)  # each learner sends the same values

@@ -1,8 +1,9 @@
 """Orbax checkpoints of the syncer (docs/design.md#checkpoints): Theta and the outer optimizer state of
 every fragment, the broadcast references learners decode against, open rounds with the
 contributions admitted into them, versions, live incarnations, sequence numbers, step-time
-estimates, quarantine counts, the decision records of admissions and merges, and the refusals
-bounded (counts per reason and learner, the latest eventlog.RING records).
+estimates, quarantine counts, the decision records of admissions and merges, the refusals
+bounded (counts per reason and learner, the latest eventlog.RING records), and the steps each
+learner reported that its claims are checked against (diloco/algo/claims.py).
 
 Arrays go through Orbax (async, written to a temporary directory and renamed, so a torn
 checkpoint is never listed); everything else is a JSON document saved in the same step, and both
@@ -20,7 +21,7 @@ import jax
 import numpy as np
 
 from diloco import checkpoint
-from diloco.algo import quorum
+from diloco.algo import claims, quorum
 from diloco.algo import syncer as sync
 from diloco.algo.eventlog import Records, Refusals
 from diloco.algo.fragments import Fragment
@@ -79,6 +80,7 @@ def to_checkpoint(st: sync.SyncerState) -> tuple[dict, dict]:
         "refusals": {"counts": sorted(([r, m, n] for (r, m), n in st.refusals.counts.items()),
                                       key=lambda row: (row[0], -1 if row[1] is None else row[1])),
                      "latest": list(st.refusals.latest), "total": st.refusals.total},
+        "claims": claims.to_json(st.claims),
     }
     return arrays, meta
 
@@ -116,7 +118,10 @@ def from_checkpoint(arrays: dict, meta: dict, policy: sync.Policy,
         {m: tuple(v) for m, v in meta["held"]}, st_times, meta["merges"],
         dict(meta["quarantined"]), Records(meta["decisions"]),
         {(m, inc, p): v for m, inc, p, v in meta.get("bases", [])},  # none saved: every ref kept (up to history)
-        refusals)
+        refusals,
+        # none saved (older checkpoints): the header's bounds only, until each learner's next merge
+        claims.from_json(meta["claims"]) if "claims" in meta
+        else claims.unknown({m: inc for m, inc in meta["live"]}, policy.max_steps or 0))
 
 
 def pairs(d: dict) -> list:
