@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 from conftest import load_scaled, override
-from test_procs import STEPS, make_cfg, merge_versions, sigterm_once_started, variant, world  # noqa: F401 - world is a fixture
+from test_procs import STEPS, make_cfg, merge_versions, variant, world  # noqa: F401 - world is a fixture
 
 from diloco import store as bs
 from diloco.config import ConfigError, WorldConfig, validate
@@ -136,6 +136,25 @@ def test_kill_9_of_a_follower_restarts_its_whole_world_and_the_other_learner_goe
     print(f"\nmultihost procs: 2 learners x {PROCESSES} processes, kill -9 of a follower, {wall:.1f} s")
 
 
+def sigterm_once_stepped(run_dir, stop: threading.Event, sent: list):
+    """As test_procs.sigterm_once_started, but the SIGTERM goes once the syncer has booked an event
+    of every learner (each has stepped, so each has a step to save): 0.5 s after the start, learner
+    1 (5x slower) was at times still at step 0 on a loaded machine, with nothing to save."""
+    store, journal = bs.BlobStore(f"file://{run_dir}/store"), run_dir / "syncer_journal.jsonl"
+
+    def terminate_once_stepped():
+        while not stop.is_set():
+            lines = journal.read_text().splitlines() if journal.exists() else []
+            booked = {e.get("m") for e in map(json.loads, lines[:-1]) if e.get("do") == "event"}  # the last may be torn
+            if booked >= set(range(M)):
+                sent.extend([time.monotonic()] * 2)  # seen and sent: one moment
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            stop.wait(0.05)
+
+    return store, threading.Thread(target=terminate_once_stepped)
+
+
 @pytest.mark.slow
 def test_sigterm_stops_every_world_at_one_step_boundary(world, tmp_path):  # noqa: F811
     """SIGTERM to the supervisor mid-run: each world's leader sees it, every member takes the
@@ -145,7 +164,7 @@ def test_sigterm_stops_every_world_at_one_step_boundary(world, tmp_path):  # noq
 
     cfg, setup, run_dir = world_variant(world, tmp_path, speeds=(1.0, 5.0))
     sent, stop = [], threading.Event()
-    store, thread = sigterm_once_started(run_dir, stop, sent)
+    store, thread = sigterm_once_stepped(run_dir, stop, sent)
     thread.start()
     began = time.monotonic()
     try:
@@ -169,3 +188,26 @@ def test_sigterm_stops_every_world_at_one_step_boundary(world, tmp_path):  # noq
     assert isinstance(info.value, KeyboardInterrupt) and info.value.run_dir == run_dir
     assert not info.value.forced and info.value.summary["token_ledger_imbalance"] == 0
     assert not any(k.startswith("error/") for k in store.list("ctl/"))
+
+
+def test_a_sigterm_during_a_boundary_broadcast_stops_the_world_at_the_next(monkeypatch):
+    """A SIGTERM the leader takes while a step boundary's decision is on its way (it said no stop)
+    is not lost: every process goes on at this boundary, as agreed, and the next decision stops
+    them all. (A reset flag once let a world train to the end through its SIGTERM.)"""
+    from diloco.runtime import world as learner_world
+    from diloco.runtime.procs.learner import ProcLearner
+
+    rt = object.__new__(ProcLearner)  # only what _check_world reads of a world's leader
+    rt.m, rt.world, rt.leader, rt.tape, rt.superseded = 0, learner_world.World(0, 2, "h:1"), True, None, None
+    rt.terminating, rt.accepted = False, []
+    monkeypatch.setattr(rt, "receive", lambda unit: False, raising=False)
+    sent = []
+
+    def broadcast(payload):  # the handler runs while the collective waits for the follower
+        sent.append(json.loads(learner_world.unpack_frames(payload)[0])["stop"])
+        rt.terminating = True
+        return payload
+
+    monkeypatch.setattr(learner_world, "broadcast_from_leader", broadcast)
+    assert rt.check(None, None) is False and rt.check(None, None) is True
+    assert sent == [False, True]

@@ -155,7 +155,8 @@ class ProcLearner:
         plan = self._begin() if self.leader else None
         if self.world is not None:
             plan = learner_world.agree(plan if self.leader else None)
-            self.t0, self.terminating = plan["t0"], plan["stop"]
+            # or: a SIGTERM the leader took after its plan was made stays for its first check
+            self.t0, self.terminating = plan["t0"], self.terminating or plan["stop"]
             if plan["go"] and plan["rejoin"] is not None:
                 frames = learner_world.mirror_frames(self.view_frames if self.leader else None)
                 if not self.leader:
@@ -277,8 +278,10 @@ class ProcLearner:
         if decision["exit"] is not None:
             self.checkpoints.close()
             sys.exit(decision["exit"])
-        self.terminating = decision["stop"]
-        return self.terminating
+        # The agreed stop is what every process acts on now; a SIGTERM the leader took during the
+        # broadcast stays set, for the next boundary's decision (reset, it would be lost).
+        self.terminating = self.terminating or decision["stop"]
+        return decision["stop"]
 
     def poll(self, unit: LearnerUnit) -> None:
         if self.world is None:
