@@ -158,6 +158,8 @@ def test_an_unbooked_repeat_is_excluded_not_a_crash(world):
     host.on_event(ev.StepDone(0, 0, 1, 0.0, 1.0, first.tokens, ((s.fragment, s.seq),), (f,)), 1.0)
     # the same fragment sent again later, delivered without its send ever being booked
     (g,) = [g for r in sends for x, g in zip(r.sends, r.frames) if x.fragment == 0 and x.seq > s.seq][:1]
+    for _ in range(messages.decode(g).header["c_steps"]):  # its steps reported, so its claim passes
+        host.deliver(Input("step_time", 1.5, (0, 1.0)))
     host.deliver(Input("contribution", 2.0, g))
     assert (0, 0, s.seq) not in host.tokens.in_flight
     assert host.tokens.dropped["excluded"][s.fragment] == first.tokens

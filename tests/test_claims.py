@@ -126,6 +126,11 @@ def move(w: World, delta, c_steps) -> tuple[list[str], float]:
     return got, moved
 
 
+def test_defaults_check_claims_and_clip(defaults):
+    pol = build.policy(defaults)
+    assert pol.claim_slack is not None and pol.clip > 0 and pol.max_steps == defaults.run.steps
+
+
 def test_insider_claiming_the_run_steps_is_quarantined_bad_counter(defaults):
     """Issue 32's frame: c_steps = run.steps (honest frames claim H - tau) with 1000x a benign
     update. Every bound scales with the claim, so only the check against the steps reported stops it."""
@@ -142,6 +147,46 @@ def test_insider_claiming_the_run_steps_is_quarantined_bad_counter(defaults):
                                                      codec=w.wire.up, spec=w.wire.up_spec), float(w.t))
     assert st.quarantined == {"bad_counter": 1} and st.refusals.counts == {("bad_counter", INSIDER): 1}
     assert "reported since its last merged contribution" in st.refusals.latest[-1]["detail"]
+
+
+def test_one_admitted_insider_frame_moves_theta_at_most_3x_a_benign_one(defaults):
+    """Any claimed count, any scale: an admitted frame moves the fragment at most 3x as far as a
+    benign contribution from the same state (the claim is checked, and the clip bounds the rest)."""
+    w = warm(defaults)
+    H, tau = defaults.fragments.H, defaults.fragments.tau
+    benign = w.benign()
+    _, benign_move = move(w, benign, H - tau)
+    assert benign_move > 0
+    admitted = []
+    for c_steps in (1, H - tau, H, H + tau + defaults.syncer.claim_slack, 2 * H, defaults.run.steps):
+        for scale in (1, 3, 30, 1000, 1e6):
+            got, moved = move(w, np.float32(scale) * benign, c_steps)
+            if got == ["merged"]:
+                admitted.append((c_steps, scale))
+                assert moved <= 3 * benign_move, (c_steps, scale, moved / benign_move)
+            else:
+                assert moved == 0.0 and got and got[0].startswith("quarantined:"), (c_steps, scale, got)
+    assert (H + tau + defaults.syncer.claim_slack, 30) in admitted  # clipped, not refused
+    assert all(c <= H + tau + defaults.syncer.claim_slack for c, _ in admitted)
+
+
+@pytest.mark.parametrize("attack", ["run_steps", "strongest_admitted"])
+def test_thirty_insider_rounds_leave_the_fragment_norm_within_1_5x(defaults, attack):
+    """Every time it is due, the insider sends issue 32's frame (1000x its benign update claiming
+    run.steps: refused) or the strongest frame it can get admitted (70x, under norm_bound's 100x
+    the median per step, claiming H + tau + claim_slack: clipped). After thirty of its rounds the
+    fragment's norm is within 1.5x of where it started."""
+    H, tau, slack = defaults.fragments.H, defaults.fragments.tau, defaults.syncer.claim_slack
+    scale, claim = (1000, defaults.run.steps) if attack == "run_steps" else (70, H + tau + slack)
+    w = warm(defaults, steps=48)
+    start = float(np.linalg.norm(w.theta()))
+    got = []
+    for _ in range(30 * H):
+        got += outcomes(w.step(lambda w: (np.float32(scale) * w.benign(), claim)))
+    end = float(np.linalg.norm(w.theta()))
+    # refused until the steps since its last merged contribution add up to run.steps, then clipped
+    assert len(got) >= 30 and got.count("quarantined:bad_counter" if attack == "run_steps" else "merged") >= 25
+    assert start / 1.5 <= end <= 1.5 * start, (start, end)
 
 
 def test_claims_survive_a_checkpoint_and_replay_bit_identically(defaults, tmp_path):

@@ -62,7 +62,8 @@ def test_merged_tokens_replay_books_each_token_once():
     theta0 = ({("w",): params["w"]},)
     # The frames are fp32: the run's up codec must say so, or the syncer refuses them (wrong_codec).
     cfg = TrainConfig(outer=OuterConfig(name="sgd", lr=1.0, momentum=0.0), codec=CodecConfig(up="fp32", zstd_level=0))
-    setup = SimpleNamespace(policy=policy(cfg), fragments=fragments, theta0=theta0)
+    # Unchecked claims: these hand-built frames claim c_tokens / 10 steps, more than the steps reported.
+    setup = SimpleNamespace(policy=policy(cfg)._replace(claim_slack=None), fragments=fragments, theta0=theta0)
     inputs = [Input("contribution", 1.0, _frame(theta0[0], 0, 1, 0, 100, 0.01)),
               Input("contribution", 2.0, _frame(theta0[0], 0, 2, 0, 250, 0.03))]
     steps = [Input("step_time", 0.5, (0, 0.5))] * 3

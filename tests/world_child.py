@@ -84,6 +84,7 @@ def drive(setup, unit, steps: int, leader: bool, mirror) -> dict:
             first = unit.params_host()
         frames += list(result.frames)
         if leader:
+            state = sync.observe_step_time(state, 0, 1.0)  # a runtime reports the step before its frames
             for frame in result.frames:
                 state, actions = sync.on_contribution(setup.policy, state, frame, float(i))
                 for published in (a.frames[0] for a in actions if isinstance(a, sync.Publish)):

@@ -216,7 +216,7 @@ class SyncerConfig:
     theta_norm_bound: float = 100.0
     # Robust merge: scale each pseudo-gradient down to at most clip x the fragment's median norm per
     # step (docs/algorithm.md#robust-merges); 0 = off. Bounds what a plausible bad update can do.
-    clip: float = 0.0
+    clip: float = 2.0
     claim_slack: int = 2  # c_steps <= steps reported since the last merged contribution + tau + this; -1 = off
     # At start-up, time one fragment round on this host and warn once if the learners would hand
     # the syncer more work than it can do (docs/design.md#does-the-syncer-keep-up).
