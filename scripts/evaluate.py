@@ -1,7 +1,9 @@
-"""Evaluate a model's loss (nats/token, bits/byte) as configs/evaluate.yaml (plus overrides) says.
+"""Evaluate a model's loss (nats/token, bits/byte), or its scores on downstream tasks, as
+configs/evaluate.yaml (plus overrides) says.
 
     python scripts/evaluate.py checkpoint=runs/x
     python scripts/evaluate.py checkpoint=runs/x paths='[notes/*.txt]'
+    python scripts/evaluate.py checkpoint=runs/x tasks='[task.yaml,task.json]' output=scores.json
 """
 
 from __future__ import annotations

@@ -35,6 +35,10 @@ class EvaluateConfig:
     batch_size: int = 8
     max_tokens: int = 0  # 0 = every token of the text files
     dtype: str = "float32"
+    tasks: tuple[str, ...] = ()  # downstream task files (lm-eval .yaml, BIG-bench .json): scored instead of the loss
+    num_fewshot: int = -1  # few-shot examples per prompt; -1 = each task's own num_fewshot
+    limit: int = 0  # score the first `limit` test documents of each task; 0 = all
+    output: str = ""  # a path to write the task results to as JSON; "" = none
 
 
 def parse(raw: dict) -> EvaluateConfig:
@@ -47,6 +51,13 @@ def parse(raw: dict) -> EvaluateConfig:
             errors.append(f"{name}={getattr(cfg, name)} must be >= 0")
     if cfg.batch_size <= 0:
         errors.append(f"batch_size={cfg.batch_size} must be > 0")
+    if cfg.num_fewshot < -1:
+        errors.append(f"num_fewshot={cfg.num_fewshot} must be >= 0 (or -1: each task's own)")
+    if cfg.limit < 0:
+        errors.append(f"limit={cfg.limit} must be >= 0 (0: every document)")
+    missing = [t for t in cfg.tasks if not Path(t).is_file()]
+    if missing:
+        errors.append(f"tasks: {', '.join(missing)} not found")
     if cfg.dtype not in ("float32", "bfloat16"):
         errors.append(f"dtype={cfg.dtype!r} not in float32|bfloat16")
     if errors:
@@ -86,7 +97,11 @@ def _run_dir(checkpoint: str) -> Path | None:
 
 
 def run(cfg: EvaluateConfig, out=sys.stdout) -> dict:
-    """Evaluate; print and return {"tokens", "nats_per_token", "bits_per_byte", ...}."""
+    """Evaluate; print and return {"tokens", "nats_per_token", "bits_per_byte", ...}, or with
+    tasks= the downstream scores {"tasks": [...]} (diloco/evaluation/harness.py)."""
+    if cfg.tasks:
+        from diloco.evaluation.harness import run_tasks  # harness imports this package
+        return run_tasks(cfg, out)
     pre = load(resolve(cfg.checkpoint), dtype=cfg.dtype)
     run_dir = _run_dir(cfg.checkpoint)
     if not cfg.paths:
