@@ -227,7 +227,8 @@ def test_a_new_incarnation_claims_from_its_own_start():
     assert claims.excess(claims.observe_step(c, 1), 1, 1, 0, 1, 0) == ""
 
 
-@pytest.mark.parametrize("fragments", [dict(keep_overlap=True), dict(others="defer", keep_overlap=True)])
+@pytest.mark.parametrize("fragments", [pytest.param(dict(keep_overlap=True), marks=pytest.mark.slow),
+                                       dict(others="defer", keep_overlap=True)])
 def test_honest_sim_runs_claim_no_more_than_they_reported(tmp_path, fragments):
     """Learners of unequal speeds with jitter, keep_overlap (c_steps then spans unanswered sends):
     no honest contribution is refused with claim_slack 0 (tau covers steps taken in transit)."""
