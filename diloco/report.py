@@ -156,6 +156,9 @@ def render_summary(summary: dict[str, Any], title: str) -> str:
                 if g(k) is not None]
     if g("events_lost"):  # gaps in learners' event streams (docs/design.md#damage-in-the-store)
         failures.append(f"{g('events_lost'):,} learner events lost ({g('tokens_lost_in_gaps'):,} tokens booked lost)")
+    if g("store_objects_ignored"):  # unauthenticated or malformed objects in the store, each logged
+        failures.append(f"{g('store_objects_ignored'):,} store objects ignored ({g('ignored_events'):,} events, "
+                        f"{g('ignored_controls'):,} control objects: unauthenticated or malformed)")
     if g("slice_failures") is not None:  # a chaos tape: what it injected, then what that caused
         failures.insert(0, f"{g('slice_failures'):,} slice failures injected ({g('learner_outages'):,} took a "
                            "learner's last slice)")

@@ -337,7 +337,7 @@ def test_a_gap_in_an_event_stream_is_skipped_after_its_timeout_and_done_is_booke
     with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.syncer"):
         assert rt._poll(0) and rt._poll(1)
         assert rt.host.done == {0} and rt.steps == {0: 4, 1: 1} and rt.cursor == {0: 5, 1: 1}
-        bs.write_control(store, child.died(1, 0), {"at": 3.0, "exitcode": 0})  # the supervisor saw it exit 0
+        bs.write_control(store, child.died(1, 0), {"at": 3.0, "exitcode": 0}, rt.secret)  # the supervisor saw it exit 0
         assert rt._poll(1)
     assert rt.host.done == {0, 1} and rt.host.finished_at[1] == 3.0
     assert "events 2 to 2 are missing" in caplog.text and "without a readable Done" in caplog.text
@@ -350,7 +350,7 @@ def test_a_gap_waits_for_its_timeout_while_the_learner_runs(syncer, monkeypatch)
     rt.gap_timeout = 3600.0
     _emit(rt, store, 0, 0, 1, ev.StepDone(0, 0, 2, 1.0, 1.5, tokens, ()))
     assert not rt._poll(0) and rt.cursor[0] == 0  # maybe a store slow to show event 0: wait
-    bs.write_control(store, child.died(0, 0), {"at": 2.0, "exitcode": -9})
+    bs.write_control(store, child.died(0, 0), {"at": 2.0, "exitcode": -9}, rt.secret)
     assert rt._poll(0) and rt.cursor == {0: 0, 1: 0} and rt.current[0] == 1  # exited: skipped at once, buried
     assert rt.steps[0] == 2 and bs.read_control(store, child.buried(0, 0)) == {"step": 2, "done": False}
 
@@ -363,7 +363,6 @@ def test_a_gap_waits_for_its_timeout_while_the_learner_runs(syncer, monkeypatch)
     json.dumps(ev.to_json(ev.StepDone(0, 0, 1, 0.0, 0.5, 1, ((0, 1), (1, 1))))).encode(),  # seq 1 twice
     json.dumps(ev.to_json(ev.Done(0, 0, 1.0, ((2.0, 1.0),)))).encode(),  # a stall ending before it starts
     json.dumps({**ev.to_json(ev.Done(0, 0, 1.0)), "at": "soon"}).encode(),
-    b" " * (bs.MAX_JSON_BYTES + 1),
 ])
 def test_a_malformed_event_is_logged_and_skipped(syncer, raw, caplog):
     store, rt, tokens = syncer
@@ -375,24 +374,58 @@ def test_a_malformed_event_is_logged_and_skipped(syncer, raw, caplog):
 
 
 @pytest.mark.parametrize("forgery", ["unsealed", "other_key", "moved"])
-def test_a_forged_event_is_logged_and_skipped(syncer, forgery, caplog):
+def test_a_forged_event_is_ignored_and_never_blocks_the_real_one(syncer, forgery, caplog, monkeypatch):
     """Event blobs are sealed under their learner's key and store key: one written without the key,
-    with another learner's, or copied from another position is skipped like a malformed one."""
+    with another learner's, or copied from another position is ignored, counted, and read again,
+    so the real event that lands on its key later is booked (it used to be skipped for good, and
+    with forged keys written ahead of a stream the learner was cut out of the run silently)."""
     store, rt, tokens = syncer
+    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
     assert rt.setup.policy.auth is not None  # procs authenticates by default
     raw = json.dumps(ev.to_json(ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ()))).encode()
-    key = child.event_key(0, 0, 0)
-    if forgery == "unsealed":
-        store.put(key, raw)
-    elif forgery == "other_key":
-        store.put(key, auth.seal(rt.setup.policy.auth.learner_key(1), key, raw))
-    else:
-        store.put(key, auth.seal(rt.setup.policy.auth.learner_key(0), child.event_key(0, 0, 7), raw))
-    _emit(rt, store, 0, 0, 1, ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ()))
+    for n in range(4):  # written ahead of the learner's stream, before it writes any of them
+        key = child.event_key(0, 0, n)
+        if forgery == "unsealed":
+            store.put(key, raw)
+        elif forgery == "other_key":
+            store.put(key, auth.seal(rt.setup.policy.auth.learner_key(1), key, raw))
+        else:
+            store.put(key, auth.seal(rt.setup.policy.auth.learner_key(0), child.event_key(0, 0, 7), raw))
     with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.syncer"):
-        assert rt._poll(0)
-    assert rt.cursor[0] == 2 and rt.skipped == 1 and "unauthenticated" in caplog.text
-    assert rt.host.tokens.processed[0] == tokens  # only the real event was booked
+        assert not rt._poll(0) and not rt._poll(0)  # nothing booked, nothing skipped: it waits
+    assert rt.cursor[0] == 0 and rt.skipped == 0 and "unauthenticated" in caplog.text
+    assert sorted(rt.ignored) == [child.event_key(0, 0, n) for n in range(4)]  # each key counted once
+    for n in range(3):  # the learner writes its events over the forged ones
+        _emit(rt, store, 0, 0, n, ev.StepDone(0, 0, n + 1, float(n), n + 0.5, tokens, ()))
+    assert rt._poll(0) and rt.cursor[0] == 3 and rt.steps[0] == 3 and rt.skipped == 0
+    assert rt.host.tokens.processed[0] == 3 * tokens and not rt.host.events_lost  # every real event booked
+    assert intake.ignored_summary(rt.ignored) == {"store_objects_ignored": 4, "ignored_events": 4, "ignored_controls": 0}
+
+
+def test_an_event_too_large_to_read_is_ignored_then_a_gap(syncer, monkeypatch):
+    """Larger than any event, so not read (nor its tag checked): ignored as unauthenticated, and the
+    learner's next event proves it was lost."""
+    store, rt, tokens = syncer
+    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
+    store.put(child.event_key(0, 0, 0), b" " * (bs.MAX_JSON_BYTES + 1))
+    assert not rt._poll(0) and child.event_key(0, 0, 0) in rt.ignored
+    _emit(rt, store, 0, 0, 1, ev.StepDone(0, 0, 2, 1.0, 1.5, tokens, ()))
+    assert rt._poll(0) and rt.cursor[0] == 2 and rt.steps[0] == 2 and rt.skipped == 1
+
+
+def test_a_forged_event_over_a_real_one_is_a_gap_once_a_later_real_event_proves_it(syncer, monkeypatch):
+    """Written over the real event after it landed: the learner's next event is what proves it was
+    lost, and the gap is booked lost as any other; a forged later key proves nothing."""
+    store, rt, tokens = syncer
+    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
+    _emit(rt, store, 0, 0, 0, ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ()))
+    store.put(child.event_key(0, 0, 0), b"junk")
+    store.put(child.event_key(0, 0, 1), b"junk")
+    assert not rt._poll(0) and rt.cursor[0] == 0  # junk ahead is no evidence of a gap
+    _emit(rt, store, 0, 0, 2, ev.StepDone(0, 0, 3, 2.0, 2.5, tokens, ()))
+    assert rt._poll(0) and rt.cursor[0] == 3 and rt.skipped == 1
+    assert rt.host.events_lost[0]["events"] == [0, 1]
+    ledger.check_balance(rt.host.tokens)
 
 
 def test_an_oversized_contribution_named_by_an_event_is_quarantined_and_its_tokens_dropped(syncer):
@@ -622,7 +655,7 @@ def test_a_gap_at_the_end_of_a_stream(syncer, monkeypatch, end):
         _emit(rt, store, 0, 0, 4, ev.Flushed(0, 0, 4.0, ()))
         store.delete(child.event_key(0, 0, 4))
         _emit(rt, store, 0, 0, 5, ev.Applied(0, 0, ()))
-        bs.write_control(store, child.died(0, 0), {"at": 6.0, "exitcode": -9})
+        bs.write_control(store, child.died(0, 0), {"at": 6.0, "exitcode": -9}, rt.secret)
     assert rt._poll(0)
     (gap,) = rt.host.events_lost
     if end == "done":

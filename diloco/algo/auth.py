@@ -49,6 +49,11 @@ class Secret:
     def learner_key(self, learner: int) -> bytes:
         return hmac.new(self._raw, f"diloco/learner/{int(learner)}".encode(), hashlib.sha256).digest()
 
+    def runtime_key(self) -> bytes:
+        """The key of the run's own processes (supervisor, syncer): what they write to the store's
+        control objects is sealed under it, so no learner key signs as them."""
+        return hmac.new(self._raw, b"diloco/runtime", hashlib.sha256).digest()
+
 
 def _canonical(header: Mapping[str, Any]) -> bytes:
     """The header as signed: sorted keys, no spaces, the tag left out. Headers hold only ints,
@@ -89,11 +94,17 @@ def seal(key: bytes, name: str, data: bytes) -> bytes:
 def unseal(secret: Secret, learner: int, name: str, blob: bytes) -> bytes:
     """The data of a sealed object of `learner` stored under `name`; ValueError if its tag does not
     verify (forged, damaged, moved, or written without a key)."""
+    return unseal_by({f"learner {learner}": secret.learner_key(learner)}, name, blob)
+
+
+def unseal_by(keys: Mapping[str, bytes], name: str, blob: bytes) -> bytes:
+    """The data of an object sealed under any one of `keys` (its writers: name -> key) stored under
+    `name`; ValueError, naming the writers tried, if its tag verifies under none."""
     tag_, data = blob[:MAC_HEX], blob[MAC_HEX + 1:]
-    want = _blob_tag(secret.learner_key(learner), name, data).encode("ascii")
-    if len(blob) <= MAC_HEX or blob[MAC_HEX:MAC_HEX + 1] != b" " or not hmac.compare_digest(tag_, want):
-        raise ValueError(f"{name}: its tag does not verify under learner {learner}'s key (unauthenticated)")
-    return data
+    ok = len(blob) > MAC_HEX and blob[MAC_HEX:MAC_HEX + 1] == b" "
+    if ok and any(hmac.compare_digest(tag_, _blob_tag(k, name, data).encode("ascii")) for k in keys.values()):
+        return data
+    raise ValueError(f"{name}: its tag does not verify under the key of {' or '.join(keys)} (unauthenticated)")
 
 
 def _blob_tag(key: bytes, name: str, data: bytes) -> str:

@@ -90,17 +90,26 @@ def read_event(store: bs.BlobStore, m: int, inc: int, n: int) -> bytes | None:
         return b""
 
 
-def read_notice(store: bs.BlobStore, m: int, inc: int, now: float) -> dict | None:
-    """The exit notice of (m, inc), if any, as {at, exitcode}; a malformed one is taken as a crash
-    at `now`, logged."""
-    try:
-        notice = bs.read_control(store, died(m, inc))
-    except ValueError as e:
-        notice = {"malformed": str(e)}
+def read_notice(store: bs.BlobStore, m: int, inc: int, secret=None, ignored: dict | None = None) -> dict | None:
+    """The exit notice of (m, inc), if any, as {at, exitcode}. One that is malformed or (with the
+    run `secret`) unauthenticated is ignored, logged and counted in `ignored`: it never buries a
+    live learner, and the supervisor writes its real one over it (Supervisor._renotice)."""
+    name = died(m, inc)
+    notice = bs.read_trusted(store, name, secret, ignored)
     if notice is None:
         return None
     if not (isinstance(notice, dict) and number(notice.get("at")) and type(notice.get("exitcode")) is int):
-        log.error("learner %d incarnation %d: malformed exit notice, taken as a crash now: %s",
-                  m, inc, str(notice)[:200])
-        return {"at": now, "exitcode": -1}
+        if ignored is not None and name not in ignored:
+            log.error("learner %d incarnation %d: malformed exit notice ignored: %s", m, inc, str(notice)[:200])
+            ignored[name] = f"malformed: {str(notice)[:200]}"
+        return None
     return {"at": float(notice["at"]), "exitcode": notice["exitcode"]}
+
+
+def ignored_summary(ignored: dict[str, str]) -> dict:
+    """The summary's count of store objects ignored (docs/design.md#damage-in-the-store), by kind
+    (events, ctl/ objects); {} if none were."""
+    if not ignored:
+        return {}
+    events = sum(k.startswith("ev/") for k in ignored)
+    return {"store_objects_ignored": len(ignored), "ignored_events": events, "ignored_controls": len(ignored) - events}

@@ -179,16 +179,20 @@ class ProcLearner:
         or nothing left to do), t0, stop, and rejoin (None for incarnation 0: now, down_until,
         the step the predecessor stopped at, the least step to resume at)."""
         m = self.m
-        bs.write_control(self.store, f"ready/{m:04d}", {"incarnation": self.inc})
+        secret, ignored = self.setup.policy.auth, {}  # control objects sealed (diloco/store/control.py)
+        bs.write_control(self.store, f"ready/{m:04d}", {"incarnation": self.inc}, secret, learner=m)
         stopping = lambda: self.terminating  # noqa: E731 - SIGTERM while waiting: nothing to save yet
-        started = wait_for(lambda: bs.read_control(self.store, "start"), self.parent, stopping)
+        # One that is forged or malformed is ignored and read again: the syncer's lands on its key.
+        started = wait_for(lambda: bs.read_trusted(self.store, "start", secret, ignored, ("t0",)),
+                           self.parent, stopping)
         if started is None:
             return {"go": False, "t0": self.t0, "stop": self.terminating, "rejoin": None}
         self.t0 = started["t0"]
         started_at = self.clock()
         if self.inc == 0:
             return {"go": True, "t0": self.t0, "stop": False, "rejoin": None}
-        before = wait_for(lambda: bs.read_control(self.store, buried(m, self.inc - 1)), self.parent, stopping)
+        before = wait_for(lambda: bs.read_trusted(self.store, buried(m, self.inc - 1), secret, ignored,
+                                                  ("step", "done")), self.parent, stopping)
         if before is None or before["done"]:
             return {"go": False, "t0": self.t0, "stop": self.terminating, "rejoin": None}
         r = self.cfg.runtime

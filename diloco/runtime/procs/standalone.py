@@ -38,11 +38,14 @@ import time
 from pathlib import Path
 
 from diloco import store as bs
+from diloco.algo.auth import Secret
 from diloco.config import ConfigError, TrainConfig, legacy, to_dict
 from diloco.config.checks import WORLD_ADDRESS
 from diloco.config.convert import options_by_path
+from diloco.runtime.build import auth_secret
 from diloco.runtime.interfaces import Child, RunSpec
 from diloco.runtime.procs.child import EXIT_SUPERSEDED, POLL_MIN, child_main, died
+from diloco.runtime.procs.intake import number
 from diloco.runtime.procs.launch import Local
 from diloco.runtime.procs.learner import learner_body
 from diloco.runtime.world import free_port
@@ -66,13 +69,14 @@ def store_url(cfg: TrainConfig) -> str:
     return network.run_store_url(cfg.runtime, f"file://{root / 'store'}")
 
 
-def run_clock(store: bs.BlobStore) -> float:
-    """The syncer's clock now (0 before it has started it): when a notice says a process died."""
-    start = bs.read_control(store, "start")
-    return 0.0 if not isinstance(start, dict) else time.time() - float(start["t0"])
+def run_clock(store: bs.BlobStore, secret: Secret | None = None) -> float:
+    """The syncer's clock now (0 before it has started it, or if its start record is unreadable or,
+    with the run `secret`, unauthenticated): when a notice says a process died."""
+    start = bs.read_trusted(store, "start", secret, None, ("t0",))
+    return 0.0 if start is None or not number(start["t0"]) else time.time() - float(start["t0"])
 
 
-def claim(store: bs.BlobStore, m: int, token: str, world: dict | None = None) -> int:
+def claim(store: bs.BlobStore, m: int, token: str, world: dict | None = None, secret: Secret | None = None) -> int:
     """Claim learner m's next incarnation under `token`, writing the predecessor's exit notice if
     it left none (it was killed); the incarnation claimed. world: {coordinator, processes} of the
     world its leader is about to serve, for the followers (await_world)."""
@@ -80,8 +84,10 @@ def claim(store: bs.BlobStore, m: int, token: str, world: dict | None = None) ->
     inc = 0 if held is None else int(held["incarnation"]) + 1
     bs.write_control(store, f"claim/{m:04d}", {"incarnation": inc, "token": token, "host": socket.gethostname(),
                                                "pid": os.getpid(), "at": time.time(), "world": world})
-    if inc > 0 and bs.read_control(store, died(m, inc - 1)) is None:
-        bs.write_control(store, died(m, inc - 1), {"at": run_clock(store), "exitcode": -signal.SIGKILL})
+    # one unreadable or unauthenticated is written over: the syncer would never bury its predecessor
+    if inc > 0 and bs.read_trusted(store, died(m, inc - 1), secret) is None:
+        bs.write_control(store, died(m, inc - 1), {"at": run_clock(store, secret), "exitcode": -signal.SIGKILL},
+                         secret, learner=m)
     return inc
 
 
@@ -122,13 +128,14 @@ def run_learner(cfg: TrainConfig) -> int:
     run_dir = Path(cfg.run.out_dir).absolute()
     url = store_url(cfg)
     store = bs.BlobStore(url, sync=False)
+    secret = auth_secret(cfg)  # exit notices sealed under this learner's key (diloco/store/control.py)
     if finished(cfg):
         log.info("the run in %s has finished; learner %d has nothing to do", network.redacted(url), m)
         return 0
     if i == 0:
         token = secrets.token_hex(8)
         world = None if P == 1 else {"coordinator": world_coordinator(r.world.address), "processes": P}
-        inc = claim(store, m, token, world)
+        inc = claim(store, m, token, world, secret)
         log.info("learner %d: incarnation %d, waiting for the syncer's run record", m, inc)
     else:
         held = await_world(store, m, i, P)
@@ -151,12 +158,12 @@ def run_learner(cfg: TrainConfig) -> int:
             log.error("learner %d incarnation %d: %s", m, inc, e.code)
     except BaseException:
         if i == 0:
-            bs.write_control(store, died(m, inc), {"at": run_clock(store), "exitcode": 1})
+            bs.write_control(store, died(m, inc), {"at": run_clock(store, secret), "exitcode": 1}, secret, learner=m)
         raise
     # A follower writes nothing: its leader's notice is the world's. A superseded leader's successor
     # wrote its notice already.
     if i == 0 and code != EXIT_SUPERSEDED:
-        bs.write_control(store, died(m, inc), {"at": run_clock(store), "exitcode": code})
+        bs.write_control(store, died(m, inc), {"at": run_clock(store, secret), "exitcode": code}, secret, learner=m)
     return code
 
 

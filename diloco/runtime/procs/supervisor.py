@@ -49,11 +49,11 @@ from diloco import report
 from diloco import store as bs
 from diloco.config import ConfigError, TrainConfig, to_dict
 from diloco.runtime.interfaces import Child, Launcher, RunSpec
-from diloco.runtime.procs.child import EXIT_DOWN, PREFIXES, died, keep_secret
+from diloco.runtime.procs.child import EXIT_DOWN, PREFIXES, buried, died, keep_secret
 from diloco.runtime.procs import theta0
 from diloco.runtime.procs.recovery import restartable
 from diloco.runtime.procs.reports import rep_key, report_theta
-from diloco.runtime.build import Setup
+from diloco.runtime.build import Setup, auth_secret
 from diloco.runtime.stop import RunStopped, signals_as_interrupt
 from diloco.store import network
 
@@ -99,11 +99,14 @@ class Procs:
         self.forced = False  # a second signal while stopping: every child was killed
         self.resume: dict | None = None  # a resumed run: the stop's clock and the learners restarted
         self.tokens_at_start = 0  # a resumed run's: the tokens its stopped run had trained
+        self.secret = None  # the run secret, once in this process's environment (_start)
+        self.notices: dict[tuple[int, int], dict] = {}  # exit notices written, not yet buried (_renotice)
+        self.renoticed = 0.0
 
     def clock(self) -> float:
         """The syncer's clock (0 until it has started it)."""
         if self.t0 is None:
-            self.t0 = (bs.read_control(self.store, "start") or {}).get("t0")
+            self.t0 = (bs.read_trusted(self.store, "start", self.secret, None, ("t0",)) or {}).get("t0")
         return 0.0 if self.t0 is None else time.time() - self.t0
 
     def run(self) -> dict:
@@ -143,6 +146,7 @@ class Procs:
         # The run secret into this process's environment before any child is spawned, so the syncer
         # and every learner derive the same keys (a setup built under another runtime made none).
         keep_secret(self.cfg, self.run_dir)
+        self.secret = auth_secret(self.cfg)  # control objects sealed under it (diloco/store/control.py)
         if self.cfg.run.resume:
             return self._resume()
         for prefix in PREFIXES:  # a store left by an earlier run into the same directory
@@ -164,6 +168,7 @@ class Procs:
         traffic (learners may have claimed their incarnations already, so control objects stay),
         or, started again on its store, the next syncer incarnation (checkpoint + journal) from
         the reports its predecessor had read (`ctl/reports`)."""
+        self.secret = auth_secret(self.cfg)  # as the learners started apart take it
         procs = bs.read_control(self.store, "procs")
         if procs is None:
             used = [p for p in PREFIXES if p != "ctl/" and self.store.list(p)]
@@ -195,7 +200,7 @@ class Procs:
                               "syncer's checkpoints and journal are what it resumes from")
         for m in range(self.M):
             self.incarnation[m] = int(procs["learners"][str(m)]["incarnation"])
-            notice = bs.read_control(self.store, died(m, self.incarnation[m]))
+            notice = bs.read_trusted(self.store, died(m, self.incarnation[m]), self.secret)
             if isinstance(notice, dict) and notice.get("exitcode") == 0:
                 self.done.add(m)  # it had finished: its successor would have nothing to do
         # What the stopped run's supervisor had not read is made again by the replay, and a stale
@@ -253,6 +258,7 @@ class Procs:
                 self._restart_syncer(code)
             for m in range(self.M):
                 self._watch(m)
+            self._renotice()
             self.launcher.wait([p for m, p in self.learners.items() if m not in self.done] + [self.syncer], POLL)
 
     def _restart_syncer(self, code: int) -> None:
@@ -278,7 +284,7 @@ class Procs:
         if p.exitcode == 0:
             self.done.add(m)
             # The syncer books it done from its Done event; should that event be lost, from this.
-            bs.write_control(self.store, died(m, inc), {"at": self.clock(), "exitcode": 0})
+            self._notice(m, inc, {"at": self.clock(), "exitcode": 0})
             return
         name = f"learner-{m:04d}-{inc:04d}"
         error = self._error(name)
@@ -291,8 +297,28 @@ class Procs:
                 raise RuntimeError(f"learner {m} died {self.restarts[m] + 1} times (last exit code "
                                    f"{p.exitcode}); not restarting it again")
             self.restarts[m] += 1
-        bs.write_control(self.store, died(m, inc), {"at": self.clock(), "exitcode": p.exitcode})
+        self._notice(m, inc, {"at": self.clock(), "exitcode": p.exitcode})
         self._spawn(m, inc + 1)
+
+    def _notice(self, m: int, inc: int, notice: dict) -> None:
+        """The exit notice of (m, inc), sealed; kept, so that one written over it is made again."""
+        self.notices[(m, inc)] = notice
+        bs.write_control(self.store, died(m, inc), notice, self.secret)
+
+    def _renotice(self) -> None:
+        """Once a second: each exit notice the syncer has not buried yet that no longer reads back
+        as written (damaged, or a forger's written over it) is written again, so that a dead learner
+        is buried and its successor starts; the syncer ignores one it cannot authenticate."""
+        if time.monotonic() - self.renoticed < 1.0:
+            return
+        self.renoticed = time.monotonic()
+        for (m, inc), notice in list(self.notices.items()):
+            if bs.read_trusted(self.store, buried(m, inc), self.secret) is not None:
+                del self.notices[(m, inc)]
+            elif bs.read_trusted(self.store, died(m, inc), self.secret) != notice:
+                log.error("learner %d incarnation %d: its exit notice in the store is not the one written; "
+                          "writing it again", m, inc)
+                bs.write_control(self.store, died(m, inc), notice, self.secret)
 
     def _error(self, name: str) -> str:
         found = bs.read_control(self.store, f"error/{name}")
@@ -382,8 +408,8 @@ class Procs:
         at = self.finished["time"] if self.finished is not None else self.clock()
         for m, p in self.learners.items():
             if m not in self.done:
-                bs.write_control(self.store, died(m, self.incarnation[m]),
-                                 {"at": at, "exitcode": -signal.SIGTERM if p.exitcode is None else p.exitcode})
+                self._notice(m, self.incarnation[m],
+                             {"at": at, "exitcode": -signal.SIGTERM if p.exitcode is None else p.exitcode})
         reports = self.reports - (self.finished is not None)
         tokens = (self.summary or {}).get("tokens_processed", 0)  # none if the syncer died first
         bs.write_control(self.store, "stopped", {"at": at, "reports": reports, "forced": self.forced,

@@ -27,8 +27,9 @@ covers them, so whatever a replay from any of them needs is still there; learner
 the syncer except at their tau bound, and see the versions they would have seen.
 
 Damage in the store (docs/design.md#damage-in-the-store; the checks are in
-diloco/runtime/procs/intake.py): an event that is not JSON, too large or not an event of its
-learner is logged and skipped; a gap in an event stream (event n missing, a later one there) is
+diloco/runtime/procs/intake.py): an event or exit notice that does not authenticate
+(runtime.auth) is ignored, counted and read again, as the real one may land on its key later; an
+authenticated event that is not JSON or not an event of its learner is logged and skipped; a gap in an event stream (event n missing, a later one there) is
 skipped after GAP_TIMEOUT_S with an error logged, at once when the process has exited; a
 contribution larger than any frame of the run is passed on unread, to be quarantined as
 too_large; a learner that exited 0 without a readable Done event is booked done.
@@ -55,7 +56,8 @@ from diloco.runtime import keepup
 from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.procs.child import (POLL_MAX, POLL_MIN, buried, child_main, child_setup, event_key,
                                         in_main_thread, max_frame)
-from diloco.runtime.procs.intake import listed_events, parse_event, read_event, read_notice
+from diloco.runtime.procs.intake import (ignored_summary, listed_events, number, parse_event, read_event,
+                                         read_notice)
 from diloco.runtime.procs.recovery import Recovery
 from diloco.runtime.procs.reports import pack_theta, rep_key
 from diloco.runtime.runlog import write_decisions
@@ -110,6 +112,10 @@ class ProcSyncer(HostedRuntime):
         self.heard = dict.fromkeys(range(self.M), time.monotonic())  # a stream's last event or listing
         self.gaps: dict[tuple[int, int, int], float] = {}  # (m, inc, n) missing -> when first seen
         self.skipped = 0  # events and gaps skipped as damage (each logged)
+        # Store objects ignored as unauthenticated or malformed, key -> why (each logged once): a
+        # forger's object is never taken as truth, and never blocks the real one landing on its key.
+        self.ignored: dict[str, str] = {}
+        self.secret = s.policy.auth
 
     def clock(self) -> float:
         return time.time() - self.t0
@@ -150,16 +156,17 @@ class ProcSyncer(HostedRuntime):
     def _start_clock(self) -> None:
         """Once every learner has compiled, as threads' barrier does; a restarted syncer keeps the
         clock its learners already run on, a resumed one starts it where the stopped run ended."""
-        started = bs.read_control(self.store, "start")
-        if started is not None:
+        started = bs.read_trusted(self.store, "start", self.secret, self.ignored)
+        if isinstance(started, dict) and number(started.get("t0")):
             self.t0 = started["t0"]
             return
         waiting = range(self.M) if self.resume is None else self.resume["learners"]
         ready = bs.Poller(POLL_MIN, POLL_MAX, stop=lambda: self.stopping or os.getppid() != self.parent)
-        ready.until(lambda: all(bs.read_control(self.store, f"ready/{m:04d}") for m in waiting))
+        ready.until(lambda: all(bs.read_trusted(self.store, f"ready/{m:04d}", self.secret, self.ignored,
+                                                ("incarnation",)) for m in waiting))
         self.t0 = time.time() - (0.0 if self.resume is None else self.resume["at"])
         if not self.stopping:
-            bs.write_control(self.store, "start", {"t0": self.t0})
+            bs.write_control(self.store, "start", {"t0": self.t0}, self.secret)
 
     # --- the loop's entries (diloco/runtime/procs/recovery.py) ---------------------------------
     def _do(self, entry: dict, raw: bytes | None = None) -> None:
@@ -223,7 +230,7 @@ class ProcSyncer(HostedRuntime):
     def _poll(self, m: int) -> bool:
         inc = self.current[m]
         got = self._drain(m, inc)
-        notice = read_notice(self.store, m, inc, self.clock())
+        notice = read_notice(self.store, m, inc, self.secret, self.ignored)
         if notice is not None:
             self._drain(m, inc, exited=True)  # it exited before the notice: every event of it is there
             if notice["exitcode"] != 0:
@@ -239,7 +246,7 @@ class ProcSyncer(HostedRuntime):
     def _drain(self, m: int, inc: int, exited: bool = False) -> bool:
         got = False
         while True:
-            raw = read_event(self.store, m, inc, self.cursor[m])
+            raw = self._authentic(m, inc, self.cursor[m])
             if raw is not None:
                 self._do({"do": "event", "m": m, "inc": inc, "n": self.cursor[m]}, raw)
                 self.heard[m] = time.monotonic()
@@ -260,7 +267,10 @@ class ProcSyncer(HostedRuntime):
             return None
         self.heard[m] = now
         n = self.cursor[m]
-        later = [k for k in listed_events(self.store, m, inc) if k > n]
+        # Only an event of the learner's own proves n was skipped: keys a forger wrote ahead of the
+        # stream prove nothing, and the real events will land on them.
+        later = next(([k] for k in listed_events(self.store, m, inc) if k > n
+                      and self._authentic(m, inc, k) is not None), [])
         if not later:
             return None
         since = self.gaps.setdefault((m, inc, n), now)
@@ -271,6 +281,23 @@ class ProcSyncer(HostedRuntime):
         log.error("learner %d incarnation %d: events %d to %d are missing from the store (for %.1f s); "
                   "skipping them, what they booked is lost", m, inc, n, min(later) - 1, now - since)
         return min(later)
+
+    def _authentic(self, m: int, inc: int, n: int) -> bytes | None:
+        """Event n's bytes if it is there and, with runtime.auth on, its tag verifies; else None,
+        so the stream waits for it (an unauthenticated object is ignored, logged and counted once
+        per key, and re-read: the learner overwrites it when it writes that event)."""
+        raw = read_event(self.store, m, inc, n)
+        if raw is None or self.secret is None:
+            return raw
+        key = event_key(m, inc, n)
+        try:
+            auth.unseal(self.secret, m, key, raw)
+        except ValueError as e:
+            if key not in self.ignored:
+                log.error("learner %d incarnation %d event %d ignored until its learner writes it: %s", m, inc, n, e)
+                self.ignored[key] = str(e)[:200]
+            return None
+        return raw
 
     def _on_event(self, m: int, inc: int, data: dict) -> None:
         """Book one learner event (diloco/runtime/events.py), its contributions read from the store."""
@@ -308,7 +335,7 @@ class ProcSyncer(HostedRuntime):
         self.died_at[m] = at
         self.current[m], self.cursor[m] = inc + 1, 0
         self.graves.add((m, inc))  # its objects go once a checkpoint covers this (collect)
-        bs.write_control(self.store, buried(m, inc), {"step": self.steps[m], "done": m in self.host.done})
+        bs.write_control(self.store, buried(m, inc), {"step": self.steps[m], "done": m in self.host.done}, self.secret)
 
     def _arm(self, p: int, at: float) -> None:
         heapq.heappush(self.deadlines, (at, self.order, p))
@@ -361,6 +388,7 @@ class ProcSyncer(HostedRuntime):
         tape = chaos_tape(self.cfg)  # as every learner process derives it (diloco/runtime/walltape.py)
         summary = self.host.summary(clock="wall", end=end, window=window, tape=tape,
                                     scale=self.cfg.chaos.wall_scale)
+        summary.update(ignored_summary(self.ignored))
         if self.run_dir is not None:
             write_decisions(self.run_dir / "decisions.jsonl", self.syncer.decisions)
         self._report({"kind": "end", "time": end, "summary": summary, "steps": self.steps,

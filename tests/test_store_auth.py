@@ -1,0 +1,120 @@
+"""Control objects authenticated under the run secret (issue 32 item 2): someone who can write the
+store but holds no key cannot bury a live learner, start the clock, or block the real object that
+lands on a key later (docs/design.md#damage-in-the-store)."""
+
+import json
+import logging
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from diloco import report
+from diloco import store as bs
+from diloco.algo import auth
+from diloco.runtime.procs import child, intake
+from diloco.runtime.procs.standalone import claim
+from diloco.runtime.procs.supervisor import Procs
+from test_hardening_store import small, syncer  # noqa: F401 - fixtures
+
+SECRET = auth.Secret(b"k" * 32)
+NOTICE = {"at": 2.0, "exitcode": -9}
+
+
+def _forgeries(name: str, obj: dict) -> dict[str, bytes]:
+    """What a forger without the key can put under ctl/<name>, and one moved from another name."""
+    raw = json.dumps(obj).encode()
+    key = bs.ctl_key(name)
+    other = auth.Secret(b"x" * 32).runtime_key()
+    return {"junk": b"\x00junk", "unsealed": raw, "other_secret": auth.seal(other, key, raw),
+            "moved": auth.seal(SECRET.runtime_key(), bs.ctl_key("died/0009/0000"), raw)}
+
+
+@pytest.mark.parametrize("forgery", ["junk", "unsealed", "other_secret", "moved"])
+def test_a_forged_control_object_is_refused_and_taken_as_absent(forgery, caplog):
+    store = bs.BlobStore("memory://")
+    name = child.died(0, 0)
+    store.put(bs.ctl_key(name), _forgeries(name, NOTICE)[forgery])
+    with pytest.raises(ValueError, match="ctl/died/0000/0000"):
+        bs.read_control(store, name, SECRET)
+    ignored = {}
+    with caplog.at_level(logging.ERROR):
+        assert bs.read_trusted(store, name, SECRET, ignored) is None
+        assert bs.read_trusted(store, name, SECRET, ignored) is None
+    assert list(ignored) == [name] and caplog.text.count("ignored") == 1  # logged and counted once
+    bs.write_control(store, name, NOTICE, SECRET)  # the real one lands on the key: read at once
+    assert bs.read_trusted(store, name, SECRET, ignored) == NOTICE
+
+
+def test_each_control_object_verifies_only_under_its_writers_keys():
+    store = bs.BlobStore("memory://")
+    bs.write_control(store, "start", {"t0": 1.0}, SECRET, learner=0)  # a learner cannot start the clock
+    bs.write_control(store, "ready/0001", {"incarnation": 0}, SECRET)  # nor the runtime say it is ready
+    bs.write_control(store, child.died(1, 0), NOTICE, SECRET, learner=0)  # nor learner 0 bury learner 1
+    bs.write_control(store, child.buried(0, 0), {"step": 1, "done": False}, SECRET, learner=0)
+    for name in ("start", "ready/0001", child.died(1, 0), child.buried(0, 0)):
+        with pytest.raises(ValueError, match="unauthenticated"):
+            bs.read_control(store, name, SECRET)
+        assert bs.read_control(store, name) is not None  # a reader without a secret (a tool) drops the tag
+    bs.write_control(store, child.died(1, 0), NOTICE, SECRET, learner=1)  # its successor, started apart
+    assert bs.read_control(store, child.died(1, 0), SECRET) == NOTICE
+    bs.write_control(store, "procs", {"x": 1}, SECRET)  # not sealed: plain JSON, as before
+    assert store.get("ctl/procs") == b'{"x":1}'
+
+
+@pytest.mark.parametrize("forgery", ["junk", "unsealed"])
+def test_a_forged_exit_notice_never_buries_a_live_learner(syncer, forgery):  # noqa: F811
+    """One junk notice under ctl/died/<m>/<inc> made the syncer bury a live learner (taken as a crash
+    now), and the run hung after the others finished."""
+    store, rt, tokens = syncer
+    name = child.died(0, 0)
+    store.put(bs.ctl_key(name), _forgeries(name, NOTICE)[forgery])
+    assert not rt._poll(0) and not rt._poll(0)
+    assert rt.current[0] == 0 and not rt.host.tokens.dead and name in rt.ignored
+    assert bs.read_control(store, child.buried(0, 0)) is None
+    bs.write_control(store, name, NOTICE, rt.secret)  # the supervisor's, when it has exited
+    assert rt._poll(0) and rt.current[0] == 1 and (0, 0) in rt.host.tokens.dead
+    assert bs.read_control(store, child.buried(0, 0), rt.secret) == {"step": 0, "done": False}
+    assert intake.ignored_summary(rt.ignored) == {"store_objects_ignored": 1, "ignored_events": 0,
+                                                  "ignored_controls": 1}
+
+
+def test_a_forged_start_is_ignored_and_the_syncer_starts_the_clock(syncer):  # noqa: F811
+    store, rt, _ = syncer
+    store.put(bs.ctl_key("start"), b'{"t0": "junk"}')
+    store.put(bs.ctl_key("ready/0000"), b'{"incarnation": 0}')  # forged too: it would wait for it
+    bs.write_control(store, "ready/0001", {"incarnation": 0}, rt.secret, learner=1)
+    bs.write_control(store, "ready/0000", {"incarnation": 0}, rt.secret, learner=0)
+    rt._start_clock()
+    assert isinstance(rt.t0, float) and "start" in rt.ignored
+    assert bs.read_control(store, "start", rt.secret) == {"t0": rt.t0}
+
+
+def test_the_supervisor_writes_again_an_exit_notice_written_over():
+    """A damaged or forged notice over a dead learner's: the syncer ignores it, so the supervisor
+    writes its own again until the syncer has buried the incarnation."""
+    store = bs.BlobStore("memory://")
+    sup = SimpleNamespace(store=store, secret=SECRET, notices={}, renoticed=0.0)
+    Procs._notice(sup, 0, 0, NOTICE)
+    store.put(bs.ctl_key(child.died(0, 0)), b"junk")
+    Procs._renotice(sup)
+    assert bs.read_control(store, child.died(0, 0), SECRET) == NOTICE
+    bs.write_control(store, child.buried(0, 0), {"step": 3, "done": False}, SECRET)
+    sup.renoticed = 0.0
+    Procs._renotice(sup)
+    assert sup.notices == {}  # buried: nothing left to guard
+
+
+def test_a_successor_started_apart_writes_over_a_forged_notice_of_its_predecessor():
+    store = bs.BlobStore("memory://")
+    assert claim(store, 2, "a", secret=SECRET) == 0
+    store.put(bs.ctl_key(child.died(2, 0)), b'{"at": 1.0, "exitcode": 0}')  # unsealed: ignored
+    assert claim(store, 2, "b", secret=SECRET) == 1
+    assert bs.read_control(store, child.died(2, 0), SECRET) == {"at": 0.0, "exitcode": -signal.SIGKILL}
+
+
+def test_the_summary_says_what_was_ignored():
+    summary = {"learner_deaths": 0, "token_ledger_imbalance": 0,
+               **intake.ignored_summary({"ev/0000/0000/000000000001": "x", "died/0000/0000": "y"})}
+    text = report.render_summary(summary, "run")
+    assert "2 store objects ignored (1 events, 1 control objects" in text
