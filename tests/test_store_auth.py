@@ -5,6 +5,7 @@ lands on a key later (docs/design.md#damage-in-the-store)."""
 import json
 import logging
 import signal
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -12,10 +13,12 @@ import pytest
 from diloco import report
 from diloco import store as bs
 from diloco.algo import auth
+from diloco.runtime import procs
 from diloco.runtime.procs import child, intake
 from diloco.runtime.procs.standalone import claim
 from diloco.runtime.procs.supervisor import Procs
 from test_hardening_store import small, syncer  # noqa: F401 - fixtures
+from test_procs import M, STEPS, variant, world  # noqa: F401 - world is a fixture
 
 SECRET = auth.Secret(b"k" * 32)
 NOTICE = {"at": 2.0, "exitcode": -9}
@@ -118,3 +121,39 @@ def test_the_summary_says_what_was_ignored():
                **intake.ignored_summary({"ev/0000/0000/000000000001": "x", "died/0000/0000": "y"})}
     text = report.render_summary(summary, "run")
     assert "2 store objects ignored (1 events, 1 control objects" in text
+
+
+@pytest.mark.slow  # 25-70 s (a procs run); tests above cover each attack on the syncer by default
+def test_a_live_procs_run_books_every_step_past_forged_events_and_a_forged_exit_notice(world, tmp_path):  # noqa: F811
+    """Issue 32's no-key attacks on a live run: junk written ahead of learner 1's event stream cut it
+    out silently (rc 0, "ledger balanced", its steps never booked), and a junk exit notice of live
+    learner 0 buried it and hung the run. Now both learners are booked to the end and the summary
+    says what was ignored."""
+    cfg, setup, run_dir = variant(world, tmp_path)
+    stop, forged = threading.Event(), []
+
+    def forger():
+        store = bs.BlobStore(f"file://{run_dir}/store")
+        while not stop.is_set() and bs.read_control(store, "run") is None:  # the store is cleared before
+            stop.wait(0.01)
+        for n in range(STEPS + 8):
+            key = child.event_key(1, 0, n)
+            if store.get(key) is None:
+                store.put(key, json.dumps({"kind": "Done", "learner": 1, "incarnation": 0, "at": 0.0}).encode())
+                forged.append(key)
+        store.put(bs.ctl_key(child.died(0, 0)), b'{"at": 0.5, "exitcode": -9}')
+
+    thread = threading.Thread(target=forger)
+    thread.start()
+    try:
+        rt, summary = procs.run(cfg, setup, run_dir, None)
+    finally:
+        stop.set()
+        thread.join()
+    assert len(forged) > STEPS
+    assert sorted(rt.exits) == [("learner-0", 0, 0), ("learner-1", 0, 0)]  # nobody buried alive
+    assert rt.finished["complete"] and rt.finished["steps"] == {"0": STEPS, "1": STEPS}
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    assert rt.finished["tokens"]["processed"] == len(setup.fragments) * M * STEPS * tokens_per_step
+    assert summary["token_ledger_imbalance"] == 0 and "events_lost" not in summary
+    assert summary["ignored_events"] >= 1 and summary["ignored_controls"] == 1
