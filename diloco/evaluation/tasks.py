@@ -20,7 +20,7 @@ from diloco.config import ConfigError
 
 MULTIPLE_CHOICE, GENERATE = "multiple_choice", "generate_until"
 METRICS = {MULTIPLE_CHOICE: ("acc", "acc_norm"), GENERATE: ("exact_match", "f1")}
-# BIG-bench's prompt defaults (BIG-bench docs/doc.md, optional fields of a JSON task)
+# BIG-bench's prompt defaults, the optional fields of its JSON task format (docs/evaluation.md#task-files)
 BB_INPUT, BB_OUTPUT, BB_CHOICE, BB_SEPARATOR = "\nQ: ", "\nA: ", "\n  choice: ", "\n"
 BB_REGEX = r"[^\.\?\!\;\n]+"  # BIG-bench's answer extraction when a task gives no stop string or regex
 
