@@ -12,6 +12,7 @@ import math
 import re
 
 from diloco import store as bs
+from diloco.algo import auth
 from diloco.runtime import events as ev
 from diloco.runtime.procs.child import died, event_key
 
@@ -88,6 +89,24 @@ def read_event(store: bs.BlobStore, m: int, inc: int, n: int) -> bytes | None:
         return store.get(event_key(m, inc, n), bs.MAX_JSON_BYTES)
     except bs.TooLarge:
         return b""
+
+
+def authentic_event(store: bs.BlobStore, secret, m: int, inc: int, n: int, ignored: dict) -> bytes | None:
+    """Event n's bytes if it is there and, with the run `secret` (runtime.auth), its tag verifies;
+    else None, so the stream waits for it: one that does not verify is ignored, logged and counted
+    in `ignored` once per key, and read again, as the learner writes that event over it."""
+    raw = read_event(store, m, inc, n)
+    if raw is None or secret is None:
+        return raw
+    key = event_key(m, inc, n)
+    try:
+        auth.unseal(secret, m, key, raw)
+    except ValueError as e:
+        if key not in ignored:
+            log.error("learner %d incarnation %d event %d ignored until its learner writes it: %s", m, inc, n, e)
+            ignored[key] = str(e)[:200]
+        return None
+    return raw
 
 
 def read_notice(store: bs.BlobStore, m: int, inc: int, secret=None, ignored: dict | None = None) -> dict | None:

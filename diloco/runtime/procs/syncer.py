@@ -56,8 +56,8 @@ from diloco.runtime import keepup
 from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.procs.child import (POLL_MAX, POLL_MIN, buried, child_main, child_setup, event_key,
                                         in_main_thread, max_frame)
-from diloco.runtime.procs.intake import (ignored_summary, listed_events, number, parse_event, read_event,
-                                         read_notice)
+from diloco.runtime.procs.intake import (authentic_event, ignored_summary, listed_events, number, parse_event,
+                                         read_event, read_notice)
 from diloco.runtime.procs.recovery import Recovery
 from diloco.runtime.procs.reports import pack_theta, rep_key
 from diloco.runtime.runlog import write_decisions
@@ -246,7 +246,7 @@ class ProcSyncer(HostedRuntime):
     def _drain(self, m: int, inc: int, exited: bool = False) -> bool:
         got = False
         while True:
-            raw = self._authentic(m, inc, self.cursor[m])
+            raw = authentic_event(self.store, self.secret, m, inc, self.cursor[m], self.ignored)
             if raw is not None:
                 self._do({"do": "event", "m": m, "inc": inc, "n": self.cursor[m]}, raw)
                 self.heard[m] = time.monotonic()
@@ -270,7 +270,7 @@ class ProcSyncer(HostedRuntime):
         # Only an event of the learner's own proves n was skipped: keys a forger wrote ahead of the
         # stream prove nothing, and the real events will land on them.
         later = next(([k] for k in listed_events(self.store, m, inc) if k > n
-                      and self._authentic(m, inc, k) is not None), [])
+                      and authentic_event(self.store, self.secret, m, inc, k, self.ignored) is not None), [])
         if not later:
             return None
         since = self.gaps.setdefault((m, inc, n), now)
@@ -281,23 +281,6 @@ class ProcSyncer(HostedRuntime):
         log.error("learner %d incarnation %d: events %d to %d are missing from the store (for %.1f s); "
                   "skipping them, what they booked is lost", m, inc, n, min(later) - 1, now - since)
         return min(later)
-
-    def _authentic(self, m: int, inc: int, n: int) -> bytes | None:
-        """Event n's bytes if it is there and, with runtime.auth on, its tag verifies; else None,
-        so the stream waits for it (an unauthenticated object is ignored, logged and counted once
-        per key, and re-read: the learner overwrites it when it writes that event)."""
-        raw = read_event(self.store, m, inc, n)
-        if raw is None or self.secret is None:
-            return raw
-        key = event_key(m, inc, n)
-        try:
-            auth.unseal(self.secret, m, key, raw)
-        except ValueError as e:
-            if key not in self.ignored:
-                log.error("learner %d incarnation %d event %d ignored until its learner writes it: %s", m, inc, n, e)
-                self.ignored[key] = str(e)[:200]
-            return None
-        return raw
 
     def _on_event(self, m: int, inc: int, data: dict) -> None:
         """Book one learner event (diloco/runtime/events.py), its contributions read from the store."""
