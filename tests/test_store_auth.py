@@ -157,3 +157,12 @@ def test_a_live_procs_run_books_every_step_past_forged_events_and_a_forged_exit_
     assert rt.finished["tokens"]["processed"] == len(setup.fragments) * M * STEPS * tokens_per_step
     assert summary["token_ledger_imbalance"] == 0 and "events_lost" not in summary
     assert summary["ignored_events"] >= 1 and summary["ignored_controls"] == 1
+
+
+def test_a_control_object_without_the_fields_its_reader_needs_is_taken_as_absent():
+    """With authentication off, a junk start ({"t0": "junk"}) is ignored, not a traceback."""
+    store, ignored = bs.BlobStore("memory://"), {}
+    store.put(bs.ctl_key("start"), b'{"t0": "junk"}')
+    assert bs.read_trusted(store, "start", None, ignored, {"t0": (int, float)}) is None and "start" in ignored
+    bs.write_control(store, "start", {"t0": 5.0})
+    assert bs.read_trusted(store, "start", None, ignored, {"t0": (int, float)}) == {"t0": 5.0}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from diloco.algo import auth
@@ -79,13 +80,14 @@ def read_control(store: BlobStore, name: str, secret: auth.Secret | None = None)
 
 
 def read_trusted(store: BlobStore, name: str, secret: auth.Secret | None, ignored: dict | None = None,
-                 fields: tuple[str, ...] = ()) -> Any:
-    """read_control, with an unauthenticated or malformed object (not JSON, or not a dict holding
-    `fields`) taken as absent (the real one may land on its key later), logged once per name and
-    counted in `ignored` (name -> why). It is read again at the next call."""
+                 fields: Mapping[str, type | tuple[type, ...]] | None = None) -> Any:
+    """read_control, with an unauthenticated or malformed object (not JSON, or not a dict whose
+    `fields` have their types) taken as absent (the real one may land on its key later), logged
+    once per name and counted in `ignored` (name -> why). It is read again at the next call."""
     try:
         obj = read_control(store, name, secret)
-        if obj is not None and fields and not (isinstance(obj, dict) and all(f in obj for f in fields)):
+        if obj is not None and fields and not (isinstance(obj, dict) and all(
+                isinstance(obj.get(f), t) for f, t in fields.items())):
             raise ValueError(f"ctl/{name}: not an object with {', '.join(fields)}: {str(obj)[:100]}")
         return obj
     except ValueError as e:

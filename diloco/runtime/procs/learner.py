@@ -183,7 +183,7 @@ class ProcLearner:
         bs.write_control(self.store, f"ready/{m:04d}", {"incarnation": self.inc}, secret, learner=m)
         stopping = lambda: self.terminating  # noqa: E731 - SIGTERM while waiting: nothing to save yet
         # One that is forged or malformed is ignored and read again: the syncer's lands on its key.
-        started = wait_for(lambda: bs.read_trusted(self.store, "start", secret, ignored, ("t0",)),
+        started = wait_for(lambda: bs.read_trusted(self.store, "start", secret, ignored, {"t0": (int, float)}),
                            self.parent, stopping)
         if started is None:
             return {"go": False, "t0": self.t0, "stop": self.terminating, "rejoin": None}
@@ -192,7 +192,7 @@ class ProcLearner:
         if self.inc == 0:
             return {"go": True, "t0": self.t0, "stop": False, "rejoin": None}
         before = wait_for(lambda: bs.read_trusted(self.store, buried(m, self.inc - 1), secret, ignored,
-                                                  ("step", "done")), self.parent, stopping)
+                                                  {"step": int, "done": bool}), self.parent, stopping)
         if before is None or before["done"]:
             return {"go": False, "t0": self.t0, "stop": self.terminating, "rejoin": None}
         r = self.cfg.runtime

@@ -45,7 +45,6 @@ from diloco.config.convert import options_by_path
 from diloco.runtime.build import auth_secret
 from diloco.runtime.interfaces import Child, RunSpec
 from diloco.runtime.procs.child import EXIT_SUPERSEDED, POLL_MIN, child_main, died
-from diloco.runtime.procs.intake import number
 from diloco.runtime.procs.launch import Local
 from diloco.runtime.procs.learner import learner_body
 from diloco.runtime.world import free_port
@@ -72,8 +71,8 @@ def store_url(cfg: TrainConfig) -> str:
 def run_clock(store: bs.BlobStore, secret: Secret | None = None) -> float:
     """The syncer's clock now (0 before it has started it, or if its start record is unreadable or,
     with the run `secret`, unauthenticated): when a notice says a process died."""
-    start = bs.read_trusted(store, "start", secret, None, ("t0",))
-    return 0.0 if start is None or not number(start["t0"]) else time.time() - float(start["t0"])
+    start = bs.read_trusted(store, "start", secret, None, {"t0": (int, float)})
+    return 0.0 if start is None else time.time() - float(start["t0"])
 
 
 def claim(store: bs.BlobStore, m: int, token: str, world: dict | None = None, secret: Secret | None = None) -> int:

@@ -106,7 +106,7 @@ class Procs:
     def clock(self) -> float:
         """The syncer's clock (0 until it has started it)."""
         if self.t0 is None:
-            self.t0 = (bs.read_trusted(self.store, "start", self.secret, None, ("t0",)) or {}).get("t0")
+            self.t0 = (bs.read_trusted(self.store, "start", self.secret, None, {"t0": (int, float)}) or {}).get("t0")
         return 0.0 if self.t0 is None else time.time() - self.t0
 
     def run(self) -> dict:

@@ -29,8 +29,9 @@ the syncer except at their tau bound, and see the versions they would have seen.
 Damage in the store (docs/design.md#damage-in-the-store; the checks are in
 diloco/runtime/procs/intake.py): an event or exit notice that does not authenticate
 (runtime.auth) is ignored, counted and read again, as the real one may land on its key later; an
-authenticated event that is not JSON or not an event of its learner is logged and skipped; a gap in an event stream (event n missing, a later one there) is
-skipped after GAP_TIMEOUT_S with an error logged, at once when the process has exited; a
+authenticated event that is not JSON or not an event of its learner is logged and skipped; a gap
+in an event stream (event n missing, a later authenticated one there) is skipped after
+GAP_TIMEOUT_S with an error logged, at once when the process has exited; a
 contribution larger than any frame of the run is passed on unread, to be quarantined as
 too_large; a learner that exited 0 without a readable Done event is booked done.
 """
@@ -56,8 +57,8 @@ from diloco.runtime import keepup
 from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.procs.child import (POLL_MAX, POLL_MIN, buried, child_main, child_setup, event_key,
                                         in_main_thread, max_frame)
-from diloco.runtime.procs.intake import (authentic_event, ignored_summary, listed_events, number, parse_event,
-                                         read_event, read_notice)
+from diloco.runtime.procs.intake import (authentic_event, ignored_summary, listed_events, parse_event, read_event,
+                                         read_notice)
 from diloco.runtime.procs.recovery import Recovery
 from diloco.runtime.procs.reports import pack_theta, rep_key
 from diloco.runtime.runlog import write_decisions
@@ -156,14 +157,14 @@ class ProcSyncer(HostedRuntime):
     def _start_clock(self) -> None:
         """Once every learner has compiled, as threads' barrier does; a restarted syncer keeps the
         clock its learners already run on, a resumed one starts it where the stopped run ended."""
-        started = bs.read_trusted(self.store, "start", self.secret, self.ignored)
-        if isinstance(started, dict) and number(started.get("t0")):
+        started = bs.read_trusted(self.store, "start", self.secret, self.ignored, {"t0": (int, float)})
+        if started is not None:
             self.t0 = started["t0"]
             return
         waiting = range(self.M) if self.resume is None else self.resume["learners"]
         ready = bs.Poller(POLL_MIN, POLL_MAX, stop=lambda: self.stopping or os.getppid() != self.parent)
         ready.until(lambda: all(bs.read_trusted(self.store, f"ready/{m:04d}", self.secret, self.ignored,
-                                                ("incarnation",)) for m in waiting))
+                                                {"incarnation": int}) for m in waiting))
         self.t0 = time.time() - (0.0 if self.resume is None else self.resume["at"])
         if not self.stopping:
             bs.write_control(self.store, "start", {"t0": self.t0}, self.secret)
