@@ -176,6 +176,7 @@ def test_few_shot_prompts_draw_other_documents_with_a_fixed_seed(tmp_path):
     ({"test_split": "dev"}, "test_split='dev' is not a split of data_files"),
     ({"dataset_kwargs": {"data_files": {"test": "gone.jsonl"}}}, "data_files[test]:"),
     ({"metric_list": [{"metric": "bleu"}]}, "metric_list: ['bleu'] not supported"),
+    ({"dataset_kwargs": {"data_files": "test.jsonl", "field": "rows"}}, "dataset_kwargs: only data_files"),
     ({"output_type": "loglikelihood_rolling"}, "output_type='loglikelihood_rolling' not in"),
 ])
 def test_bad_lm_eval_files_name_the_file_and_the_field(tmp_path, extra, message):
@@ -194,6 +195,9 @@ def test_bad_bigbench_files_and_function_tags(tmp_path):
         bad.write_text(json.dumps(content))
         with pytest.raises(TaskError, match=re.escape(message)):
             load_task(bad)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TaskError, match="test_split='test' holds no documents"):
+        load_task(write_lm_eval(tmp_path / "empty", rows=[]))
     path = tmp_path / "f.yaml"
     path.write_text("task: x\nprocess_docs: !function utils.process\n")
     with pytest.raises(TaskError, match="!function is not supported"):

@@ -109,6 +109,8 @@ def _lm_eval(path: Path) -> Task:
             _fail(path, f"{key}={raw[key]!r} is not a split of data_files (splits: {', '.join(splits)})")
     to_doc = _doc_maker(path, raw, output_type)
     test = tuple(to_doc(d, i, test_name) for i, d in enumerate(splits[test_name]))
+    if not test:
+        _fail(path, f"test_split={test_name!r} holds no documents")
     pool = () if shot_name is None else tuple(to_doc(d, i, shot_name) for i, d in enumerate(splits[shot_name]))
     gen = raw.get("generation_kwargs") or {}
     unknown = sorted(set(gen) - {"until", "max_gen_toks", "do_sample", "temperature"})
@@ -142,7 +144,10 @@ def _metrics(path, metric_list, output_type: str) -> tuple[str, ...]:
 
 
 def _splits(path: Path, raw: dict) -> dict[str, list[dict]]:
-    files = (raw.get("dataset_kwargs") or {}).get("data_files")
+    kwargs = raw.get("dataset_kwargs") or {}
+    if not isinstance(kwargs, dict) or set(kwargs) - {"data_files"}:
+        _fail(path, f"dataset_kwargs: only data_files is supported (got {kwargs})")
+    files = kwargs.get("data_files")
     if files is None:
         _fail(path, "dataset_kwargs.data_files is required (local .json/.jsonl files)")
     if not isinstance(files, dict):  # as Hugging Face datasets does: files without split names are "train"
