@@ -166,3 +166,15 @@ def test_a_control_object_without_the_fields_its_reader_needs_is_taken_as_absent
     assert bs.read_trusted(store, "start", None, ignored, {"t0": (int, float)}) is None and "start" in ignored
     bs.write_control(store, "start", {"t0": 5.0})
     assert bs.read_trusted(store, "start", None, ignored, {"t0": (int, float)}) == {"t0": 5.0}
+
+
+def test_a_forged_claim_neither_supersedes_a_learner_started_apart_nor_resets_its_incarnation():
+    from diloco.runtime.procs.standalone import read_claim
+    store = bs.BlobStore("memory://")
+    assert claim(store, 1, "a", secret=SECRET) == 0 and read_claim(store, 1, SECRET)["token"] == "a"
+    bs.write_control(store, child.died(1, 0), NOTICE, SECRET, learner=1)
+    store.put(bs.ctl_key("claim/0001"), b'{"incarnation": 7, "token": "forged"}')  # unsealed
+    assert read_claim(store, 1, SECRET) is None  # so learner "a" is not superseded by it
+    assert claim(store, 1, "b", secret=SECRET) == 1  # past the notices the store shows, not 8 or 0
+    store.put(bs.ctl_key("claim/0001"), b"junk")  # with authentication off too: no traceback
+    assert claim(store, 1, "c") == 1 and read_claim(store, 1, None)["token"] == "c"

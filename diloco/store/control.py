@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 _HEX = re.compile(rb"^[0-9a-f]{%d}$" % auth.MAC_HEX)
 # name -> the learner whose key may seal it (group 1), or none: only the runtime's key.
 SEALED = (re.compile(r"^start$"), re.compile(r"^buried/\d{4}/\d{4}$"), re.compile(r"^ready/(\d{4})$"),
-          re.compile(r"^died/(\d{4})/\d{4}$"))  # a successor started apart writes its predecessor's
+          re.compile(r"^died/(\d{4})/\d{4}$"),  # a successor started apart writes its predecessor's
+          re.compile(r"^claim/(\d{4})$"))  # a learner started apart claims its incarnation
+_LEARNERS_ONLY = ("ready/", "claim/")
 
 
 def _sealed(name: str) -> re.Match | None:
@@ -40,7 +42,7 @@ def signers(secret: auth.Secret, name: str) -> dict[str, bytes]:
     found = _sealed(name)
     if found is None:
         return {}
-    keys = {} if name.startswith("ready/") else {"the runtime": secret.runtime_key()}
+    keys = {} if name.startswith(_LEARNERS_ONLY) else {"the runtime": secret.runtime_key()}
     if found.groups():
         m = int(found[1])
         keys[f"learner {m}"] = secret.learner_key(m)

@@ -75,14 +75,27 @@ def run_clock(store: bs.BlobStore, secret: Secret | None = None) -> float:
     return 0.0 if start is None else time.time() - float(start["t0"])
 
 
+def read_claim(store: bs.BlobStore, m: int, secret: Secret | None) -> dict | None:
+    """Learner m's newest claim; None if there is none, or it is malformed or (with the run
+    `secret`) not sealed under m's key: a forger can neither supersede a learner nor fence it."""
+    return bs.read_trusted(store, f"claim/{m:04d}", secret, {}, {"incarnation": int, "token": str})
+
+
 def claim(store: bs.BlobStore, m: int, token: str, world: dict | None = None, secret: Secret | None = None) -> int:
     """Claim learner m's next incarnation under `token`, writing the predecessor's exit notice if
     it left none (it was killed); the incarnation claimed. world: {coordinator, processes} of the
     world its leader is about to serve, for the followers (await_world)."""
-    held = bs.read_control(store, f"claim/{m:04d}")
-    inc = 0 if held is None else int(held["incarnation"]) + 1
+    held = read_claim(store, m, secret)
+    if held is not None:
+        inc = held["incarnation"] + 1
+    elif f"claim/{m:04d}" not in bs.list_control(store, "claim/"):
+        inc = 0
+    else:  # unreadable or forged: one past the newest incarnation the store shows
+        keys = bs.list_control(store, f"died/{m:04d}/") + store.list(f"ev/{m:04d}/")
+        inc = max((int(k.split("/")[2]) for k in keys if k.split("/")[2].isdigit()), default=-1) + 1
     bs.write_control(store, f"claim/{m:04d}", {"incarnation": inc, "token": token, "host": socket.gethostname(),
-                                               "pid": os.getpid(), "at": time.time(), "world": world})
+                                               "pid": os.getpid(), "at": time.time(), "world": world},
+                     secret, learner=m)
     # one unreadable or unauthenticated is written over: the syncer would never bury its predecessor
     if inc > 0 and bs.read_trusted(store, died(m, inc - 1), secret) is None:
         bs.write_control(store, died(m, inc - 1), {"at": run_clock(store, secret), "exitcode": -signal.SIGKILL},
@@ -137,14 +150,14 @@ def run_learner(cfg: TrainConfig) -> int:
         inc = claim(store, m, token, world, secret)
         log.info("learner %d: incarnation %d, waiting for the syncer's run record", m, inc)
     else:
-        held = await_world(store, m, i, P)
+        held = await_world(store, m, i, P, secret)
         if held is None:
             log.info("the run in %s has finished; learner %d process %d has nothing to do", network.redacted(url), m, i)
             return 0
         token, inc, world = held["token"], int(held["incarnation"]), held["world"]
         log.info("learner %d process %d: joining incarnation %d's world at %s", m, i, inc, world["coordinator"])
     wait_for_run(store, cfg, url)
-    superseded = lambda: (bs.read_control(store, f"claim/{m:04d}") or {}).get("token") != token  # noqa: E731
+    superseded = lambda: (read_claim(store, m, secret) or {"token": token})["token"] != token  # noqa: E731
     spec = None if world is None else WorldSpec(world["coordinator"], P, i)
     name = f"learner-{m:04d}-{inc:04d}" + (f"-p{i}" if i else "")
     try:
@@ -181,15 +194,15 @@ def joined(m: int, incarnation: int, index: int) -> str:
     return f"world/{m:04d}/{incarnation:04d}/{index:03d}"
 
 
-def await_world(store: bs.BlobStore, m: int, index: int, processes: int) -> dict | None:
+def await_world(store: bs.BlobStore, m: int, index: int, processes: int, secret: Secret | None = None) -> dict | None:
     """The newest claim of learner m that follower `index` has not joined, once its leader has
     made it, recorded as joined; None once the run has finished. ConfigError if the claim's world
     has another number of processes (its leader runs another config)."""
     def poll():
         if bs.read_control(store, "finished") is not None:
             return {"finished": True}
-        held = bs.read_control(store, f"claim/{m:04d}")
-        if held is None or bs.read_control(store, joined(m, int(held["incarnation"]), index)) is not None:
+        held = read_claim(store, m, secret)
+        if held is None or bs.read_trusted(store, joined(m, held["incarnation"], index), None, {}) is not None:
             return None
         return held
 
