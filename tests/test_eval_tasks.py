@@ -151,7 +151,8 @@ def test_both_file_formats_parse_to_the_same_documents(tmp_path, generative):
     bb_task = load_task(write_bigbench(tmp_path / "b", rows, generative))
     assert yaml_task.test == bb_task.test and len(yaml_task.test) == len(rows)
     assert yaml_task.output_type == bb_task.output_type
-    assert (yaml_task.target_delimiter, yaml_task.fewshot_delimiter) == (bb_task.target_delimiter, bb_task.fewshot_delimiter)
+    delimiters = lambda t: (t.target_delimiter, t.fewshot_delimiter)  # noqa: E731
+    assert delimiters(yaml_task) == delimiters(bb_task)
     assert harness.prompts(yaml_task, 0) == harness.prompts(bb_task, 0)
 
 

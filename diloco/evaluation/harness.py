@@ -92,8 +92,8 @@ def score_task(pre, task: Task, num_fewshot: int = -1, limit: int = 0, batch_siz
 
 
 def table(results: Sequence[dict], out=sys.stdout) -> None:
-    rows = [(r["task"], str(r["num_fewshot"]), str(r["n"]), name, f"{m['value']:.4f}", f"[{m['low']:.4f}, {m['high']:.4f}]")
-            for r in results for name, m in r["metrics"].items()]
+    rows = [(r["task"], str(r["num_fewshot"]), str(r["n"]), name, f"{m['value']:.4f}",
+             f"[{m['low']:.4f}, {m['high']:.4f}]") for r in results for name, m in r["metrics"].items()]
     head = ("task", "shots", "n", "metric", "value", "95% interval")
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     for row in [head, tuple("-" * w for w in widths), *rows]:

@@ -139,7 +139,8 @@ def _metrics(path, metric_list, output_type: str) -> tuple[str, ...]:
     names = [m.get("metric") if isinstance(m, dict) else m for m in metric_list]
     bad = [n for n in names if n not in METRICS[output_type]]
     if bad:
-        _fail(path, f"metric_list: {bad} not supported for {output_type} (supported: {', '.join(METRICS[output_type])})")
+        _fail(path, f"metric_list: {bad} not supported for {output_type} "
+                    f"(supported: {', '.join(METRICS[output_type])})")
     return tuple(names)
 
 
@@ -167,7 +168,8 @@ def _records(task: Path, file: Path, split: str) -> list[dict]:
         _fail(task, f"dataset_kwargs.data_files[{split}]: {file} not found")
     text = file.read_text()
     try:
-        data = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+        lines = [json.loads(x) for x in text.splitlines() if x.strip()] if not text.lstrip().startswith("[") else None
+        data = json.loads(text) if lines is None else lines
     except json.JSONDecodeError as err:
         _fail(task, f"dataset_kwargs.data_files[{split}]: {file} is not JSON lines or a JSON list ({err})")
     if not all(isinstance(d, dict) for d in data):
