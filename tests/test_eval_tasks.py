@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -126,10 +127,12 @@ def test_batched_loglikelihoods_equal_one_at_a_time(tiny):
     rng = np.random.default_rng(1)
     pairs = [(list(rng.integers(1, 300, n)), list(rng.integers(1, 300, k))) for n, k in
              [(3, 1), (17, 4), (1, 2), (40, 9), (8, 8)]]
-    batched = scoring.loglikelihoods(tiny.model, TINY.max_seq_len, pairs, batch_size=4)
     alone = [scoring.loglikelihoods(tiny.model, TINY.max_seq_len, [p], batch_size=1)[0] for p in pairs]
-    np.testing.assert_allclose([b for b, _ in batched], [a for a, _ in alone], rtol=1e-5)
-    assert [g for _, g in batched] == [g for _, g in alone]
+    assert len(jax.devices()) == 8  # batch_size 8: rows split over the devices; 4: on one
+    for batch_size in (4, 8):
+        batched = scoring.loglikelihoods(tiny.model, TINY.max_seq_len, pairs, batch_size=batch_size)
+        np.testing.assert_allclose([b for b, _ in batched], [a for a, _ in alone], rtol=1e-5)
+        assert [g for _, g in batched] == [g for _, g in alone]
 
 
 def test_stop_strings_cut_the_generation(tiny):

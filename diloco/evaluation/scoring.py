@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from diloco.model.generate import BUCKET, generate
 
@@ -34,7 +36,9 @@ def loglikelihoods(model, max_seq_len: int, pairs: Sequence[tuple[list[int], lis
     """(sum of log p(continuation | context), whether greedy decoding gives the continuation) per
     (context tokens, continuation tokens) pair. Rows are right-padded: a causal model's logits at a
     real position never see the pads after it, so a row scores as it would alone. A context too
-    long for the model loses its oldest tokens."""
+    long for the model loses its oldest tokens. With several devices and a batch_size they divide,
+    the rows are split across them (the weights replicated)."""
+    params, rows_on = _placement(model.params, batch_size)
     out = []
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start:start + batch_size]
@@ -44,11 +48,22 @@ def loglikelihoods(model, max_seq_len: int, pairs: Sequence[tuple[list[int], lis
         targets = np.zeros((batch_size, width), np.int32)
         for i, r in enumerate(rows):
             tokens[i, :len(r) - 1], targets[i, :len(r) - 1] = r[:-1], r[1:]
-        logp, greedy = jax.device_get(_target_logprobs(model.params, tokens, targets, apply=model.apply))
+        tokens, targets = jax.device_put(tokens, rows_on), jax.device_put(targets, rows_on)
+        logp, greedy = jax.device_get(_target_logprobs(params, tokens, targets, apply=model.apply))
         for i, ((_, cont), r) in enumerate(zip(chunk, rows)):
             span = slice(len(r) - 1 - len(cont), len(r) - 1)
             out.append((float(logp[i, span].sum()), bool(greedy[i, span].all())))
     return out
+
+
+def _placement(params, batch_size: int):
+    """(params, where a batch's rows go): split over every device along the batch when it divides,
+    else the default device."""
+    devices = jax.devices()
+    if len(devices) == 1 or batch_size % len(devices):
+        return params, None
+    mesh = Mesh(np.asarray(devices), ("batch",))
+    return jax.device_put(params, NamedSharding(mesh, P())), NamedSharding(mesh, P("batch"))
 
 
 def generate_until(model, cfg, tokenizer, prompts: Sequence[list[int]], until: Sequence[str], max_new: int,
