@@ -39,18 +39,25 @@ def loopback(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
 
 
+def add_worker(c: Cluster):
+    """A worker node, started without JAX's fork warning: Ray forks and execs its node processes
+    from this one, where earlier tests started JAX, and the warning, which ray_runtime.connect
+    silences for runs, is not ours."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        return c.add_node(**WORKER)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """A head of 1 CPU (room for the syncer) and two workers with room for 3 learners each (a
     custom resource learners ask for), so that the learners of a removed worker fit on the other."""
     with pytest.MonkeyPatch.context() as mp:
         loopback(mp)
-        with warnings.catch_warnings():
-            # Ray forks and execs its node processes from this one, where earlier tests started
-            # JAX: its fork warning, which ray_runtime.connect silences for runs, is not ours.
+        with warnings.catch_warnings():  # as add_worker, for the head's processes
             warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
             c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-            workers = [c.add_node(**WORKER) for _ in range(2)]
+        workers = [add_worker(c) for _ in range(2)]
         yield c, workers
         if ray.is_initialized():
             ray.shutdown()
@@ -170,7 +177,7 @@ def test_a_removed_worker_node_takes_its_learners_which_restart_on_the_others(wo
     assert sorted(r["learner"] for r in rt.rejoins) == sorted(lost)
     balanced(rt, summary, run_dir)
     workers.remove(removed[0])
-    workers.append(c.add_node(**WORKER))  # for the module's other tests
+    workers.append(add_worker(c))  # for the module's other tests
 
 
 @pytest.mark.slow
@@ -244,7 +251,7 @@ def test_a_learner_world_across_two_nodes_loses_one_and_comes_back_on_a_new_node
                                                 ray=replace(cfg.runtime.ray,
                                                             learner_resources={"CPU": 1.0, "learner_slot": 2.0}))))
     c, workers = cluster
-    workers.append(c.add_node(**WORKER))  # a third worker, where the lost bundle can go
+    workers.append(add_worker(c))  # a third worker, where the lost bundle can go
     nodes: list[list[str]] = []
 
     def remove(store):
