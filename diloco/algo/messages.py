@@ -77,7 +77,7 @@ class MessageError(ValueError):
 
 class Message(NamedTuple):
     header: dict[str, Any]  # validated; tensor paths are lists of str as on the wire
-    payload: bytes
+    payload: bytes | memoryview  # decode gives a view into the frame
 
 
 def _is_int(x: Any) -> bool:
@@ -203,7 +203,9 @@ def decode(frame: bytes, *, max_payload: int | None = None, verify: bool = True)
     n = header["payload_len"]
     if max_payload is not None and n > max_payload:
         raise MessageError("too_large", f"payload_len {n} > bound {max_payload}")
-    payload = frame[end:]
+    # A view, not a copy: a fragment's full copy is Theta's size, and each tensor's decode reads
+    # its own slice of it (payloads.unpack_fragment), so copies here would double the peak.
+    payload = memoryview(frame)[end:]
     if len(payload) < n:
         raise MessageError("truncated", f"payload_len {n}, frame holds {len(payload)}")
     if len(payload) > n:
