@@ -111,7 +111,7 @@ def test_a_malformed_pointer_is_a_value_error_naming_the_key(raw, why):
 
 def test_a_pointer_too_large_is_refused_unread():
     store = bs.BlobStore("memory://")
-    store.put(bs.LATEST, b" " * (bs.MAX_JSON_BYTES + 1))
+    store.put(bs.LATEST, b" " * (bs.MAX_JSON_BYTES + auth.MAC_HEX + 2))  # + a seal's tag and space
     with pytest.raises(ValueError, match="larger than"):
         bs.latest(store)
 
@@ -223,7 +223,7 @@ def test_rejoin_view_falls_back_from_a_missing_or_corrupt_newest_full_copy(small
     _, setup = small
     store = _store_for(setup)
     for v in (1, 2, 3):
-        bs.publish(store, 0, v, None, _at_version(setup, 0, v)[0], fragments=P)
+        bs.publish(store, 0, v, None, _at_version(setup, 0, v)[0], fragments=P, secret=setup.policy.auth)
     store.delete(bs.broadcast_key(0, 3, "full"))  # gone between the pointer read and the get
     full2 = store.get(bs.broadcast_key(0, 2, "full"))
     store.put(bs.broadcast_key(0, 2, "full"), _flip(full2, 8 * len(full2) - 1))  # its payload's last bit
@@ -240,7 +240,7 @@ def test_rejoin_view_falls_back_from_a_missing_or_corrupt_newest_full_copy(small
 def test_rejoin_view_gives_up_on_a_fragment_after_its_timeout_and_says_so(small, caplog):
     _, setup = small
     store = _store_for(setup)
-    bs.publish(store, 1, 1, None, b"DLC1 not a frame", fragments=P)
+    bs.publish(store, 1, 1, None, b"DLC1 not a frame", fragments=P, secret=setup.policy.auth)
     now, sleeps = [0.0], []
 
     def sleep(dt):
@@ -273,7 +273,7 @@ def test_an_undecodable_delta_falls_back_to_the_full_copy_of_the_same_version(le
     store, rt, unit = learner
     _, setup = small
     full1, values1 = _at_version(setup, 0, 1)
-    bs.publish(store, 0, 1, b"DLC1 a damaged delta", full1, fragments=P)
+    bs.publish(store, 0, 1, b"DLC1 a damaged delta", full1, fragments=P, secret=rt.setup.policy.auth)
     with caplog.at_level(logging.WARNING, logger="diloco.runtime.procs.learner"):
         assert rt.receive(unit)
     assert unit.latest[0][0] == 1 and all((unit.latest[0][1][k] == values1[k]).all() for k in values1)
@@ -282,11 +282,11 @@ def test_an_undecodable_delta_falls_back_to_the_full_copy_of_the_same_version(le
 
     # v2: its delta and full copy both damaged, v3 intact: the learner goes on at v3, and the
     # damaged objects are not fetched again at the next poll
-    bs.publish(store, 0, 2, b"DLC1 bad", b"DLC1 bad too", fragments=P)
+    bs.publish(store, 0, 2, b"DLC1 bad", b"DLC1 bad too", fragments=P, secret=rt.setup.policy.auth)
     assert not rt.receive(unit) and unit.latest[0][0] == 1
     n = len(rt.fetched)
     assert not rt.receive(unit) and len(rt.fetched) == n
-    bs.publish(store, 0, 3, None, _at_version(setup, 0, 3)[0], fragments=P)
+    bs.publish(store, 0, 3, None, _at_version(setup, 0, 3)[0], fragments=P, secret=rt.setup.policy.auth)
     assert rt.receive(unit) and unit.latest[0][0] == 3
     assert rt.skipped == {"delta": 2, "full": 1} and rt.bad == set()
 
@@ -297,7 +297,7 @@ def test_a_learner_keeps_its_versions_over_a_malformed_pointer_and_logs_it_once(
     with caplog.at_level(logging.WARNING, logger="diloco.runtime.procs.learner"):
         assert not rt.receive(unit) and not rt.receive(unit)
     assert rt.skipped == {"pointer": 2} and caplog.text.count("down/latest") == 1
-    bs.publish(store, 0, 9, None, b"x" * (rt.max_frame + 1), fragments=P)  # too large to be a frame
+    bs.publish(store, 0, 9, None, b"x" * (rt.max_frame + 1), fragments=P, secret=rt.setup.policy.auth)  # too large to be a frame
     assert not rt.receive(unit) and rt.skipped["full"] == 1 and rt.fetched == []  # never read
 
 

@@ -178,3 +178,17 @@ def test_a_forged_claim_neither_supersedes_a_learner_started_apart_nor_resets_it
     assert claim(store, 1, "b", secret=SECRET) == 1  # past the notices the store shows, not 8 or 0
     store.put(bs.ctl_key("claim/0001"), b"junk")  # with authentication off too: no traceback
     assert claim(store, 1, "c") == 1 and read_claim(store, 1, None)["token"] == "c"
+
+
+def test_a_forged_pointer_is_never_followed_nor_blocks_the_syncers_next_version(caplog):
+    """A well-formed pointer naming version 999, written without the key, made the syncer's next
+    publish raise ("not newer than the published 999") and learners fetch a version never made."""
+    store, full = bs.BlobStore("memory://"), b"full copy"
+    bs.publish(store, 0, 1, None, full, (), 1, SECRET)
+    assert bs.latest(store, 1, SECRET)[0].version == 1 and bs.latest(store, 1)[0].version == 1
+    store.put(bs.LATEST, b'{"fragments": {"0": {"version": 999, "delta": false, "merged": []}}}')
+    with pytest.raises(ValueError, match="unauthenticated"):
+        bs.latest(store, 1, SECRET)
+    with caplog.at_level(logging.ERROR):
+        pointer = bs.publish(store, 0, 2, None, full, (), 1, SECRET)  # rebuilt from the full copies listed
+    assert pointer[0].version == 2 and bs.latest(store, 1, SECRET)[0].version == 2

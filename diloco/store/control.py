@@ -74,11 +74,18 @@ def read_control(store: BlobStore, name: str, secret: auth.Secret | None = None)
         raise ValueError(f"{store.url} {e}") from None
     if raw is None:
         return None
-    if secret is not None:
-        raw = auth.unseal_by(signers(secret, name), key, raw)
-    elif raw[auth.MAC_HEX:auth.MAC_HEX + 1] == b" " and _HEX.match(raw[:auth.MAC_HEX]):
-        raw = raw[auth.MAC_HEX + 1:]  # sealed: its tag dropped unchecked
-    return loads_object(raw, f"{store.url} {key}")
+    return loads_object(opened(raw, key, None if secret is None else signers(secret, name)), f"{store.url} {key}")
+
+
+def opened(raw: bytes, key: str, keys: dict[str, bytes] | None) -> bytes:
+    """The data of an object stored under `key`, sealed under one of `keys` (writer -> key; else
+    ValueError). keys None (no secret: authentication off, or a tool): a tag, if any, is dropped
+    unchecked."""
+    if keys is not None:
+        return auth.unseal_by(keys, key, raw)
+    if raw[auth.MAC_HEX:auth.MAC_HEX + 1] == b" " and _HEX.match(raw[:auth.MAC_HEX]):
+        return raw[auth.MAC_HEX + 1:]
+    return raw
 
 
 def read_trusted(store: BlobStore, name: str, secret: auth.Secret | None, ignored: dict | None = None,

@@ -7,15 +7,17 @@ key; the syncer takes them in, acks them, publishes each merged fragment's objec
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import struct
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from diloco.algo import messages
+from diloco.algo import auth, messages
 from diloco.store.blobstore import BlobStore, TooLarge
-from diloco.store.json_objects import is_count, put_json, read_json
+from diloco.store.control import opened
+from diloco.store.json_objects import MAX_JSON_BYTES, is_count, loads_object, put_json, read_json
 from diloco.store.keys import (DOWN, LATEST, UP, Key, ack_key, broadcast_key, contribution_key,
                                parse_contribution_key)
 
@@ -137,11 +139,20 @@ def parse_pointer(obj: Any, fragments: int | None, where: str = LATEST) -> dict[
     return out
 
 
-def latest(store: BlobStore, fragments: int | None = None) -> dict[int, Published]:
+def latest(store: BlobStore, fragments: int | None = None, secret: auth.Secret | None = None) -> dict[int, Published]:
     """fragment -> its newest published version, from the `down/latest` pointer ({} before any);
-    ValueError naming the key if the pointer is malformed (see parse_pointer)."""
-    obj = read_json(store, LATEST)
-    return {} if obj is None else parse_pointer(obj, fragments, f"{store.url} {LATEST}")
+    ValueError naming the key if the pointer is malformed (see parse_pointer) or, with the run
+    `secret` (runtime.auth), not sealed under the runtime's key: a forger's pointer is never
+    followed, nor does it make the syncer's next version look old."""
+    try:
+        raw = store.get(LATEST, MAX_JSON_BYTES + auth.MAC_HEX + 1)
+    except TooLarge as e:
+        raise ValueError(f"{store.url} {e}") from None
+    if raw is None:
+        return {}
+    keys = None if secret is None else {"the runtime": secret.runtime_key()}
+    obj = loads_object(opened(raw, LATEST, keys), f"{store.url} {LATEST}")
+    return parse_pointer(obj, fragments, f"{store.url} {LATEST}")
 
 
 def _rebuilt(store: BlobStore, fragments: int | None) -> dict[int, Published]:
@@ -156,11 +167,12 @@ def _rebuilt(store: BlobStore, fragments: int | None) -> dict[int, Published]:
     return out
 
 
-def latest_or_rebuilt(store: BlobStore, fragments: int | None = None) -> dict[int, Published]:
+def latest_or_rebuilt(store: BlobStore, fragments: int | None = None,
+                      secret: auth.Secret | None = None) -> dict[int, Published]:
     """The pointer as its one writer (the syncer) reads it: a malformed one is logged and rebuilt
     from the listed full copies (their merged keys are lost; readers take those from the frames)."""
     try:
-        return latest(store, fragments)
+        return latest(store, fragments, secret)
     except ValueError as e:
         pointer = _rebuilt(store, fragments)
         log.error("rebuilding a malformed pointer from the store's full copies (%s): %s",
@@ -169,7 +181,8 @@ def latest_or_rebuilt(store: BlobStore, fragments: int | None = None) -> dict[in
 
 
 def publish(store: BlobStore, fragment: int, version: int, delta_frame: bytes | None, full_frame: bytes,
-            merged_keys: Iterable[Key] = (), fragments: int | None = None) -> dict[int, Published]:
+            merged_keys: Iterable[Key] = (), fragments: int | None = None,
+            secret: auth.Secret | None = None) -> dict[int, Published]:
     """Publish one merged fragment: its payload objects first, then the `down/latest` pointer.
 
     A reader that follows the pointer therefore always finds the objects it names. A publisher
@@ -179,7 +192,7 @@ def publish(store: BlobStore, fragment: int, version: int, delta_frame: bytes | 
     be one publisher (the syncer, one thread); a malformed one is rebuilt (latest_or_rebuilt).
     Returns the new pointer contents.
     """
-    pointer = latest_or_rebuilt(store, fragments)
+    pointer = latest_or_rebuilt(store, fragments, secret)
     if fragment in pointer and version <= pointer[fragment].version:
         raise ValueError(f"fragment {fragment}: version {version} is not newer than the published "
                          f"{pointer[fragment].version}; objects are never overwritten")
@@ -190,9 +203,13 @@ def publish(store: BlobStore, fragment: int, version: int, delta_frame: bytes | 
     store.put(broadcast_key(fragment, version, "full"), full_frame)
     merged = tuple(sorted({tuple(int(x) for x in k) for k in merged_keys}))
     pointer[fragment] = Published(version, delta_frame is not None, merged)
-    put_json(store, LATEST, {"fragments": {
-        str(p): {"version": e.version, "delta": e.has_delta, "merged": [list(k) for k in e.merged]}
-        for p, e in sorted(pointer.items())}})
+    obj = {"fragments": {str(p): {"version": e.version, "delta": e.has_delta, "merged": [list(k) for k in e.merged]}
+                         for p, e in sorted(pointer.items())}}
+    if secret is None:
+        put_json(store, LATEST, obj)
+    else:  # sealed under the runtime's key (diloco/store/control.py)
+        store.put(LATEST, auth.seal(secret.runtime_key(), LATEST, json.dumps(obj, separators=(",", ":"),
+                                                                             sort_keys=True).encode()))
     return pointer
 
 

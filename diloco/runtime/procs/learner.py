@@ -302,7 +302,7 @@ class ProcLearner:
         """Fetch every published version newer than the one held, in order; True if any arrived.
         A malformed pointer is logged (once per content) and read again at the next poll."""
         try:
-            pointer = bs.latest(self.store, len(unit.latest))
+            pointer = bs.latest(self.store, len(unit.latest), self.setup.policy.auth)
         except ValueError as e:
             self.skipped["pointer"] += 1
             if str(e) != self._bad_pointer:

@@ -65,7 +65,7 @@ def store_view(store: bs.BlobStore, setup: Setup, timeout_s: float = VIEW_TIMEOU
 
         def attempt() -> tuple[int, dict] | bool | None:
             try:
-                pub = bs.latest(store, len(frags)).get(p)
+                pub = bs.latest(store, len(frags), setup.policy.auth).get(p)
             except ValueError as e:
                 skipped["pointer"] += 1
                 log.warning("rejoin: %s; reading it again", e)

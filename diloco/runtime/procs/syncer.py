@@ -331,12 +331,12 @@ class ProcSyncer(HostedRuntime):
         a version the store already has is the one being remade: it stays as it is."""
         P = len(self.setup.fragments)
         if self.replaying:
-            pub = bs.latest_or_rebuilt(self.store, P).get(a.fragment)
+            pub = bs.latest_or_rebuilt(self.store, P, self.secret).get(a.fragment)
             if pub is not None and a.version <= pub.version:
                 return
         delta = next((f for m, f in sorted(a.frames.items()) if m not in a.full), None)
         full = a.frames[a.full[0]] if a.full else _full_frame(self.host.state, a.fragment, a.version, a.merged)
-        bs.publish(self.store, a.fragment, a.version, delta, full, a.merged, P)
+        bs.publish(self.store, a.fragment, a.version, delta, full, a.merged, P, self.secret)
 
     # --- outputs ------------------------------------------------------------------------------
     def _report(self, record: dict, theta: dict | None = None) -> None:
