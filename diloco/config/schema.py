@@ -1,5 +1,7 @@
 """The run configuration's schema: one frozen dataclass per section, each field with its default
 and, where the papers are silent, the knob's reading (docs/algorithm.md#choices-where-the-papers-are-silent).
+About 400 lines: every option of a run with its comment, which `--describe` prints; the checks are
+in diloco/config/checks.py.
 """
 
 from __future__ import annotations

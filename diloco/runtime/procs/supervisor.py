@@ -7,33 +7,20 @@ Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), section 6 (a f
 absent from quorums while the global model advances; it rejoins from the syncer's state);
 docs/design.md#procs (real kill -9 fault tests; multi-host over a shared bucket).
 
-Who does what: learner m's process (diloco/runtime/procs/learner.py) trains on its own device
-sub-mesh and writes contributions and an event stream; the syncer process
-(diloco/runtime/procs/syncer.py) books the events, merges and publishes; this process has its
-launcher start them (on this machine, diloco/runtime/procs/launch.py; as Ray actors,
-diloco/runtime/ray_runtime.py; only the syncer, its learners started apart by a scheduler,
-diloco/runtime/procs/standalone.py), evaluates the global model when the syncer asks, writes
-metrics.jsonl, and watches exits. A child rebuilds its Setup from the config (spawned processes
-share no jitted functions) and checks that it got this process's Theta_0.
+Who does what: learner m's process (procs/learner.py) trains on its own device sub-mesh and
+writes contributions and an event stream; the syncer process (procs/syncer.py) books the events,
+merges and publishes; this process writes Theta_0 and the run control (procs/theta0.py), has its
+launcher start the children (procs/launch.py on this machine, ray_runtime.py as Ray actors,
+procs/standalone.py for learners a scheduler starts), evaluates the global model when the syncer
+asks, writes metrics.jsonl, and watches exits: a learner or syncer that dies by a signal comes
+back as its next incarnation (the syncer from its checkpoint and journal, procs/recovery.py), a
+Python error in one fails the run. SIGINT or SIGTERM stops every child at its next step boundary
+and `run.resume=true` continues the run. The rules, and why: docs/design.md#procs and
+docs/design.md#stopping-a-run.
 
-Failures: a learner process that exits with a signal (kill -9, the OOM killer) or an unexplained
-code is restarted under incarnation + 1 after `ctl/died/...` tells the syncer, which books the
-death once it has booked every event of the dead process; messages of the old incarnation are
-then dropped by the syncer's admission check. A syncer process that dies the same way is restarted
-as the next syncer incarnation, which restores the latest syncer checkpoint and re-executes its
-predecessor's journal after it (diloco/runtime/procs/recovery.py), so no version is applied twice or
-skipped; the learners train on meanwhile, stalling only at their tau bound. That needs a run
-directory and run.checkpoint_every > 0 (merges between syncer checkpoints); without them a dead
-syncer fails the run. A learner or syncer that raises a Python error fails the run, as an exception
-in any thread fails a threads run.
-
-SIGINT or SIGTERM here (docs/design.md#stopping-a-run): the learners get SIGTERM, each checkpoints
-at its next step boundary and exits; then the syncer gets it, books what they wrote, saves a final
-checkpoint and reports its partial summary; this process writes each learner's exit notice and
-`ctl/stopped` (the clock and the reports read) and raises RunStopped. A second signal kills every
-child at once. `run.resume=true` starts the next syncer incarnation on the store as after a crash
-(checkpoint + journal), which buries the stopped incarnations, and each learner not done as its
-next incarnation, which rejoins; the clock continues where the stopped run ended.
+Past 400 lines on purpose: one class whose start paths, restarts, report reading and stop all
+read and change the same incarnation, report and stop state; split apart they would pass the
+whole supervisor around.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ blocking call polls; the main thread joins all threads and re-raises the first e
 Ctrl-C or SIGTERM stops the same way, then saves the run so it can resume (StopAndResume,
 diloco/runtime/threads/stopping.py). `run` (diloco/runtime/threads/driver.py) sets a run up and
 writes its outputs.
+
+Past 400 lines on purpose: the learner threads, the syncer thread and the supervision share one
+stop event, the queues and the mailboxes; their set-up and shutdown are one protocol, read here in
+one place (its stop-and-resume and driver are already split off).
 """
 
 from __future__ import annotations
