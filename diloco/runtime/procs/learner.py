@@ -23,6 +23,10 @@ objects in the store (diloco/store/exchange.py):
   booked its predecessor's death (`ctl/buried/...`), waits out its tape's down time and
   `runtime.restart_s`, and rejoins (diloco/runtime/rejoin.py) from the newest readable full copies
   in the store (diloco/runtime/procs/reading.py): the syncer's current references, never its own init.
+
+Past 400 lines on purpose: start, the step loop's boundaries and the stop of one learner process
+share its incarnation, event numbering, clock and SIGTERM flag, and in a learner's world each
+boundary is one collective agreement; the store reads it needs are already in procs/reading.py.
 """
 
 from __future__ import annotations

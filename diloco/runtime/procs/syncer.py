@@ -34,6 +34,10 @@ in an event stream (event n missing, a later authenticated one there) is skipped
 GAP_TIMEOUT_S with an error logged, at once when the process has exited; a
 contribution larger than any frame of the run is passed on unread, to be quarantined as
 too_large; a learner that exited 0 without a readable Done event is booked done.
+
+Past 400 lines on purpose: the loop, its event cursors, deadlines and journal replay share one
+SyncerHost and clock; the store reads and their checks are already in procs/intake.py and the
+restart in procs/recovery.py.
 """
 
 from __future__ import annotations
