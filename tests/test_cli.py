@@ -85,7 +85,7 @@ def test_describe_lists_every_option_and_the_presets(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
     assert "runtime: procs | ray | sim | threads" in proc.stdout
-    assert "  runtime.auth.mode = 'auto'" in proc.stdout and "syncer.clip = 0.0" in proc.stdout
+    assert "  runtime.auth.mode = 'auto'" in proc.stdout and "syncer.clip = 2.0" in proc.stdout
     # only the groups train.yaml composes: experiment= is scripts/experiment.py's
     presets = proc.stdout.split("Presets (group=name):\n")[1].split("\n\n")[0]
     assert "  model: " in presets and "experiment" not in presets, presets
