@@ -68,3 +68,14 @@ def frame(p: int, version: int, delta_against: int | None, spec: str, tensors, p
               "version": version, "c_steps": 0, "c_tokens": 0, "codec": spec,
               "delta_against": delta_against, "tensors": tensors, "merged": [list(k) for k in merged]}
     return messages.encode(header, payload)
+
+
+def unpack_full_copy(raw: bytes, p: int, version: int, expected: dict) -> dict:
+    """The values of fragment p's full copy of `version` (what `frame` encodes with delta_against
+    None); MessageError if `raw` is not that."""
+    msg = messages.decode(raw)
+    h = msg.header
+    if (h["kind"], h["fragment"], h["version"], h["delta_against"]) != ("fragment", p, version, None):
+        raise messages.MessageError("bad_header", f"not the full copy of fragment {p} version {version}: "
+                                    f"{h['kind']} {h['fragment']} {h['version']} {h['delta_against']}")
+    return payloads.unpack_fragment(h, msg.payload, None, expected)

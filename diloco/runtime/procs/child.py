@@ -8,8 +8,6 @@ Reference: docs/design.md#procs.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import signal
 import threading
@@ -18,7 +16,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from diloco import store as bs
 from diloco.algo import messages

@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from diloco import store as bs
-from diloco.algo import messages, payloads
+from diloco.algo import messages
+from diloco.algo.syncer_publish import unpack_full_copy
 from diloco.algo import syncer as sync
 from diloco.runtime.build import Setup
 from diloco.runtime.procs.child import POLL_MAX, POLL_MIN, max_frame
@@ -28,16 +29,6 @@ log = logging.getLogger(__name__)
 # it and starts that fragment from Theta_0 at version 0 (its sends are then stale until it catches
 # up): the store is damaged beyond what fallbacks mend, and crashing would fail the whole run.
 VIEW_TIMEOUT_S = 60.0
-
-
-def full_copy(frame: bytes, p: int, version: int, expected: dict) -> dict:
-    """The values of fragment p's full copy of `version`; MessageError if the frame is not one."""
-    msg = messages.decode(frame)
-    h = msg.header
-    if (h["kind"], h["fragment"], h["version"], h["delta_against"]) != ("fragment", p, version, None):
-        raise messages.MessageError("bad_header", f"not the full copy of fragment {p} version {version}: "
-                                    f"{h['kind']} {h['fragment']} {h['version']} {h['delta_against']}")
-    return payloads.unpack_fragment(h, msg.payload, None, expected)
 
 
 def store_view(store: bs.BlobStore, setup: Setup, timeout_s: float = VIEW_TIMEOUT_S,
@@ -88,7 +79,7 @@ def store_view(store: bs.BlobStore, setup: Setup, timeout_s: float = VIEW_TIMEOU
                         continue  # collected by gc since the pointer or listing was read
                     fetched.append((p, len(frame)))
                     try:
-                        values = full_copy(frame, p, v, expected)
+                        values = unpack_full_copy(frame, p, v, expected)
                     except messages.MessageError as e:
                         why = str(e)
                     else:
@@ -123,7 +114,7 @@ def view_of_frames(setup: Setup, frames: list[bytes]) -> sync.SyncerState:
     for frame in frames:
         h = messages.decode(frame).header
         p, version = h["fragment"], h["version"]
-        values = full_copy(frame, p, version, {path: (x.shape, np.float32) for path, x in frags[p].theta.items()})
+        values = unpack_full_copy(frame, p, version, {path: (x.shape, np.float32) for path, x in frags[p].theta.items()})
         frags[p] = frags[p]._replace(theta=values, version=version, refs=((version, values),))
     return view._replace(fragments=tuple(frags))
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from diloco import store as bs
 from diloco.algo import codec_specs, messages, payloads
-from diloco.algo.syncer_publish import frame
+from diloco.algo.syncer_publish import frame, unpack_full_copy
 
 
 class Theta0Error(RuntimeError):
@@ -58,11 +58,7 @@ def read(store: bs.BlobStore, shapes: tuple[dict, ...], want: str | None, max_by
             raise Theta0Error(f"{key} is missing: the supervisor writes Theta_0 before the run control")
         expected = {path: (tuple(x.shape), np.float32) for path, x in frag.items()}
         try:
-            msg = messages.decode(raw)
-            h = msg.header
-            if (h["kind"], h["fragment"], h["version"], h["delta_against"]) != ("fragment", p, 0, None):
-                raise messages.MessageError("bad_header", f"not fragment {p}'s full copy at version 0")
-            theta0.append(payloads.unpack_fragment(h, msg.payload, None, expected))
+            theta0.append(unpack_full_copy(raw, p, 0, expected))
         except messages.MessageError as e:
             raise Theta0Error(f"{key} is unreadable: {e}") from None
     got = fingerprint(tuple(theta0))
