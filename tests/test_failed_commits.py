@@ -57,6 +57,7 @@ def test_no_checkpoint_for_checkpoint_fail_s_fails_the_run_with_a_clear_message(
     assert saves.save(1, state)
     now[0] = 30.0
     assert saves.save(2, state)  # step 1 committed at t = 30
+    saves.settle()  # step 2's commit too, before the injection (its finalize thread may not have run yet)
     fail = [1]
     _failing_commits(manager, fail)
 
