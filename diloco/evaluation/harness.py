@@ -43,7 +43,7 @@ def _split(context: str, continuation: str) -> tuple[str, str]:
     return stripped, context[len(stripped):] + continuation
 
 
-def _encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """Tokens of the context and of the continuation, encoded together and split where the context
     ends (a word cut at a boundary tokenizes as the model saw it); an empty context is the BOS (or
     EOS) token, so the first token has something to be predicted from."""
@@ -56,6 +56,11 @@ def _encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int],
     return ctx, cont
 
 
+def encode_prompt(tokenizer, context: str) -> list[int]:
+    """A generation prompt's tokens; an empty one is the BOS (or EOS) token, as an empty context is."""
+    return tokenizer.encode(context, add_special_tokens=False) or encode_pair(tokenizer, "", "")[0]
+
+
 def score_task(pre, task: Task, num_fewshot: int = -1, limit: int = 0, batch_size: int = 8) -> dict:
     """{metric: {value, low, high}} of `task` on pre (a diloco.hf.Pretrained), plus n and the
     per-document records under "docs"."""
@@ -64,8 +69,7 @@ def score_task(pre, task: Task, num_fewshot: int = -1, limit: int = 0, batch_siz
     docs = task.test[:limit] if limit else task.test
     contexts = contexts[:len(docs)]
     if task.output_type == GENERATE:
-        encoded = [pre.tokenizer.encode(c, add_special_tokens=False) or _encode_pair(pre.tokenizer, "", "")[0]
-                   for c in contexts]
+        encoded = [encode_prompt(pre.tokenizer, c) for c in contexts]
         outputs = scoring.generate_until(pre.model, pre.config, pre.tokenizer, encoded, task.until,
                                          task.max_gen_toks, batch_size)
         if task.output_regex:
@@ -73,7 +77,7 @@ def score_task(pre, task: Task, num_fewshot: int = -1, limit: int = 0, batch_siz
         records = [{"output": o, "exact_match": scoring.exact_match(o, d.targets), "f1": scoring.f1(o, d.targets)}
                    for o, d in zip(outputs, docs)]
     else:
-        pairs = [_encode_pair(pre.tokenizer, c, task.target_delimiter + choice)
+        pairs = [encode_pair(pre.tokenizer, c, task.target_delimiter + choice)
                  for c, d in zip(contexts, docs) for choice in d.choices]
         lls = [ll for ll, _ in scoring.loglikelihoods(pre.model, pre.config.max_seq_len, pairs, batch_size)]
         records, at = [], 0
