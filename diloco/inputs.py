@@ -66,7 +66,9 @@ def load_inputs(cfg: TrainConfig, weights: bool = True) -> Inputs:
     store, diloco/runtime/procs/theta0.py); the frozen checkpoint of a LoRA run is still read."""
     weights = weights or cfg.finetune.lora.rank > 0
     cfg, pre = load_checkpoint(cfg, weights)
-    corpus = load_corpus(cfg.data, None if pre is None else pre.tokenizer)
+    corpus = load_corpus(cfg.data, None if pre is None else pre.tokenizer, cfg.run.seed)
+    if hasattr(corpus.train, "check_learners"):  # data=grain: every learner's shard holds records
+        corpus.train.check_learners(cfg.runtime.learners if cfg.algo == "diloco" else 1)
     if pre is not None:
         model = pre.model
     elif weights:

@@ -10,6 +10,7 @@ import numpy as np
 
 from diloco.data import sft
 from diloco.data.errors import DataError
+from diloco.data.stream import GrainTrain
 
 
 def shard_bounds(n_tokens: int, num_learners: int) -> list[tuple[int, int]]:
@@ -91,8 +92,11 @@ def eval_batches(tokens: np.ndarray, *, batch_size: int, seq_len: int, n: int) -
 def train_batch(train, *, seed: int, learner: int, num_learners: int, step: int, batch_size: int,
                 seq_len: int, shard_block: int = 0):
     """The batch of `learner` at `step`: windows of a token stream (batch_at, int32 [B, L + 1]),
-    or packed fine-tuning rows (diloco/data/sft.py, a dict). A pure function of (seed, learner,
-    step) either way, from disjoint shards."""
+    or packed rows (diloco/data/sft.py, a dict). A pure function of (seed, learner,
+    step) either way, from disjoint shards; so are data.source=grain's packed rows (stream.py),
+    which its Grain iterators reach from the nearest saved position."""
+    if isinstance(train, GrainTrain):
+        return train.batch_at(learner=learner, num_learners=num_learners, step=step, batch_size=batch_size)
     if isinstance(train, sft.Rows):
         return sft.batch_at(train, seed=seed, learner=learner, num_learners=num_learners, step=step,
                             batch_size=batch_size)

@@ -32,8 +32,9 @@ class Corpus:
     """Token ids of a train and a held-out validation split, with the baselines a loss is read against."""
 
     name: str
-    # int32 [n_train] token stream, or (data.source=sft) packed rows of conversations
-    train: np.ndarray | sft.Rows
+    # int32 [n_train] token stream, (data.source=sft) packed rows of conversations, or
+    # (data.source=grain) the learners' streams of packed rows (diloco/data/stream.py)
+    train: Any
     # the last val_fraction of the stream, or the held-out conversations (sft: data.eval_paths' or
     # a share of data.paths')
     val: np.ndarray | sft.Rows
@@ -47,15 +48,18 @@ class Corpus:
     sft: dict | None = None  # data.source=sft: examples, held out, skipped, truncated, dropped, rows
 
 
-def load_corpus(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
+def load_corpus(cfg: DataConfig, tokenizer: Any = None, seed: int = 0) -> Corpus:
     """Download, tokenize and store the corpus if this config has not been seen, then open it.
     `tokenizer`: the HFTokenizer of model.init_from, which encodes the text in place of
-    data.tokenizer (and renders data.source=sft conversations, which need it)."""
+    data.tokenizer (and renders data.source=sft conversations, which need it). `seed`: run.seed,
+    which orders data.source=grain's streams (the others' batches take it per step)."""
     errors = data_errors(cfg)
     if errors:
         raise DataError("invalid data config:\n  " + "\n  ".join(errors))
     if cfg.source == "sft":
         return _sft_corpus(cfg, tokenizer)
+    if cfg.source == "grain":
+        return _grain_corpus(cfg, tokenizer, seed)
     files = sources.resolve_paths(cfg.paths) if cfg.source == "files" else []
     name, key = _cache_key(cfg, files, tokenizer)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -86,6 +90,16 @@ def _sft_corpus(cfg: DataConfig, tokenizer: Any) -> Corpus:
     return Corpus(name="sft", train=train, val=val, vocab_size=vocab, tokenizer=tokenizer.for_training(),
                   entropy_floor=None, hf_tokenizer=tokenizer, sft=counts,
                   unigram_loss=unigram_loss(sft.trained_ids(train), sft.trained_ids(val), vocab))
+
+
+def _grain_corpus(cfg: DataConfig, tokenizer: Any, seed: int) -> Corpus:
+    """Files read and tokenised on the fly by the learners' Grain streams (docs/data.md); only a
+    trained BPE is cached."""
+    from diloco.data import grain_corpus  # pyarrow and array_record load only for data=grain
+
+    train, val, vocab, tok, unigram = grain_corpus.load(cfg, tokenizer, seed)
+    return Corpus(name="grain", train=train, val=val, vocab_size=vocab, tokenizer=tok, entropy_floor=None,
+                  hf_tokenizer=tokenizer, unigram_loss=unigram)
 
 
 def _cache_key(cfg: DataConfig, files: list[Path], tokenizer: Any = None) -> tuple[str, dict]:

@@ -2,7 +2,9 @@
 
 A learner checkpoints its own train state (params, inner optimizer state, step) with Orbax every
 `runtime.learner_checkpoint_every` steps, with its incarnation and the fragment versions it held as
-JSON metadata. The data position is a pure function of (learner, step), so no iterator is saved.
+JSON metadata. The data position is a pure function of (learner, step); data=grain also saves its
+iterator's state there (meta "data"), which a rejoin restores so the stream resumes without being
+read again from its start (docs/data.md#resume).
 
 When a learner comes back it always takes the syncer's current Theta as its parameters: a crashed
 learner's own weights are at best a few merges old, and a brand-new one must never seed the global
@@ -82,6 +84,9 @@ class LearnerCheckpoints:
             return False
         meta = {"learner": unit.learner, "incarnation": unit.ls.incarnation, "step": step,
                 "versions": list(unit.ls.versions)}
+        data = data_position(unit.spec, unit.learner, step)
+        if data is not None:
+            meta["data"] = data
         self._manager(unit.learner)
         if self._lock is None:
             return self._saves[unit.learner].save(step, unit.state, meta)
@@ -103,6 +108,20 @@ class LearnerCheckpoints:
             saves.close()
         self._managers.clear()
         self._saves.clear()
+
+
+def data_position(spec, m: int, step: int) -> str | None:
+    """data=grain: learner m's iterator state that yields its batch at `step` (JSON), else None."""
+    position = getattr(spec.train, "position", None)
+    return None if position is None else position(m, spec.num_learners, step)
+
+
+def restore_data_position(spec, m: int, step: int, meta: dict) -> None:
+    """Hand a checkpoint's data=grain iterator state back to learner m's stream; a meta without
+    one (an older checkpoint) leaves the stream to replay from its start."""
+    restore = getattr(spec.train, "restore", None)
+    if restore is not None and isinstance(meta.get("data"), str):
+        restore(m, spec.num_learners, step, meta["data"])
 
 
 def staleness(syncer_state: sync.SyncerState, versions: list[int]) -> int:
@@ -168,6 +187,7 @@ def rejoin_unit(setup: Setup, m: int, incarnation: int, syncer_state: sync.Synce
         step, state, meta = found
         stale = staleness(syncer_state, meta["versions"])
         if stale <= max_staleness:
+            restore_data_position(setup.spec, m, step, meta)
             unit = new_unit(setup, m, incarnation, syncer_state, max(step, at_least))
             unit.state = state.replace(params=unit.state.params, step=unit.state.step)
             return unit, Rejoin(m, incarnation, unit.ls.step, step, stale)

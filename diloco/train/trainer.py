@@ -46,7 +46,7 @@ def compile_steps(model: Model, cfg: TrainConfig, mesh: Mesh) -> Compiled:
     schedule = lr_schedule(cfg.inner, cfg.run.steps)
     abstract = jax.eval_shape(lambda p: init_state(p, optimizer), model.params)
     state_sh = tree_shardings(mesh, abstract)
-    sft = cfg.data.source == "sft"
+    sft = cfg.data.source in ("sft", "grain")  # packed rows, with segments (diloco/data/stream.py too)
     # Every array of a fine-tuning batch (diloco/data/sft.py) is [B, ...], split over B like windows.
     batch_sh = batch_sharding(mesh)
     if sft:
