@@ -100,7 +100,7 @@ class DataConfig:
 class InnerConfig:
     """The inner optimizer a trainer (or each learner) runs every step."""
 
-    optimizer: str = "adamw"  # adamw | sgd | muon (Muon on hidden matrices, AdamW on the rest)
+    optimizer: str = "adamw"  # adamw | sgd
     lr: float = 3e-3  # peak learning rate, reached after warmup
     warmup_steps: int = 50  # steps of linear warmup from 0 to lr
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
@@ -110,9 +110,6 @@ class InnerConfig:
     eps: float = 1e-8  # AdamW's epsilon
     weight_decay: float = 0.1  # AdamW's decoupled weight decay, on matrices only (not norms or biases)
     clip_norm: float = 1.0  # global-norm clipping; 0 disables it
-    muon_beta: float = 0.95  # Muon's momentum decay (inner.optimizer=muon)
-    muon_ns_steps: int = 5  # Newton-Schulz iterations that orthogonalise Muon's momentum
-    muon_rms: float = 0.2  # Muon's update RMS per matrix, AdamW's typical RMS, so lr and weight_decay carry over
 
 
 @dataclass(frozen=True)
@@ -133,11 +130,6 @@ class RunConfig:
     log_every: int = 10  # steps between train records (metrics.jsonl, TensorBoard, the status line)
     eval_every: int = 50  # steps between evals of the (global) model on the validation split
     eval_batches: int = 8  # validation batches per eval
-    # downstream task files (lm-eval .yaml, BIG-bench .json, as scripts/evaluate.py tasks=[...]) scored
-    # on the global model beside the eval loss, and on the base model at step 0 (docs/evaluation.md#during-a-run)
-    eval_tasks: tuple[str, ...] = ()
-    eval_tasks_every: int = 0  # steps between task scores, a multiple of run.eval_every; 0 = at every eval
-    eval_limit: int = 100  # test documents scored per task each time (the first ones); 0 = all
     # trainer: steps between checkpoints; sim: inner steps per learner between snapshots; procs:
     # merges between syncer checkpoints (0 = none, and then a killed syncer fails the run)
     checkpoint_every: int = 100
@@ -202,15 +194,12 @@ class OuterConfig:
 class CodecConfig:
     """Wire precision of contributions (up) and broadcasts (down)."""
 
-    up: str = "int4"  # fp32 | bf16 | int8 | int4 | fp4 | 2bit | topk | sparseloco
+    up: str = "int4"  # fp32 | bf16 | int8 | int4 | fp4 | 2bit | topk
     down: str = "int8"  # broadcast deltas; learners that missed a version get fp32
     error_feedback: bool = False  # on the up direction
     zstd_level: int = 1  # 0 disables the zstd stage
     block: int = 64  # values per float32 scale in the block formats (int8, int4, fp4, 2bit)
     topk_fraction: float = 0.01  # topk: the share of each tensor's values sent, largest magnitudes first
-    chunk: int = 4096  # sparseloco: values per chunk (a power of two), each with its own top-k and scale
-    chunk_k: int = 32  # sparseloco: values kept per chunk
-    ef_decay: float = 1.0  # error feedback: the residual is multiplied by this before it is added (SparseLoCo: 0.95)
 
 
 @dataclass(frozen=True)
