@@ -181,7 +181,7 @@ def start_errors(cfg: TrainConfig) -> list[str]:
 
 def inner_errors(i: InnerConfig, steps: int) -> list[str]:
     e: list[str] = []
-    check(e, i.optimizer in ("adamw", "sgd"), f"inner.optimizer={i.optimizer!r} not in adamw|sgd")
+    check(e, i.optimizer in ("adamw", "sgd", "muon"), f"inner.optimizer={i.optimizer!r} not in adamw|sgd|muon")
     check(e, i.schedule in ("cosine", "constant"), f"inner.schedule={i.schedule!r} not in cosine|constant")
     check(e, i.lr > 0, f"inner.lr={i.lr} must be > 0")
     check(e, 0 <= i.warmup_steps <= steps,
@@ -190,6 +190,9 @@ def inner_errors(i: InnerConfig, steps: int) -> list[str]:
     check(e, 0.0 <= i.min_lr_ratio <= 1.0, f"inner.min_lr_ratio={i.min_lr_ratio} must be in [0, 1]")
     check(e, i.clip_norm >= 0, f"inner.clip_norm={i.clip_norm} must be >= 0")
     check(e, i.weight_decay >= 0, f"inner.weight_decay={i.weight_decay} must be >= 0")
+    check(e, 0.0 <= i.muon_beta < 1.0, f"inner.muon_beta={i.muon_beta} must be in [0, 1)")
+    check(e, i.muon_ns_steps >= 1, f"inner.muon_ns_steps={i.muon_ns_steps} must be >= 1")
+    check(e, i.muon_rms > 0, f"inner.muon_rms={i.muon_rms} must be > 0")
     return e
 
 

@@ -100,7 +100,7 @@ class DataConfig:
 class InnerConfig:
     """The inner optimizer a trainer (or each learner) runs every step."""
 
-    optimizer: str = "adamw"  # adamw | sgd
+    optimizer: str = "adamw"  # adamw | sgd | muon (Muon on hidden matrices, AdamW on the rest)
     lr: float = 3e-3  # peak learning rate, reached after warmup
     warmup_steps: int = 50  # steps of linear warmup from 0 to lr
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
@@ -110,6 +110,9 @@ class InnerConfig:
     eps: float = 1e-8  # AdamW's epsilon
     weight_decay: float = 0.1  # AdamW's decoupled weight decay, on matrices only (not norms or biases)
     clip_norm: float = 1.0  # global-norm clipping; 0 disables it
+    muon_beta: float = 0.95  # Muon's momentum decay (inner.optimizer=muon)
+    muon_ns_steps: int = 5  # Newton-Schulz iterations that orthogonalise Muon's momentum
+    muon_rms: float = 0.2  # Muon's update RMS per matrix, AdamW's typical RMS, so lr and weight_decay carry over
 
 
 @dataclass(frozen=True)

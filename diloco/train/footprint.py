@@ -111,7 +111,9 @@ def estimate(cfg: TrainConfig, params: int, vocab: int, trained: int | None = No
     data = max(devices // fsdp, 1)
     batch = max(math.ceil(cfg.data.batch_size / devices), 1) if data > 1 or fsdp > 1 else cfg.data.batch_size
     trained = params if trained is None else trained
-    slots = 2 if cfg.inner.optimizer == "adamw" else 0  # Adam's two moments; plain SGD keeps none
+    # Adam's two moments; plain SGD keeps none; Muon one momentum on matrices (an upper bound of
+    # 2 here: the embeddings and vectors it leaves to AdamW keep two).
+    slots = {"adamw": 2, "muon": 2, "sgd": 0}[cfg.inner.optimizer]
     parts = {
         "parameters": 4.0 * trained / fsdp,
         "gradients": 4.0 * trained / fsdp,
