@@ -54,7 +54,7 @@ def _store_for(setup) -> bs.BlobStore:
     children."""
     store = bs.BlobStore("memory://")
     theta0.publish(store, setup.theta0)
-    bs.write_control(store, "run", {"theta0": theta0.fingerprint(setup.theta0), "learners": 2})
+    bs.write_control(store, "run", {"theta0": theta0.fingerprint(setup.theta0), "learners": 2}, setup.policy.auth)
     return store
 
 
@@ -209,10 +209,10 @@ def test_every_reader_bounds_what_it_reads(small):
     full, _ = _at_version(setup, 0, 1)
     assert len(full) < limit < 8 * len(full) + (2 << 20)
     store = bs.BlobStore("memory://")
-    store.put("ctl/huge", b"0" * (bs.MAX_JSON_BYTES + 1))
+    store.put("ctl/huge", b"0" * (bs.MAX_JSON_BYTES + auth.MAC_HEX + 2))  # past a sealed object's bound
     with pytest.raises(ValueError, match="larger than"):
         bs.read_control(store, "huge")
-    assert store.get("ctl/huge", bs.MAX_JSON_BYTES + 1) is not None and store.get("ctl/none", 10) is None
+    assert store.get("ctl/huge", bs.MAX_JSON_BYTES + auth.MAC_HEX + 2) is not None and store.get("ctl/none", 10) is None
 
 
 # --- items 11 and 12: a learner falls back from a damaged copy to another one ---------------------

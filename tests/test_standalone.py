@@ -218,6 +218,6 @@ def test_the_syncer_host_refuses_a_store_holding_another_runs_traffic(tmp_path):
     cfg = TrainConfig(runtime=RuntimeConfig(kind="procs", launch="external", auth=AuthConfig(mode="off")))
     host = Procs.__new__(Procs)  # the store check needs no setup or processes
     host.store, host.url, host.cfg, host.run_dir = store, f"file://{tmp_path}/store", replace(cfg), None
-    host.launcher = External()
+    host.launcher, host.ignored = External(), {}
     with pytest.raises(ConfigError, match="another run's objects"):
         host._start()

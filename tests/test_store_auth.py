@@ -61,7 +61,19 @@ def test_each_control_object_verifies_only_under_its_writers_keys():
         assert bs.read_control(store, name) is not None  # a reader without a secret (a tool) drops the tag
     bs.write_control(store, child.died(1, 0), NOTICE, SECRET, learner=1)  # its successor, started apart
     assert bs.read_control(store, child.died(1, 0), SECRET) == NOTICE
-    bs.write_control(store, "procs", {"x": 1}, SECRET)  # not sealed: plain JSON, as before
+    # every other control object too (issue 32): the runtime's under its key, a learner's under its own
+    runtime = ("run", "procs", "reports", "stopped", "finished", "error/syncer")
+    learners = ("error/learner-0001-0000", "error/learner-0001-0000-p2", "world/0001/0000/001")
+    for name in runtime + learners:
+        bs.write_control(store, name, {"x": 1}, SECRET, learner=0 if name in runtime else 2)
+        with pytest.raises(ValueError, match="unauthenticated"):
+            bs.read_control(store, name, SECRET)
+        bs.write_control(store, name, {"x": 1}, SECRET, learner=None if name in runtime else 1)
+        assert bs.read_control(store, name, SECRET) == {"x": 1} and store.get(bs.ctl_key(name)) != b'{"x":1}'
+    bs.write_control(store, "error/learner-0001-0000", {"x": 1}, SECRET)  # the runtime fails no learner
+    with pytest.raises(ValueError, match="unauthenticated"):
+        bs.read_control(store, "error/learner-0001-0000", SECRET)
+    bs.write_control(store, "procs", {"x": 1})  # without a secret (authentication off): plain JSON
     assert store.get("ctl/procs") == b'{"x":1}'
 
 
@@ -97,7 +109,7 @@ def test_the_supervisor_writes_again_an_exit_notice_written_over():
     """A damaged or forged notice over a dead learner's: the syncer ignores it, so the supervisor
     writes its own again until the syncer has buried the incarnation."""
     store = bs.BlobStore("memory://")
-    sup = SimpleNamespace(store=store, secret=SECRET, notices={}, renoticed=0.0)
+    sup = SimpleNamespace(store=store, secret=SECRET, notices={}, renoticed=0.0, ignored={})
     Procs._notice(sup, 0, 0, NOTICE)
     store.put(bs.ctl_key(child.died(0, 0)), b"junk")
     Procs._renotice(sup)
@@ -192,3 +204,70 @@ def test_a_forged_pointer_is_never_followed_nor_blocks_the_syncers_next_version(
     with caplog.at_level(logging.ERROR):
         pointer = bs.publish(store, 0, 2, None, full, (), 1, SECRET)  # rebuilt from the full copies listed
     assert pointer[0].version == 2 and bs.latest(store, 1, SECRET)[0].version == 2
+
+
+def test_a_forged_ack_deletes_nothing_and_is_written_over():
+    store = bs.BlobStore("memory://")
+    for seq in range(3):
+        bs.send_contribution(store, 0, 0, seq, b"frame")
+    store.put(bs.ack_key(0, 0), b'{"seq": 99}')  # unsealed: gc would have taken it as the syncer's
+    with pytest.raises(ValueError, match="unauthenticated"):
+        bs.read_ack(store, 0, 0, SECRET)
+    assert bs.gc(store, 2, {(0, 0): 2}, SECRET) == []
+    assert bs.write_ack(store, 0, 0, 1, SECRET) == 1 and bs.read_ack(store, 0, 0, SECRET) == 1
+    assert bs.gc(store, 2, {(0, 0): 2}, SECRET) == [bs.contribution_key(0, 0, s) for s in (0, 1)]
+
+
+def test_a_forged_report_is_ignored_until_the_syncers_lands_or_a_later_one_verifies(caplog):
+    """A report written ahead of the syncer's was skipped and deleted: the real one then landed on a
+    key the supervisor had passed (the end report lost, the run failed)."""
+    from diloco.runtime.procs.reports import rep_key, write_report
+    store, taken = bs.BlobStore("memory://"), []
+    sup = SimpleNamespace(store=store, secret=SECRET, ignored={}, reports=0, setup=SimpleNamespace(theta0=()),
+                          _take=lambda record, theta, evaluate: taken.append(record["step"]))
+    sup._report_after = lambda n: Procs._report_after(sup, n)
+    train = lambda n: {"kind": "train", "learner": 0, "step": n, "time": 1.0, "tokens": 8, "loss": 2.0}  # noqa: E731
+    store.put(rep_key(0, "json"), json.dumps(train(7)).encode())  # a forger's, unsealed
+    with caplog.at_level(logging.ERROR):
+        Procs._read_reports(sup)
+        Procs._read_reports(sup)
+    assert taken == [] and sup.reports == 0 and list(sup.ignored) == [rep_key(0, "json")]
+    write_report(store, 0, train(1), None, SECRET)  # the syncer's lands on its key: read at once
+    Procs._read_reports(sup)
+    assert taken == [1] and sup.reports == 1
+    store.put(rep_key(1, "json"), b"junk")  # the syncer's report 1 damaged: skipped once report 2 verifies
+    Procs._read_reports(sup)
+    assert taken == [1] and sup.reports == 1
+    write_report(store, 2, train(3), None, SECRET)
+    Procs._read_reports(sup)
+    assert taken == [1, 3] and sup.reports == 3
+    store.put(rep_key(3, "json"), b"junk")  # nothing after it, but the syncer has exited: skipped
+    Procs._read_reports(sup, exited=True)
+    assert sup.reports == 4
+
+
+def test_a_forged_run_control_error_or_finish_is_not_believed(small):  # noqa: F811
+    """ctl/run names the Theta_0 every child checks; ctl/error/<name> fails a learner with its
+    traceback; ctl/finished sends a learner started apart home; a follower's join record makes it
+    wait for the next world. None of them is believed unless sealed by its writer."""
+    from diloco.runtime.procs import theta0
+    from diloco.runtime.procs.standalone import await_world, joined
+    cfg, setup = small
+    store, secret = bs.BlobStore("memory://"), setup.policy.auth
+    theta0.publish(store, setup.theta0)
+    store.put(bs.ctl_key("run"), json.dumps({"theta0": theta0.fingerprint(setup.theta0)}).encode())
+    with pytest.raises(theta0.Theta0Error, match="ctl/run"):
+        child.child_setup(cfg, store)
+    bs.write_control(store, "run", {"theta0": theta0.fingerprint(setup.theta0)}, secret)
+    assert child.child_setup(cfg, store).theta0[0].keys() == setup.theta0[0].keys()
+    sup = SimpleNamespace(store=store, secret=secret, ignored={})
+    store.put(bs.ctl_key("error/learner-0001-0000"), b'{"traceback": "forged"}')
+    bs.write_control(store, "error/learner-0001-0000", {"traceback": "forged"}, secret)  # the runtime's key
+    assert Procs._error(sup, "learner-0001-0000") == "" and "error/learner-0001-0000" in sup.ignored
+    bs.write_control(store, "error/learner-0001-0000", {"traceback": "real"}, secret, learner=1)
+    assert Procs._error(sup, "learner-0001-0000").endswith("real")
+    claim(store, 1, "a", {"coordinator": "10.0.0.2:9000", "processes": 2}, secret)
+    store.put(bs.ctl_key("finished"), b'{"at": 1.0}')
+    store.put(bs.ctl_key(joined(1, 0, 1)), b'{"pid": 1}')
+    held = await_world(store, 1, 1, 2, secret)  # neither the forged finish nor the join record holds it back
+    assert held["token"] == "a" and bs.read_control(store, joined(1, 0, 1), secret)["pid"] > 1

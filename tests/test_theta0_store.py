@@ -31,7 +31,7 @@ def _supervisor(cfg) -> tuple[bs.BlobStore, build_setup.Setup]:
     setup = build_setup.build(cfg, corpus, model)
     store = bs.BlobStore("memory://")
     theta0.publish(store, setup.theta0)
-    bs.write_control(store, "run", {"theta0": theta0.fingerprint(setup.theta0), "learners": 2})
+    bs.write_control(store, "run", {"theta0": theta0.fingerprint(setup.theta0), "learners": 2}, setup.policy.auth)
     return store, setup
 
 

@@ -3,12 +3,12 @@ runs where), each overwritten by its one writer.
 
 Reference: docs/design.md#object-store-transport, docs/design.md#damage-in-the-store.
 
-With runtime.auth on, the objects a runtime acts on (SEALED: the start of the clock, readiness,
-exit notices, burials) are sealed like learners' events (diloco/algo/auth.py seal): a tag over the
-key and the body under the writer's key, the run's own processes' (supervisor, syncer) or the
-learner's. A reader holding the secret refuses one that does not verify (ValueError, as for a
-malformed one), so someone who can write the store but holds no key cannot start the clock, bury
-a live learner or tell a successor where its predecessor stopped.
+With runtime.auth on, every control object is sealed like learners' events (diloco/algo/auth.py
+seal): a tag over the key and the body under its writer's key, the run's own processes'
+(supervisor, syncer) or the learner's (`signers`). A reader holding the secret refuses one that
+does not verify (ValueError, as for a malformed one), so someone who can write the store but holds
+no key cannot start the clock, bury a live learner, tell a successor where its predecessor
+stopped, name another Theta_0, finish the run or fail a learner with a forged traceback.
 """
 
 from __future__ import annotations
@@ -21,60 +21,71 @@ from typing import Any
 
 from diloco.algo import auth
 from diloco.store.blobstore import BlobStore, TooLarge
-from diloco.store.json_objects import MAX_JSON_BYTES, loads_object, put_json, read_json
+from diloco.store.json_objects import MAX_JSON_BYTES, loads_object, put_json
 from diloco.store.keys import ctl_key
 
 log = logging.getLogger(__name__)
 _HEX = re.compile(rb"^[0-9a-f]{%d}$" % auth.MAC_HEX)
-# name -> the learner whose key may seal it (group 1), or none: only the runtime's key.
-SEALED = (re.compile(r"^start$"), re.compile(r"^buried/\d{4}/\d{4}$"), re.compile(r"^ready/(\d{4})$"),
-          re.compile(r"^died/(\d{4})/\d{4}$"),  # a successor started apart writes its predecessor's
-          re.compile(r"^claim/(\d{4})$"))  # a learner started apart claims its incarnation
-_LEARNERS_ONLY = ("ready/", "claim/")
-
-
-def _sealed(name: str) -> re.Match | None:
-    return next((found for r in SEALED if (found := r.match(name))), None)
+# Names a learner's key may seal (group 1: the learner); the runtime's key seals every other name,
+# and exit notices too (a successor started apart writes its predecessor's).
+_LEARNERS = (re.compile(r"^ready/(\d{4})$"), re.compile(r"^claim/(\d{4})$"),  # readiness, a claim started apart
+             re.compile(r"^world/(\d{4})/\d{4}/\d{3}$"),  # a follower's join record (standalone.joined)
+             re.compile(r"^error/learner-(\d{4})-\d{4}(?:-p\d+)?$"),  # its traceback (child.child_main)
+             re.compile(r"^died/(\d{4})/\d{4}$"))
+_LEARNERS_ONLY = ("ready/", "claim/", "world/", "error/learner-")
 
 
 def signers(secret: auth.Secret, name: str) -> dict[str, bytes]:
-    """Who may write control object `name` (writer -> key); {} if it is not sealed."""
-    found = _sealed(name)
-    if found is None:
-        return {}
-    keys = {} if name.startswith(_LEARNERS_ONLY) else {"the runtime": secret.runtime_key()}
-    if found.groups():
-        m = int(found[1])
-        keys[f"learner {m}"] = secret.learner_key(m)
+    """Who may write control object `name` (writer -> key): the runtime, learner m for names of
+    learner m (only m for its readiness, claim, join records and errors)."""
+    found = next((f for r in _LEARNERS if (f := r.match(name))), None)
+    keys = {} if found is not None and name.startswith(_LEARNERS_ONLY) else {"the runtime": secret.runtime_key()}
+    if found is not None:
+        keys[f"learner {int(found[1])}"] = secret.learner_key(int(found[1]))
     return keys
 
 
-def write_control(store: BlobStore, name: str, obj: Any, secret: auth.Secret | None = None,
-                  learner: int | None = None) -> None:
-    """E.g. write_control(store, "heartbeat/learner-0003", {"incarnation": 1, "step": 40, "t": now}).
-    A SEALED name is sealed when `secret` is given: under learner `learner`'s key, else the runtime's."""
-    if secret is None or _sealed(name) is None:
-        put_json(store, ctl_key(name), obj)
+def learner_of(name: str) -> int | None:
+    """The learner whose key seals control object `name` when that learner writes it; None for the
+    runtime's names."""
+    found = next((f for r in _LEARNERS if (f := r.match(name))), None)
+    return None if found is None else int(found[1])
+
+
+def put_sealed(store: BlobStore, key: str, obj: Any, seal_key: bytes | None) -> None:
+    """JSON object `obj` under store key `key`, sealed under `seal_key` (plain JSON if None)."""
+    if seal_key is None:
+        put_json(store, key, obj)
         return
-    key = secret.runtime_key() if learner is None else secret.learner_key(learner)
     data = json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
-    store.put(ctl_key(name), auth.seal(key, ctl_key(name), data))
+    store.put(key, auth.seal(seal_key, key, data))
 
 
-def read_control(store: BlobStore, name: str, secret: auth.Secret | None = None) -> Any:
-    """The object, None if there is none; ValueError naming the key if it is malformed or, `secret`
-    given and `name` SEALED, if its tag verifies under none of its writers' keys. Without a secret a
-    sealed object's tag is dropped unchecked (a run with authentication off, or a tool)."""
-    if _sealed(name) is None:
-        return read_json(store, ctl_key(name))
-    key = ctl_key(name)
+def read_sealed(store: BlobStore, key: str, keys: dict[str, bytes] | None, finite: bool = True) -> Any:
+    """The JSON object under store key `key`, None if there is none; ValueError naming the key if
+    it is malformed or, `keys` given (writer -> key), sealed under none of them (see `opened`)."""
     try:
         raw = store.get(key, MAX_JSON_BYTES + auth.MAC_HEX + 1)
     except TooLarge as e:
         raise ValueError(f"{store.url} {e}") from None
     if raw is None:
         return None
-    return loads_object(opened(raw, key, None if secret is None else signers(secret, name)), f"{store.url} {key}")
+    return loads_object(opened(raw, key, keys), f"{store.url} {key}", finite)
+
+
+def write_control(store: BlobStore, name: str, obj: Any, secret: auth.Secret | None = None,
+                  learner: int | None = None) -> None:
+    """E.g. write_control(store, "procs", {"supervisor": 4242, ...}, secret). Sealed when `secret`
+    is given: under learner `learner`'s key, else the runtime's; plain JSON without one."""
+    seal_key = None if secret is None else secret.runtime_key() if learner is None else secret.learner_key(learner)
+    put_sealed(store, ctl_key(name), obj, seal_key)
+
+
+def read_control(store: BlobStore, name: str, secret: auth.Secret | None = None) -> Any:
+    """The object, None if there is none; ValueError naming the key if it is malformed or, `secret`
+    given, if its tag verifies under none of its writers' keys (`signers`). Without a secret a
+    tag is dropped unchecked (a run with authentication off, or a tool)."""
+    return read_sealed(store, ctl_key(name), None if secret is None else signers(secret, name))
 
 
 def opened(raw: bytes, key: str, keys: dict[str, bytes] | None) -> bytes:

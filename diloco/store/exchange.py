@@ -7,7 +7,6 @@ key; the syncer takes them in, acks them, publishes each merged fragment's objec
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import struct
@@ -16,8 +15,8 @@ from typing import Any, NamedTuple
 
 from diloco.algo import auth, messages
 from diloco.store.blobstore import BlobStore, TooLarge
-from diloco.store.control import opened
-from diloco.store.json_objects import MAX_JSON_BYTES, is_count, loads_object, put_json, read_json
+from diloco.store.control import put_sealed, read_sealed
+from diloco.store.json_objects import is_count
 from diloco.store.keys import (DOWN, LATEST, UP, Key, ack_key, broadcast_key, contribution_key,
                                parse_contribution_key)
 
@@ -75,26 +74,34 @@ def poll_contributions(store: BlobStore, seen: set[str], limit: int | None = Non
     return out
 
 
-def write_ack(store: BlobStore, learner: int, incarnation: int, seq: int) -> int:
-    """Record that the syncer has taken in every contribution of (learner, incarnation) up to `seq`.
+def _runtime(secret: auth.Secret | None) -> dict[str, bytes] | None:
+    """The writers of the syncer's objects (acks, the pointer): the runtime's key, with a secret."""
+    return None if secret is None else {"the runtime": secret.runtime_key()}
+
+
+def write_ack(store: BlobStore, learner: int, incarnation: int, seq: int, secret: auth.Secret | None = None) -> int:
+    """Record that the syncer has taken in every contribution of (learner, incarnation) up to `seq`,
+    sealed under the runtime's key with the run `secret` (runtime.auth).
     Never lowers a stored ack (a syncer restored from an older checkpoint may repeat itself);
-    returns the stored value. A malformed stored ack is overwritten: the syncer is its one writer.
-    gc deletes no further than what the syncer itself delivered, whatever an ack says."""
+    returns the stored value. A malformed or unauthenticated stored ack is overwritten: the syncer
+    is its one writer. gc deletes no further than what the syncer itself delivered, whatever an
+    ack says."""
     try:
-        current = read_ack(store, learner, incarnation)
+        current = read_ack(store, learner, incarnation, secret)
     except ValueError as e:
         log.warning("overwriting a malformed ack: %s", e)
         current = None
     if current is not None and current >= seq:
         return current
-    put_json(store, ack_key(learner, incarnation), {"seq": int(seq)})
+    put_sealed(store, ack_key(learner, incarnation), {"seq": int(seq)}, secret and secret.runtime_key())
     return int(seq)
 
 
-def read_ack(store: BlobStore, learner: int, incarnation: int) -> int | None:
-    """The stored ack, None if there is none; ValueError naming the key if it is malformed."""
+def read_ack(store: BlobStore, learner: int, incarnation: int, secret: auth.Secret | None = None) -> int | None:
+    """The stored ack, None if there is none; ValueError naming the key if it is malformed or, with
+    the run `secret`, not sealed under the runtime's key."""
     key = ack_key(learner, incarnation)
-    obj = read_json(store, key)
+    obj = read_sealed(store, key, _runtime(secret))
     if obj is None:
         return None
     if not (isinstance(obj, dict) and is_count(obj.get("seq"))):
@@ -144,15 +151,8 @@ def latest(store: BlobStore, fragments: int | None = None, secret: auth.Secret |
     ValueError naming the key if the pointer is malformed (see parse_pointer) or, with the run
     `secret` (runtime.auth), not sealed under the runtime's key: a forger's pointer is never
     followed, nor does it make the syncer's next version look old."""
-    try:
-        raw = store.get(LATEST, MAX_JSON_BYTES + auth.MAC_HEX + 1)
-    except TooLarge as e:
-        raise ValueError(f"{store.url} {e}") from None
-    if raw is None:
-        return {}
-    keys = None if secret is None else {"the runtime": secret.runtime_key()}
-    obj = loads_object(opened(raw, LATEST, keys), f"{store.url} {LATEST}")
-    return parse_pointer(obj, fragments, f"{store.url} {LATEST}")
+    obj = read_sealed(store, LATEST, _runtime(secret))
+    return {} if obj is None else parse_pointer(obj, fragments, f"{store.url} {LATEST}")
 
 
 def _rebuilt(store: BlobStore, fragments: int | None) -> dict[int, Published]:
@@ -205,11 +205,7 @@ def publish(store: BlobStore, fragment: int, version: int, delta_frame: bytes | 
     pointer[fragment] = Published(version, delta_frame is not None, merged)
     obj = {"fragments": {str(p): {"version": e.version, "delta": e.has_delta, "merged": [list(k) for k in e.merged]}
                          for p, e in sorted(pointer.items())}}
-    if secret is None:
-        put_json(store, LATEST, obj)
-    else:  # sealed under the runtime's key (diloco/store/control.py)
-        store.put(LATEST, auth.seal(secret.runtime_key(), LATEST, json.dumps(obj, separators=(",", ":"),
-                                                                             sort_keys=True).encode()))
+    put_sealed(store, LATEST, obj, secret and secret.runtime_key())  # diloco/store/control.py
     return pointer
 
 
@@ -227,7 +223,8 @@ def full_versions(store: BlobStore, fragment: int) -> list[int]:
                   if (m := DOWN.match(k)) and m[3] == "full")
 
 
-def gc(store: BlobStore, keep_versions: int, delivered: Mapping[tuple[int, int], int]) -> list[str]:
+def gc(store: BlobStore, keep_versions: int, delivered: Mapping[tuple[int, int], int],
+       secret: auth.Secret | None = None) -> list[str]:
     """Delete broadcasts older than each fragment's last `keep_versions` published versions, and
     contributions at or below both their (learner, incarnation)'s ack and `delivered`, the last
     seq the syncer itself took in of each. Returns the deleted keys.
@@ -236,13 +233,14 @@ def gc(store: BlobStore, keep_versions: int, delivered: Mapping[tuple[int, int],
     `delivered` bounds what gc may believe, so a contribution the syncer has not taken in is never
     deleted, and a malformed ack deletes nothing. Versions above the pointer (a publish in flight)
     are kept and do not count, so the version the pointer names always survives; a malformed
-    pointer deletes no broadcast (the syncer's next publish rewrites it).
+    pointer, or one not sealed under the run `secret`, deletes no broadcast (the syncer's next
+    publish rewrites it), and such an ack deletes no contribution.
     """
     if keep_versions < 1:
         raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
     doomed = []
     try:
-        pointer = latest(store)
+        pointer = latest(store, None, secret)
     except ValueError as e:
         log.warning("gc keeps every broadcast: %s", e)
         pointer = {}
@@ -265,7 +263,7 @@ def gc(store: BlobStore, keep_versions: int, delivered: Mapping[tuple[int, int],
         m, inc, seq = parsed
         if (m, inc) not in bounds:
             try:
-                ack = read_ack(store, m, inc)
+                ack = read_ack(store, m, inc, secret)
             except ValueError as e:
                 log.warning("gc keeps every contribution of learner %d incarnation %d: %s", m, inc, e)
                 ack = None

@@ -69,8 +69,12 @@ def child_setup(cfg: TrainConfig, store: bs.BlobStore) -> Setup:
     setup.build does) costs little."""
     _, corpus, model, _ = load_inputs(cfg, weights=False)
     setup = build_setup.build(cfg, corpus, model)
-    want = (bs.read_control(store, "run") or {}).get("theta0")
-    return setup._replace(theta0=theta0.read(store, setup.theta0, want, max_frame(setup)))
+    # sealed under the runtime's key: a forger cannot name another Theta_0 for it to accept
+    run = bs.read_trusted(store, "run", setup.policy.auth, {}, {"theta0": str})
+    if run is None:
+        raise theta0.Theta0Error("the run control ctl/run is missing, malformed or not sealed under the run's "
+                                 "key: the store was changed, or holds another run")
+    return setup._replace(theta0=theta0.read(store, setup.theta0, run["theta0"], max_frame(setup)))
 
 
 def keep_secret(cfg: TrainConfig, run_dir: Path | None) -> None:
@@ -109,7 +113,12 @@ def child_main(name: str, store_url: str, cfg: TrainConfig, cache: str | None, b
     try:
         body(store, cfg, *args)
     except Exception:
-        bs.write_control(store, f"error/{name}", {"traceback": traceback.format_exc()})
+        try:  # sealed as its process's (diloco/store/control.py), so the supervisor believes it
+            secret = build_setup.auth_secret(cfg)
+        except Exception:  # noqa: BLE001 - the error being reported matters more than the seal
+            secret = None
+        bs.write_control(store, f"error/{name}", {"traceback": traceback.format_exc()}, secret,
+                         bs.learner_of(f"error/{name}"))
         raise
 
 

@@ -111,19 +111,22 @@ def config_diff(mine: dict, theirs: dict) -> list[str]:
             if len(key) > 1 and here.get(key) != v and key not in PER_PROCESS]
 
 
-def wait_for_run(store: bs.BlobStore, cfg: TrainConfig, url: str) -> None:
-    """Until the syncer host has written the run record; ConfigError if this process's config is
-    not the run's (it would rebuild another Theta_0, or book by other rules)."""
-    record = bs.Poller(POLL_MIN, 1.0).until(lambda: bs.read_control(store, "run"))
+def wait_for_run(store: bs.BlobStore, cfg: TrainConfig, url: str, secret: Secret | None = None) -> None:
+    """Until the syncer host has written the run record (sealed under the runtime's key with the
+    run `secret`: a forged one is ignored); ConfigError if this process's config is not the run's
+    (it would rebuild another Theta_0, or book by other rules)."""
+    ignored: dict = {}
+    record = bs.Poller(POLL_MIN, 1.0).until(lambda: bs.read_trusted(store, "run", secret, ignored, {"theta0": str}))
     diff = config_diff(to_dict(cfg), record.get("config", {}))
     if diff:
         raise ConfigError(f"this learner's config is not the run's in {network.redacted(url)}:\n  " + "\n  ".join(diff))
 
 
-def finished(cfg: TrainConfig) -> bool:
+def finished(cfg: TrainConfig, secret: Secret | None = None) -> bool:
     """Whether the run of `cfg`'s store has finished: a process started again after that (a
-    Kubernetes Deployment restarts even a process that exited 0) has nothing to do."""
-    return bs.read_control(bs.BlobStore(store_url(cfg), sync=False), "finished") is not None
+    Kubernetes Deployment restarts even a process that exited 0) has nothing to do. With the run
+    `secret`, only the supervisor's sealed record says so."""
+    return bs.read_trusted(bs.BlobStore(store_url(cfg), sync=False), "finished", secret, {}) is not None
 
 
 def run_learner(cfg: TrainConfig) -> int:
@@ -141,7 +144,7 @@ def run_learner(cfg: TrainConfig) -> int:
     url = store_url(cfg)
     store = bs.BlobStore(url, sync=False)
     secret = auth_secret(cfg)  # exit notices sealed under this learner's key (diloco/store/control.py)
-    if finished(cfg):
+    if finished(cfg, secret):
         log.info("the run in %s has finished; learner %d has nothing to do", network.redacted(url), m)
         return 0
     if i == 0:
@@ -156,7 +159,7 @@ def run_learner(cfg: TrainConfig) -> int:
             return 0
         token, inc, world = held["token"], int(held["incarnation"]), held["world"]
         log.info("learner %d process %d: joining incarnation %d's world at %s", m, i, inc, world["coordinator"])
-    wait_for_run(store, cfg, url)
+    wait_for_run(store, cfg, url, secret)
     superseded = lambda: (read_claim(store, m, secret) or {"token": token})["token"] != token  # noqa: E731
     spec = None if world is None else WorldSpec(world["coordinator"], P, i)
     name = f"learner-{m:04d}-{inc:04d}" + (f"-p{i}" if i else "")
@@ -199,10 +202,11 @@ def await_world(store: bs.BlobStore, m: int, index: int, processes: int, secret:
     made it, recorded as joined; None once the run has finished. ConfigError if the claim's world
     has another number of processes (its leader runs another config)."""
     def poll():
-        if bs.read_control(store, "finished") is not None:
+        if bs.read_trusted(store, "finished", secret, {}) is not None:
             return {"finished": True}
         held = read_claim(store, m, secret)
-        if held is None or bs.read_trusted(store, joined(m, held["incarnation"], index), None, {}) is not None:
+        # a join record sealed under learner m's key: a forged one makes no follower skip a world
+        if held is None or bs.read_trusted(store, joined(m, held["incarnation"], index), secret, {}) is not None:
             return None
         return held
 
@@ -214,7 +218,7 @@ def await_world(store: bs.BlobStore, m: int, index: int, processes: int, secret:
         raise ConfigError(f"learner {m}'s leader claimed incarnation {held['incarnation']} for a world of "
                           f"{world.get('processes', 1)} process(es); this process has runtime.world.processes_per_learner={processes}")
     bs.write_control(store, joined(m, int(held["incarnation"]), index),
-                     {"host": socket.gethostname(), "pid": os.getpid(), "at": time.time()})
+                     {"host": socket.gethostname(), "pid": os.getpid(), "at": time.time()}, secret, learner=m)
     return held
 
 

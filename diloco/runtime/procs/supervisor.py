@@ -39,7 +39,7 @@ from diloco.runtime.interfaces import Child, Launcher, RunSpec
 from diloco.runtime.procs.child import EXIT_DOWN, PREFIXES, buried, died, keep_secret
 from diloco.runtime.procs import theta0
 from diloco.runtime.procs.recovery import restartable
-from diloco.runtime.procs.reports import rep_key, report_theta
+from diloco.runtime.procs.reports import Unauthenticated, read_report, rep_key, report_theta
 from diloco.runtime.build import Setup, auth_secret
 from diloco.runtime.stop import RunStopped, signals_as_interrupt
 from diloco.store import network
@@ -89,6 +89,9 @@ class Procs:
         self.secret = None  # the run secret, once in this process's environment (_start)
         self.notices: dict[tuple[int, int], dict] = {}  # exit notices written, not yet buried (_renotice)
         self.renoticed = 0.0
+        # Store objects this process ignored as unauthenticated or malformed, name -> why (each
+        # logged once); the summary counts them with the syncer's and the learners'.
+        self.ignored: dict[str, str] = {}
 
     def clock(self) -> float:
         """The syncer's clock (0 until it has started it)."""
@@ -112,7 +115,7 @@ class Procs:
                 self._start()
                 self._supervise()
                 if not self.launcher.starts_learners:  # a learner started after this has nothing to do
-                    bs.write_control(self.store, "finished", {"at": self.clock()})
+                    bs.write_control(self.store, "finished", {"at": self.clock()}, self.secret)
             except KeyboardInterrupt:
                 stopping = True
                 self._stop(clean=True)
@@ -123,7 +126,7 @@ class Procs:
                 self._join()
             if stopping:
                 if self.summary is None:  # a syncer that reported only after the wait above
-                    self._read_reports(evaluate=False)
+                    self._read_reports(evaluate=False, exited=True)
                 raise self._stopped() from None
         return self.summary
 
@@ -148,7 +151,7 @@ class Procs:
         the run control finds Theta_0 (procs/theta0.py)."""
         theta0.publish(self.store, self.setup.theta0)
         bs.write_control(self.store, "run", {"theta0": theta0.fingerprint(self.setup.theta0), "learners": self.M,
-                                             **extra})
+                                             **extra}, self.secret)
 
     def _start_apart(self) -> None:
         """The syncer of learners started apart: a new run on a store that holds no other run's
@@ -156,7 +159,7 @@ class Procs:
         or, started again on its store, the next syncer incarnation (checkpoint + journal) from
         the reports its predecessor had read (`ctl/reports`)."""
         self.secret = auth_secret(self.cfg)  # as the learners started apart take it
-        procs = bs.read_control(self.store, "procs")
+        procs = bs.read_trusted(self.store, "procs", self.secret, self.ignored, {"syncer_incarnation": int})
         if procs is None:
             used = [p for p in PREFIXES if p != "ctl/" and self.store.list(p)]
             if used:
@@ -169,7 +172,8 @@ class Procs:
             raise ConfigError("the store holds this run's syncer already; starting it again restores its "
                               f"checkpoints and journal, kept only with run.checkpoint_every > 0 (got "
                               f"{self.cfg.run.checkpoint_every})")
-        self.reports = int((bs.read_control(self.store, "reports") or {}).get("read", 0))
+        self.reports = (bs.read_trusted(self.store, "reports", self.secret, self.ignored, {"read": int})
+                        or {"read": 0})["read"]
         theta0.publish(self.store, self.setup.theta0)  # a store written before Theta_0 was kept there
         self._spawn_syncer(int(procs["syncer_incarnation"]) + 1)
 
@@ -177,8 +181,11 @@ class Procs:
         """Continue a stopped run on its store: the next syncer incarnation restores the newest
         syncer checkpoint and journal and buries the stopped incarnations (their exit notices were
         written at the stop); every learner not done comes back as its next incarnation."""
-        stopped, procs = bs.read_control(self.store, "stopped"), bs.read_control(self.store, "procs")
-        if not (isinstance(stopped, dict) and isinstance(procs, dict)):
+        stopped = bs.read_trusted(self.store, "stopped", self.secret, self.ignored,
+                                  {"at": (int, float), "reports": int})
+        procs = bs.read_trusted(self.store, "procs", self.secret, self.ignored,
+                                {"syncer_incarnation": int, "learners": dict})
+        if stopped is None or procs is None:
             raise ConfigError(f"run.resume=true but the store {self.url} holds no stopped procs run (no "
                               "ctl/stopped): a procs run records one when Ctrl-C or SIGTERM stops it; this "
                               "one finished, or its supervisor was killed")
@@ -187,7 +194,7 @@ class Procs:
                               "syncer's checkpoints and journal are what it resumes from")
         for m in range(self.M):
             self.incarnation[m] = int(procs["learners"][str(m)]["incarnation"])
-            notice = bs.read_trusted(self.store, died(m, self.incarnation[m]), self.secret)
+            notice = bs.read_trusted(self.store, died(m, self.incarnation[m]), self.secret, self.ignored)
             if isinstance(notice, dict) and notice.get("exitcode") == 0:
                 self.done.add(m)  # it had finished: its successor would have nothing to do
         # What the stopped run's supervisor had not read is made again by the replay, and a stale
@@ -233,12 +240,12 @@ class Procs:
             for k in range(self.M)}
         bs.write_control(self.store, "procs", {
             "supervisor": os.getpid(), **self.launcher.where(None, self.syncer),
-            "syncer_incarnation": self.syncer_incarnation, "learners": learners})
+            "syncer_incarnation": self.syncer_incarnation, "learners": learners}, self.secret)
 
     def _supervise(self) -> None:
         while True:
             code = self.syncer.exitcode  # read first: every report it wrote before exiting is there
-            self._read_reports()
+            self._read_reports(exited=code is not None)
             if code is not None:
                 if self.finished is not None and (code == 0 or not self._error("syncer")):
                     return  # killed after its end report, if at all: the result is in
@@ -300,32 +307,43 @@ class Procs:
             return
         self.renoticed = time.monotonic()
         for (m, inc), notice in list(self.notices.items()):
-            if bs.read_trusted(self.store, buried(m, inc), self.secret) is not None:
+            if bs.read_trusted(self.store, buried(m, inc), self.secret, self.ignored) is not None:
                 del self.notices[(m, inc)]
-            elif bs.read_trusted(self.store, died(m, inc), self.secret) != notice:
+            elif bs.read_trusted(self.store, died(m, inc), self.secret, self.ignored) != notice:
                 log.error("learner %d incarnation %d: its exit notice in the store is not the one written; "
                           "writing it again", m, inc)
                 bs.write_control(self.store, died(m, inc), notice, self.secret)
 
     def _error(self, name: str) -> str:
-        found = bs.read_control(self.store, f"error/{name}")
+        # sealed by the process that failed: a forged traceback fails no one (docs/design.md#damage-in-the-store)
+        found = bs.read_trusted(self.store, f"error/{name}", self.secret, self.ignored, {"traceback": str})
         return "" if found is None else f"; its traceback:\n{found['traceback']}"
 
-    def _read_reports(self, evaluate: bool = True) -> None:
+    def _read_reports(self, evaluate: bool = True, exited: bool = False) -> None:
         """The syncer's reports, in order: metrics records, eval requests, the end. A malformed one
-        (not JSON, too large, fields or Theta not what its kind needs) is logged and skipped. How
-        many were read is kept in the store (`ctl/reports`), for a syncer restarted by a process
-        that did not spawn its predecessor: scripts/syncer.py started again, a Ray actor."""
+        (not JSON, too large, fields or Theta not what its kind needs) is logged and skipped. One
+        not sealed under the runtime's key (runtime.auth) is ignored and read again, as the syncer's
+        may land on its key later, until a later report verifies or the syncer has `exited`: then
+        it was damage, and is skipped. How many were read is kept in the store (`ctl/reports`), for
+        a syncer restarted by a process that did not spawn its predecessor: scripts/syncer.py
+        started again, a Ray actor."""
         start = self.reports
         while True:
             key = rep_key(self.reports, "json")
             try:
-                record = bs.read_json(self.store, key, finite=False)  # a loss may be NaN
+                record = read_report(self.store, self.reports, self.secret)
                 if record is None:
                     if self.reports > start:
-                        bs.write_control(self.store, "reports", {"read": self.reports})
+                        bs.write_control(self.store, "reports", {"read": self.reports}, self.secret)
                     return
-                theta = report_theta(self.store, self.reports, record, self.setup.theta0)
+                theta = report_theta(self.store, self.reports, record, self.setup.theta0, self.secret)
+            except Unauthenticated as e:
+                if key not in self.ignored:
+                    log.error("report %d ignored until the syncer writes it: %s", self.reports, e)
+                    self.ignored[key] = str(e)[:200]
+                if not (exited or self._report_after(self.reports)):
+                    return
+                log.error("report %d skipped: a later one verifies, or the syncer has exited", self.reports)
             except ValueError as e:
                 log.error("report %d skipped: %s", self.reports, e)
             else:
@@ -333,6 +351,18 @@ class Procs:
             self.store.delete(key)
             self.store.delete(rep_key(self.reports, "npz"))
             self.reports += 1
+
+    def _report_after(self, n: int) -> bool:
+        """Whether a report after n is there and verifies: the syncer writes its reports in order,
+        each whole before the next, so report n was written and is damaged or written over."""
+        later = sorted(int(k[4:16]) for k in self.store.list("rep/") if k.endswith(".json") and k[4:16].isdigit())
+        for k in (k for k in later if k > n):
+            try:
+                if read_report(self.store, k, self.secret) is not None:
+                    return True
+            except ValueError:
+                continue
+        return False
 
     def _take(self, record: dict, theta: dict | None, evaluate: bool) -> None:
         kind = record["kind"]
@@ -375,7 +405,7 @@ class Procs:
                 return
             self.syncer.terminate()
             self.syncer.join(SYNCER_STOP_TIMEOUT)
-            self._read_reports(evaluate=False)
+            self._read_reports(evaluate=False, exited=self.syncer.exitcode is not None)
         except KeyboardInterrupt:
             self.forced = True
             for p in [self.syncer, *self.learners.values()]:
@@ -400,7 +430,7 @@ class Procs:
         reports = self.reports - (self.finished is not None)
         tokens = (self.summary or {}).get("tokens_processed", 0)  # none if the syncer died first
         bs.write_control(self.store, "stopped", {"at": at, "reports": reports, "forced": self.forced,
-                                                 "tokens": tokens})
+                                                 "tokens": tokens}, self.secret)
         return RunStopped(self.run_dir, self.summary, restartable(self.cfg, self.run_dir), self.forced,
                           "" if self.run_dir is None else "a procs run resumes from its syncer's checkpoints and "
                           f"journal, kept only with run.checkpoint_every > 0 (got {self.cfg.run.checkpoint_every})")

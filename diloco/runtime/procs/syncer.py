@@ -43,7 +43,6 @@ restart in procs/recovery.py.
 from __future__ import annotations
 
 import heapq
-import json
 import logging
 import os
 import signal
@@ -64,7 +63,7 @@ from diloco.runtime.procs.child import (POLL_MAX, POLL_MIN, buried, child_main, 
 from diloco.runtime.procs.intake import (authentic_event, ignored_summary, listed_events, parse_event, read_event,
                                          read_notice)
 from diloco.runtime.procs.recovery import Recovery
-from diloco.runtime.procs.reports import pack_theta, rep_key
+from diloco.runtime.procs.reports import write_report
 from diloco.runtime.runlog import write_decisions
 from diloco.runtime.walltape import chaos_tape
 
@@ -348,10 +347,7 @@ class ProcSyncer(HostedRuntime):
         self.reports += 1
         if n < self.reports_read:  # a predecessor wrote it and the supervisor has it
             return
-        if theta is not None:  # the payload first, then the record that names it
-            record["paths"], blob = pack_theta(theta)
-            self.store.put(rep_key(n, "npz"), blob)
-        self.store.put(rep_key(n, "json"), json.dumps(record).encode())
+        write_report(self.store, n, record, theta, self.secret)
 
     def collect(self, final: bool = False) -> None:
         """Ack what was delivered, gc old versions and acked contributions, drop booked events and
@@ -359,8 +355,8 @@ class ProcSyncer(HostedRuntime):
         is booked if there are no checkpoints, or `final`ly, once the end report is out)."""
         c = self.recovery.covered(self, final)
         for (m, inc), seq in c.delivered.items():
-            bs.write_ack(self.store, m, inc, seq)
-        bs.gc(self.store, max(2, self.setup.policy.history), c.delivered)
+            bs.write_ack(self.store, m, inc, seq, self.secret)
+        bs.gc(self.store, max(2, self.setup.policy.history), c.delivered, self.secret)
         for m, inc in c.graves:  # its contributions were all delivered or never named by an event
             self.store.delete_prefix(f"up/{m:04d}/{inc:04d}/")
             self.store.delete_prefix(f"ev/{m:04d}/{inc:04d}/")
