@@ -50,7 +50,8 @@ def load(cfg, checkpoint_tok: Any, seed: int = 0):
     fileset = FileSet(files, cfg.format, columns, cfg.record)
     for f, reader in zip(files, fileset.readers):
         if len(reader) == 0:
-            raise DataError(f"{f} holds no records; drop it from data.paths")
+            raise DataError(f"{f} holds no records (empty, or cut short: an ArrayRecord file without "
+                            "its footer reads as empty); rewrite it or drop it from data.paths")
     n = len(fileset)
     n_val = max(1, int(n * cfg.val_fraction))
     if n - n_val < 1:

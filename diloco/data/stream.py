@@ -220,8 +220,8 @@ class Feed:
         return self.made[step]
 
     def _trim(self) -> None:
-        for d, keep in ((self.made, 4), (self.states, KEEP_STATES)):
-            for s in sorted(k for k in d if k not in self.pinned)[:-keep]:
+        for d, keep in ((self.made, 4), (self.states, KEEP_STATES)):  # the latest made, by insertion
+            for s in [k for k in d if k not in self.pinned][:-keep]:
                 del d[s]
 
     def _seek(self, step: int) -> None:
