@@ -154,6 +154,7 @@ def test_a_live_procs_run_books_every_step_past_forged_events_and_a_forged_exit_
                 store.put(key, json.dumps({"kind": "Done", "learner": 1, "incarnation": 0, "at": 0.0}).encode())
                 forged.append(key)
         store.put(bs.ctl_key(child.died(0, 0)), b'{"at": 0.5, "exitcode": -9}')
+        store.put(bs.LATEST, b"junk")  # before the first merge: the learners ignore it (the syncer rebuilds it)
 
     thread = threading.Thread(target=forger)
     thread.start()
@@ -168,7 +169,8 @@ def test_a_live_procs_run_books_every_step_past_forged_events_and_a_forged_exit_
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     assert rt.finished["tokens"]["processed"] == len(setup.fragments) * M * STEPS * tokens_per_step
     assert summary["token_ledger_imbalance"] == 0 and "events_lost" not in summary
-    assert summary["ignored_events"] >= 1 and summary["ignored_controls"] == 1
+    # the exit notice (the syncer's) and the pointer (the learners', recorded in ctl/ignored/<m>/<inc>)
+    assert summary["ignored_events"] >= 1 and summary["ignored_controls"] == 2
 
 
 def test_a_control_object_without_the_fields_its_reader_needs_is_taken_as_absent():
@@ -225,7 +227,6 @@ def test_a_forged_report_is_ignored_until_the_syncers_lands_or_a_later_one_verif
     store, taken = bs.BlobStore("memory://"), []
     sup = SimpleNamespace(store=store, secret=SECRET, ignored={}, reports=0, setup=SimpleNamespace(theta0=()),
                           _take=lambda record, theta, evaluate: taken.append(record["step"]))
-    sup._report_after = lambda n: Procs._report_after(sup, n)
     train = lambda n: {"kind": "train", "learner": 0, "step": n, "time": 1.0, "tokens": 8, "loss": 2.0}  # noqa: E731
     store.put(rep_key(0, "json"), json.dumps(train(7)).encode())  # a forger's, unsealed
     with caplog.at_level(logging.ERROR):
@@ -271,3 +272,19 @@ def test_a_forged_run_control_error_or_finish_is_not_believed(small):  # noqa: F
     store.put(bs.ctl_key(joined(1, 0, 1)), b'{"pid": 1}')
     held = await_world(store, 1, 1, 2, secret)  # neither the forged finish nor the join record holds it back
     assert held["token"] == "a" and bs.read_control(store, joined(1, 0, 1), secret)["pid"] > 1
+
+
+def test_what_the_learners_and_the_supervisor_ignored_reaches_the_summary(monkeypatch):
+    """Only the syncer's ignored objects were counted: a forged ctl/start a learner ignored, or a
+    forged report the supervisor ignored, left no trace in the summary."""
+    store = bs.BlobStore("memory://")
+    child.note_ignored(store, {"start": "forged", bs.LATEST: "forged"}, SECRET, 0, 1)  # learner 0's
+    child.note_ignored(store, {"rep/000000000003.json": "forged"}, SECRET)  # the supervisor's
+    store.put(bs.ctl_key(child.ignored_name(1, 0)), b'{"ignored": {"x": "y"}, "more": 1000}')  # forged
+    monkeypatch.setattr(child, "IGNORED_KEYS", 2)
+    child.note_ignored(store, {f"ev/0002/0000/{n:012d}": "junk" for n in range(5)}, SECRET, 2, 0)
+    own = {"start": "forged", "ev/0000/0000/000000000009": "junk"}  # the syncer's: start counts once
+    seen, more = intake.gathered_ignored(store, SECRET, own)
+    assert more == 3 and "x" not in seen and child.ignored_name(1, 0) in own
+    assert intake.ignored_summary(seen, more) == {"store_objects_ignored": 10, "ignored_events": 3,
+                                                  "ignored_controls": 7}

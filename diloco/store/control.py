@@ -31,8 +31,9 @@ _HEX = re.compile(rb"^[0-9a-f]{%d}$" % auth.MAC_HEX)
 _LEARNERS = (re.compile(r"^ready/(\d{4})$"), re.compile(r"^claim/(\d{4})$"),  # readiness, a claim started apart
              re.compile(r"^world/(\d{4})/\d{4}/\d{3}$"),  # a follower's join record (standalone.joined)
              re.compile(r"^error/learner-(\d{4})-\d{4}(?:-p\d+)?$"),  # its traceback (child.child_main)
+             re.compile(r"^ignored/(\d{4})/\d{4}$"),  # what it ignored (procs/child.py note_ignored)
              re.compile(r"^died/(\d{4})/\d{4}$"))
-_LEARNERS_ONLY = ("ready/", "claim/", "world/", "error/learner-")
+_LEARNERS_ONLY = ("ready/", "claim/", "world/", "error/learner-", "ignored/")
 
 
 def signers(secret: auth.Secret, name: str) -> dict[str, bytes]:

@@ -61,6 +61,25 @@ def buried(learner: int, incarnation: int) -> str:
     return f"buried/{learner:04d}/{incarnation:04d}"
 
 
+# The most store keys one process's record of what it ignored lists (the rest are counted): a
+# forger can make a reader ignore any number of objects, and the record stays small.
+IGNORED_KEYS = 256
+
+
+def ignored_name(m: int | None, inc: int = 0) -> str:
+    """Control name of the record of what learner m's incarnation inc (None: the supervisor) ignored."""
+    return "ignored/supervisor" if m is None else f"ignored/{m:04d}/{inc:04d}"
+
+
+def note_ignored(store: bs.BlobStore, ignored: dict[str, str], secret, m: int | None = None, inc: int = 0) -> None:
+    """Record in the store what this process ignored as unauthenticated or malformed (name -> why),
+    sealed as its own, for the syncer's summary (intake.gathered_ignored); at most IGNORED_KEYS
+    keys, the rest counted."""
+    keys = sorted(ignored)
+    bs.write_control(store, ignored_name(m, inc), {"ignored": {k: ignored[k] for k in keys[:IGNORED_KEYS]},
+                                                   "more": max(len(keys) - IGNORED_KEYS, 0)}, secret, m)
+
+
 def child_setup(cfg: TrainConfig, store: bs.BlobStore) -> Setup:
     """In a spawned child: the Setup rebuilt from the config (jitted functions do not pickle)
     around the model's shapes, and Theta_0 read from the store, where the supervisor wrote it

@@ -125,10 +125,27 @@ def read_notice(store: bs.BlobStore, m: int, inc: int, secret=None, ignored: dic
     return {"at": float(notice["at"]), "exitcode": notice["exitcode"]}
 
 
-def ignored_summary(ignored: dict[str, str]) -> dict:
+def gathered_ignored(store: bs.BlobStore, secret, own: dict[str, str]) -> tuple[dict[str, str], int]:
+    """What every process of the run ignored: the syncer's `own`, and the records the learners and
+    the supervisor keep (child.note_ignored), as one map name -> why (an object several processes
+    ignored counts once) and the count of those their records had no room to name. A record that
+    does not verify is itself ignored, in `own`."""
+    seen, more = dict(own), 0
+    for name in bs.list_control(store, "ignored/"):
+        record = bs.read_trusted(store, name, secret, own, {"ignored": dict, "more": int})
+        if record is not None:
+            seen.update({k: str(v) for k, v in record["ignored"].items() if isinstance(k, str)})
+            more += max(record["more"], 0)
+    seen.update({k: v for k, v in own.items() if k not in seen})  # a record ignored just now
+    return seen, more
+
+
+def ignored_summary(ignored: dict[str, str], more: int = 0) -> dict:
     """The summary's count of store objects ignored (docs/design.md#damage-in-the-store), by kind
-    (events, ctl/ objects); {} if none were."""
-    if not ignored:
+    (events; every other object: ctl/ objects, reports, acks, the pointer), `more` of them unnamed
+    (counted as other objects); {} if none were."""
+    if not ignored and not more:
         return {}
     events = sum(k.startswith("ev/") for k in ignored)
-    return {"store_objects_ignored": len(ignored), "ignored_events": events, "ignored_controls": len(ignored) - events}
+    return {"store_objects_ignored": len(ignored) + more, "ignored_events": events,
+            "ignored_controls": len(ignored) + more - events}

@@ -47,7 +47,7 @@ from diloco.config import TrainConfig
 from diloco.runtime import events as ev
 from diloco.runtime import world as learner_world
 from diloco.runtime.procs.child import (EXIT_DOWN, EXIT_SUPERSEDED, POLL_MAX, POLL_MIN, buried, child_main, child_setup,
-                                        event_key, in_main_thread, max_frame, orphaned, wait_for)
+                                        event_key, in_main_thread, max_frame, note_ignored, orphaned, wait_for)
 from diloco.runtime.procs.reading import broadcast_version, candidates, store_view, view_of_frames
 from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
 from diloco.runtime.build import new_unit
@@ -114,6 +114,10 @@ class ProcLearner:
         self.bad: set[str] = set()  # broadcast keys found unreadable: never fetched again
         self.skipped: Counter = Counter()  # what damage made it skip, by kind (also logged)
         self._bad_pointer: str | None = None  # the last malformed pointer logged, not to log it each poll
+        # Store objects ignored as unauthenticated or malformed, name -> why; recorded in the store
+        # before the next event (child.note_ignored), so the syncer's summary counts them.
+        self.ignored: dict[str, str] = {}
+        self.noted = 0
 
     def clock(self) -> float:
         return time.time() - self.t0  # wall time: every process (and host) shares the syncer's t0
@@ -140,6 +144,9 @@ class ProcLearner:
             return None
         for (_, seq), frame in zip(getattr(event, "sends", ()), getattr(event, "frames", ())):
             bs.send_contribution(self.store, self.m, self.inc, seq, frame)
+        if len(self.ignored) != self.noted:  # before the event: the record is there by its Done
+            note_ignored(self.store, self.ignored, self.setup.policy.auth, self.m, self.inc)
+            self.noted = len(self.ignored)
         data = ev.to_json(event._replace(fetched=tuple(map(tuple, self.fetched))))
         key, raw = event_key(self.m, self.inc, self.n), json.dumps(data).encode()
         secret = self.setup.policy.auth  # sealed under this learner's key, as its frames are signed
@@ -183,7 +190,7 @@ class ProcLearner:
         or nothing left to do), t0, stop, and rejoin (None for incarnation 0: now, down_until,
         the step the predecessor stopped at, the least step to resume at)."""
         m = self.m
-        secret, ignored = self.setup.policy.auth, {}  # control objects sealed (diloco/store/control.py)
+        secret, ignored = self.setup.policy.auth, self.ignored  # control objects sealed (diloco/store/control.py)
         bs.write_control(self.store, f"ready/{m:04d}", {"incarnation": self.inc}, secret, learner=m)
         stopping = lambda: self.terminating  # noqa: E731 - SIGTERM while waiting: nothing to save yet
         # One that is forged or malformed is ignored and read again: the syncer's lands on its key.
@@ -309,6 +316,7 @@ class ProcLearner:
             pointer = bs.latest(self.store, len(unit.latest), self.setup.policy.auth)
         except ValueError as e:
             self.skipped["pointer"] += 1
+            self.ignored.setdefault(bs.LATEST, str(e)[:200])
             if str(e) != self._bad_pointer:
                 self._bad_pointer = str(e)
                 log.warning("learner %d: %s; keeping the versions held", self.m, e)

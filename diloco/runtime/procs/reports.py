@@ -82,6 +82,19 @@ def read_report(store: bs.BlobStore, n: int, secret: auth.Secret | None) -> Any:
     return bs.loads_object(data, f"{store.url} {key}", finite=False)  # a loss may be NaN
 
 
+def verified_after(store: bs.BlobStore, n: int, secret: auth.Secret | None) -> bool:
+    """Whether a report after n is there and verifies: the syncer writes its reports in order,
+    each whole before the next, so then report n was written, and is damaged or written over."""
+    later = sorted(int(k[4:16]) for k in store.list("rep/") if k.endswith(".json") and k[4:16].isdigit())
+    for k in (k for k in later if k > n):
+        try:
+            if read_report(store, k, secret) is not None:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
 def unpack_theta(paths: list, blob: bytes) -> dict:
     with np.load(io.BytesIO(blob), allow_pickle=False) as z:
         return {tuple(p): z[f"arr_{i}"] for i, p in enumerate(paths)}

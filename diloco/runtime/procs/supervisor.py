@@ -36,10 +36,10 @@ from diloco import report
 from diloco import store as bs
 from diloco.config import ConfigError, TrainConfig, to_dict
 from diloco.runtime.interfaces import Child, Launcher, RunSpec
-from diloco.runtime.procs.child import EXIT_DOWN, PREFIXES, buried, died, keep_secret
+from diloco.runtime.procs.child import EXIT_DOWN, PREFIXES, buried, died, keep_secret, note_ignored
 from diloco.runtime.procs import theta0
 from diloco.runtime.procs.recovery import restartable
-from diloco.runtime.procs.reports import Unauthenticated, read_report, rep_key, report_theta
+from diloco.runtime.procs.reports import Unauthenticated, read_report, rep_key, report_theta, verified_after
 from diloco.runtime.build import Setup, auth_secret
 from diloco.runtime.stop import RunStopped, signals_as_interrupt
 from diloco.store import network
@@ -92,6 +92,7 @@ class Procs:
         # Store objects this process ignored as unauthenticated or malformed, name -> why (each
         # logged once); the summary counts them with the syncer's and the learners'.
         self.ignored: dict[str, str] = {}
+        self.noted = 0  # how many of them the store's record of them lists
 
     def clock(self) -> float:
         """The syncer's clock (0 until it has started it)."""
@@ -253,6 +254,9 @@ class Procs:
             for m in range(self.M):
                 self._watch(m)
             self._renotice()
+            if len(self.ignored) != self.noted:  # for the syncer's summary (intake.gathered_ignored)
+                note_ignored(self.store, self.ignored, self.secret)
+                self.noted = len(self.ignored)
             self.launcher.wait([p for m, p in self.learners.items() if m not in self.done] + [self.syncer], POLL)
 
     def _restart_syncer(self, code: int) -> None:
@@ -341,7 +345,7 @@ class Procs:
                 if key not in self.ignored:
                     log.error("report %d ignored until the syncer writes it: %s", self.reports, e)
                     self.ignored[key] = str(e)[:200]
-                if not (exited or self._report_after(self.reports)):
+                if not (exited or verified_after(self.store, self.reports, self.secret)):
                     return
                 log.error("report %d skipped: a later one verifies, or the syncer has exited", self.reports)
             except ValueError as e:
@@ -351,18 +355,6 @@ class Procs:
             self.store.delete(key)
             self.store.delete(rep_key(self.reports, "npz"))
             self.reports += 1
-
-    def _report_after(self, n: int) -> bool:
-        """Whether a report after n is there and verifies: the syncer writes its reports in order,
-        each whole before the next, so report n was written and is damaged or written over."""
-        later = sorted(int(k[4:16]) for k in self.store.list("rep/") if k.endswith(".json") and k[4:16].isdigit())
-        for k in (k for k in later if k > n):
-            try:
-                if read_report(self.store, k, self.secret) is not None:
-                    return True
-            except ValueError:
-                continue
-        return False
 
     def _take(self, record: dict, theta: dict | None, evaluate: bool) -> None:
         kind = record["kind"]

@@ -60,8 +60,8 @@ from diloco.runtime import keepup
 from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.procs.child import (POLL_MAX, POLL_MIN, buried, child_main, child_setup, event_key,
                                         in_main_thread, max_frame)
-from diloco.runtime.procs.intake import (authentic_event, ignored_summary, listed_events, parse_event, read_event,
-                                         read_notice)
+from diloco.runtime.procs.intake import (authentic_event, gathered_ignored, ignored_summary, listed_events,
+                                         parse_event, read_event, read_notice)
 from diloco.runtime.procs.recovery import Recovery
 from diloco.runtime.procs.reports import write_report
 from diloco.runtime.runlog import write_decisions
@@ -372,7 +372,7 @@ class ProcSyncer(HostedRuntime):
         tape = chaos_tape(self.cfg)  # as every learner process derives it (diloco/runtime/walltape.py)
         summary = self.host.summary(clock="wall", end=end, window=window, tape=tape,
                                     scale=self.cfg.chaos.wall_scale)
-        summary.update(ignored_summary(self.ignored))
+        summary.update(ignored_summary(*gathered_ignored(self.store, self.secret, self.ignored)))
         if self.run_dir is not None:
             write_decisions(self.run_dir / "decisions.jsonl", self.syncer.decisions)
         self._report({"kind": "end", "time": end, "summary": summary, "steps": self.steps,
