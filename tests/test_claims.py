@@ -149,6 +149,20 @@ def test_insider_claiming_the_run_steps_is_quarantined_bad_counter(defaults):
     assert "reported since its last merged contribution" in st.refusals.latest[-1]["detail"]
 
 
+def test_steps_whose_events_were_lost_count_for_the_learners_next_claim(defaults):
+    """A procs learner's step events lost in the store (booked lost when its next event closes the
+    gap) still counted in its next contribution's c_steps: that honest frame was refused
+    bad_counter. The gap's steps now reach the claims as a lost_steps input (SyncerHost.gap_closed)."""
+    w = warm(defaults)
+    lost = defaults.fragments.H - defaults.fragments.tau  # every step since its last merged contribution
+    steps = dict(w.st.claims.steps)
+    steps[INSIDER] -= lost  # their events never reached the syncer
+    w.st = w.st._replace(claims=w.st.claims._replace(steps=steps))
+    assert move(w, w.benign(), lost)[0] == ["quarantined:bad_counter"]
+    w.apply("lost_steps", float(w.t), (INSIDER, lost))
+    assert move(w, w.benign(), lost)[0] == ["merged"]
+
+
 def test_one_admitted_insider_frame_moves_theta_at_most_3x_a_benign_one(defaults):
     """Any claimed count, any scale: an admitted frame moves the fragment at most 3x as far as a
     benign contribution from the same state (the claim is checked, and the clip bounds the rest)."""

@@ -72,7 +72,13 @@ def expected_bytes(name, n, block=64, fraction=0.01):
         "fp4": 4 * nb + -(-n // 2),
         "2bit": 4 * nb + -(-n // 4),
         "topk": 8 * math.ceil(round(fraction * n, 9)),
+        # 4096-value chunks keeping 32: a scale each, 12-bit indices, 2-bit codes
+        "sparseloco": 4 * -(-n // 4096) + -(-kept_sparseloco(n) * 12 // 8) + -(-kept_sparseloco(n) * 2 // 8),
     }[name]
+
+
+def kept_sparseloco(n, chunk=4096, k=32):
+    return n // chunk * k + min(k, n % chunk)
 
 
 @pytest.mark.parametrize("name", sorted(CODECS))
@@ -365,7 +371,8 @@ def test_invalid_options_raise():
 @pytest.mark.parametrize("name", sorted(CODECS))
 def test_registry_builds_and_roundtrips(name):
     x = gaussian(1000)
-    bound = {"fp32": 0, "bf16": 2**-8, "int8": 0.01, "int4": 0.15, "fp4": 0.25, "2bit": 0.6, "topk": 1}
+    bound = {"fp32": 0, "bf16": 2**-8, "int8": 0.01, "int4": 0.15, "fp4": 0.25, "2bit": 0.6, "topk": 1,
+             "sparseloco": 1}
     for codec in [CODECS[name](), make_codec(name, error_feedback=True, zstd_level=1, block=32)]:
         state = codec.init(x.shape)
         payload, state = codec.encode(x, state)
@@ -404,7 +411,7 @@ def golden_codecs():
     return {
         **{name: CODECS[name]() for name in sorted(CODECS)},
         "int8_b32": C.int8(block=32), "int4_b128": C.int4(block=128), "fp4_b2048": C.fp4_e3m0(block=2048),
-        "2bit_b4": C.two_bit(block=4), "topk_0.05": C.topk(0.05),
+        "2bit_b4": C.two_bit(block=4), "topk_0.05": C.topk(0.05), "sparseloco_c64_t4": C.sparseloco(64, 4),
         "int4_zstd1": make_codec("int4", zstd_level=1), "int8_zstd3": make_codec("int8", zstd_level=3),
     }
 
@@ -427,6 +434,12 @@ def test_golden_wire_bytes():
     for step in range(3):
         payload, state = ef.encode(x, state)
         got["payloads"][f"ef_2bit/gaussian_1000/step{step}"] = [len(payload), digest(payload), digest(state.residual.astype("<f4").tobytes())]
+    ef = make_codec("sparseloco", error_feedback=True, chunk=64, chunk_k=4, ef_decay=0.95)
+    state = ef.init(x.shape)
+    for step in range(3):
+        payload, state = ef.encode(x, state)
+        got["payloads"][f"ef_sparseloco_c64_t4_d0.95/gaussian_1000/step{step}"] = [
+            len(payload), digest(payload), digest(state.residual.astype("<f4").tobytes())]
     if os.environ.get("UPDATE_GOLDEN"):
         GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
     want = json.loads(GOLDEN.read_text())

@@ -251,12 +251,15 @@ _JSON = hs.recursive(
 _PART = hs.one_of(hs.just("ef"), hs.integers(0, 30).map(lambda n: f"zstd{n}"),
                   hs.sampled_from([1, 2, 7, 8, 32, 64, 65, 1 << 16, 1 << 17, 1 << 24]).map(lambda n: f"b{n}"),
                   hs.sampled_from(["0.5", "1.0", "0.01", "1e-05", "..", "1e", "-", "2", "nan"]).map("k{}".format),
+                  hs.sampled_from([0, 1, 2, 3, 8, 64, 4096, 1 << 16, 1 << 17, 10**12]).map(lambda n: f"c{n}"),
+                  hs.sampled_from([0, 1, 2, 32, 65, 10**12]).map(lambda n: f"t{n}"),
                   hs.text("abz019+.-e", max_size=5))
 _SPEC = hs.builds(lambda name, parts: "+".join([name, *parts]),
-                  hs.sampled_from(["fp32", "bf16", "int8", "int4", "fp4", "2bit", "topk", "int3", ""]),
+                  hs.sampled_from(["fp32", "bf16", "int8", "int4", "fp4", "2bit", "topk", "sparseloco", "int3", ""]),
                   hs.lists(_PART, max_size=3))
 _FIELDS = (*messages.HEADER_FIELDS, "merged", "extra")
-_VALID_SPECS = ["fp32", "int8", "int4+zstd1", "topk+k0.5", "2bit+b8", "bf16"]
+_VALID_SPECS = ["fp32", "int8", "int4+zstd1", "topk+k0.5", "2bit+b8", "bf16", "sparseloco+c8+t2",
+                "sparseloco+ef+c4+t4"]
 
 
 @hs.composite

@@ -344,6 +344,23 @@ def test_a_gap_in_an_event_stream_is_skipped_after_its_timeout_and_done_is_booke
     assert rt.skipped == 1 and not rt._poll(0) and not rt._poll(1)  # nothing booked twice
 
 
+def test_the_steps_of_lost_events_are_credited_to_the_learners_claims(syncer, monkeypatch, tmp_path):
+    """Steps 3 to 5 of learner 0 were lost with their events: booked lost, and counted for its claims
+    as if reported, since its next contribution counts them in c_steps (test_claims.py)."""
+    store, rt, tokens = syncer
+    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
+    for n in (0, 1, 5):
+        _emit(rt, store, 0, 0, n, ev.StepDone(0, 0, n + 1, float(n), n + 0.5, tokens, ()))
+    assert rt._poll(0) and rt.steps[0] == 6
+    assert rt.host.state.claims.steps[0] == 6 and rt.host.events_lost[0]["steps"] == 3
+    from diloco.algo.replay import Input
+    from diloco.runtime import runlog
+    inputs = runlog.InputLog(tmp_path / "inputs.bin")  # the input log replays it
+    inputs.append(Input("lost_steps", 5.0, (0, 3)))
+    inputs.close()
+    assert list(runlog.read_inputs(tmp_path / "inputs.bin")) == [Input("lost_steps", 5.0, (0, 3))]
+
+
 def test_a_gap_waits_for_its_timeout_while_the_learner_runs(syncer, monkeypatch):
     store, rt, tokens = syncer
     monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)

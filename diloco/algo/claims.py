@@ -28,9 +28,11 @@ class Claims(NamedTuple):
     open: dict[Slot, int] = {}
 
 
-def observe_step(c: Claims, learner: int) -> Claims:
-    """One more step reported by `learner`'s live incarnation."""
-    return c._replace(steps={**c.steps, learner: c.steps.get(learner, 0) + 1})
+def observe_step(c: Claims, learner: int, steps: int = 1) -> Claims:
+    """One more step reported by `learner`'s live incarnation; or `steps` more, the steps of events
+    lost in the store (docs/design.md#damage-in-the-store), which the learner took all the same and
+    counts in its next contribution's c_steps."""
+    return c._replace(steps={**c.steps, learner: c.steps.get(learner, 0) + steps})
 
 
 def excess(c: Claims, learner: int, incarnation: int, fragment: int, c_steps: int, slack: int) -> str:

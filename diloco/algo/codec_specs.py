@@ -18,14 +18,17 @@ MAX_SPEC_CHARS = 64  # "int4+ef+zstd22+b4096+k0.0001" is 28
 
 # Digit counts are bounded so int() never sees thousands of digits; a block above MAX_BLOCK is refused
 # by the codec itself, before it allocates anything.
-_SPEC_PART = re.compile(r"^(ef|zstd([0-9]{1,3})|b([0-9]{1,12})|k([0-9.eE+-]{1,32}))$")
-_DEFAULT_BLOCK, _DEFAULT_TOPK = 64, 0.01
+_SPEC_PART = re.compile(r"^(ef|zstd([0-9]{1,3})|b([0-9]{1,12})|k([0-9.eE+-]{1,32})|c([0-9]{1,12})|t([0-9]{1,12}))$")
+_DEFAULT_BLOCK, _DEFAULT_TOPK, _DEFAULT_CHUNK, _DEFAULT_CHUNK_K = 64, 0.01, 4096, 32
 
 
 def codec_spec(name: str, error_feedback: bool = False, zstd_level: int = 0, *,
-               block: int = _DEFAULT_BLOCK, topk_fraction: float = _DEFAULT_TOPK) -> str:
-    """The header's codec string, e.g. "int4+ef+zstd1"; non-default block / top-k fraction are
-    spelled out ("int8+b32", "topk+k0.05") because the receiver needs them to decode."""
+               block: int = _DEFAULT_BLOCK, topk_fraction: float = _DEFAULT_TOPK,
+               chunk: int = _DEFAULT_CHUNK, chunk_k: int = _DEFAULT_CHUNK_K) -> str:
+    """The header's codec string, e.g. "int4+ef+zstd1"; non-default block / top-k fraction /
+    sparseloco chunk and kept values per chunk are spelled out ("int8+b32", "topk+k0.05",
+    "sparseloco+ef+c1024+t16") because the receiver needs them to decode. The error feedback's
+    decay is the sender's alone and is not in the spec."""
     parts = [name]
     if error_feedback:
         parts.append("ef")
@@ -35,6 +38,10 @@ def codec_spec(name: str, error_feedback: bool = False, zstd_level: int = 0, *,
         parts.append(f"b{int(block)}")
     if topk_fraction != _DEFAULT_TOPK:
         parts.append(f"k{topk_fraction!r}")
+    if chunk != _DEFAULT_CHUNK:
+        parts.append(f"c{int(chunk)}")
+    if chunk_k != _DEFAULT_CHUNK_K:
+        parts.append(f"t{int(chunk_k)}")
     return "+".join(parts)
 
 
@@ -58,6 +65,10 @@ def parse_spec(spec: str) -> dict[str, Any]:
             kw["zstd_level"] = int(m.group(2))
         elif m.group(3) is not None:
             kw["block"] = int(m.group(3))
+        elif m.group(5) is not None:
+            kw["chunk"] = int(m.group(5))
+        elif m.group(6) is not None:
+            kw["chunk_k"] = int(m.group(6))
         else:
             try:
                 kw["topk_fraction"] = float(m.group(4))

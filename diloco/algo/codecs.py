@@ -24,6 +24,7 @@ import numpy as np
 import zstandard
 
 from diloco.algo import hostpool
+from diloco.algo.sparseloco import sparseloco
 from diloco.algo.codec_base import (  # noqa: F401  (CodecError and NonFiniteError: the public errors)
     FP4, INT, TWO_BIT, Codec, CodecError, CodecState, NonFiniteError, buffer, flat_f32, numel, require_finite,
     stateless,
@@ -284,13 +285,18 @@ class ErrorFeedbackState(NamedTuple):
     inner: CodecState
 
 
-def error_feedback(codec: Codec) -> Codec:
+def error_feedback(codec: Codec, decay: float = 1.0) -> Codec:
     """Carries each tensor's quantization error into its next encode (EF-SGD, Karimireddy 2019).
 
     encode(x, e) sends q = encode(x + e) and keeps e' = (x + e) - decode(q), so the sum of what was
     decoded trails the sum of what was sent by exactly the current residual: nothing is lost, only
     delayed. This is what lets 2-bit and top-k converge (section 5). Payloads are the inner codec's.
+    With decay < 1 the residual shrinks by `decay` before it is added, x + decay * e (SparseLoCo's
+    decayed error feedback): an old error no longer pushes the direction the model has moved on from.
     """
+    if not 0.0 < decay <= 1.0:
+        raise ValueError(f"error_feedback: decay must be in (0, 1], got {decay!r}")
+    decay32 = np.float32(decay)
 
     def init(shape):
         return ErrorFeedbackState(np.zeros(shape, np.float32), codec.init(shape))
@@ -299,7 +305,7 @@ def error_feedback(codec: Codec) -> Codec:
         x = np.asarray(x, dtype=np.float32)
         if x.shape != state.residual.shape:
             raise ValueError(f"error_feedback: input shape {x.shape} != state shape {state.residual.shape}")
-        target = x + state.residual
+        target = x + state.residual if decay == 1.0 else x + decay32 * state.residual
         payload, inner = codec.encode(target, state.inner)
         return payload, ErrorFeedbackState(target - codec.decode(payload, x.shape), inner)
 
@@ -364,6 +370,7 @@ def zstd(codec: Codec, level: int = 1) -> Codec:
 
 CODECS: dict[str, Callable[..., Codec]] = {
     "fp32": fp32, "bf16": bf16, "int8": int8, "int4": int4, "fp4": fp4_e3m0, "2bit": two_bit, "topk": topk,
+    "sparseloco": sparseloco,
 }
 
 # The block formats by codec name: their code rules, read by the host encoder above and by the
@@ -376,17 +383,17 @@ _with_error_feedback = error_feedback  # make_codec's keyword of the same name s
 
 
 def make_codec(name: str, *, error_feedback: bool = False, zstd_level: int = 0, block: int = 64,
-               topk_fraction: float = 0.01) -> Codec:
-    """`zstd(error_feedback(CODECS[name](...)))`, each factory given only the options it takes;
-    zstd_level 0 means no zstd."""
+               topk_fraction: float = 0.01, chunk: int = 4096, chunk_k: int = 32, ef_decay: float = 1.0) -> Codec:
+    """`zstd(error_feedback(CODECS[name](...), ef_decay))`, each factory given only the options it
+    takes; zstd_level 0 means no zstd."""
     if name not in CODECS:
         raise ValueError(f"unknown codec {name!r}; known: {sorted(CODECS)}")
     factory = CODECS[name]
-    options = {"block": block, "fraction": topk_fraction}
+    options = {"block": block, "fraction": topk_fraction, "chunk": chunk, "k": chunk_k}
     params = inspect.signature(factory).parameters
     codec = factory(**{k: v for k, v in options.items() if k in params})
     if error_feedback:
-        codec = _with_error_feedback(codec)
+        codec = _with_error_feedback(codec, ef_decay)
     if zstd_level:
         codec = zstd(codec, zstd_level)
     return codec

@@ -14,19 +14,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from diloco.algo import claims
 from diloco.algo import syncer as sync
 
 
 class Input(NamedTuple):
     """One syncer input. kind: contribution (data=frame bytes) | deadline (data=fragment) |
-    step_time (data=(learner, seconds)) | live (data=((learner, incarnation), ...))."""
+    step_time (data=(learner, seconds)) | live (data=((learner, incarnation), ...)) | lost_steps
+    (data=(learner, steps): steps whose events were lost, credited to its claims only)."""
 
     kind: str
     at: float
     data: object
 
 
-KINDS = ("contribution", "deadline", "step_time", "live")
+KINDS = ("contribution", "deadline", "step_time", "live", "lost_steps")
 
 
 def apply(cfg: sync.Policy, st: sync.SyncerState, event: Input) -> tuple[sync.SyncerState, tuple]:
@@ -38,6 +40,9 @@ def apply(cfg: sync.Policy, st: sync.SyncerState, event: Input) -> tuple[sync.Sy
     if event.kind == "step_time":
         learner, seconds = event.data
         return sync.observe_step_time(st, int(learner), float(seconds)), ()
+    if event.kind == "lost_steps":  # no step time is known for them: the claims count them, Eq. 3 not
+        learner, steps = event.data
+        return st._replace(claims=claims.observe_step(st.claims, int(learner), int(steps))), ()
     if event.kind == "live":
         return sync.on_live_change(cfg, st, {int(m): int(i) for m, i in event.data}, event.at)
     raise ValueError(f"unknown syncer input kind {event.kind!r}; known: {KINDS}")

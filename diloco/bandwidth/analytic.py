@@ -81,34 +81,38 @@ def bandwidth_ratio(P: int, tau: float, bits: float, T_step: float = 1.0, T_wind
             / diloco_bandwidth(1.0, 2, P, tau, T_step, bits, grace, H))
 
 
-def wire_bits(codec: str, block: int = 64, topk_fraction: float = 0.01) -> float:
+def wire_bits(codec: str, block: int = 64, topk_fraction: float = 0.01, chunk: int = 4096,
+              chunk_k: int = 32) -> float:
     """Bits per value a codec of diloco/algo/codecs.py puts on the wire, block scales included, read
     from the codec's own payload size: of one whole block for a block format (its scale and codes),
-    of one value for the others, and for top-k of one kept value times the fraction kept.
+    of one whole chunk for sparseloco (its scale, indices and codes), of one value for the others,
+    and for top-k of one kept value times the fraction kept.
 
     zstd is not counted: what it saves depends on the data (a few % on int4 deltas, measured).
     """
     if codec == "topk":
         if not 0 < topk_fraction <= 1:
             raise ValueError(f"topk_fraction must lie in (0, 1], got {topk_fraction!r}")
-        return 8 * _codec("topk", block, 1.0).payload_bytes((1,)) * topk_fraction
+        return 8 * _codec("topk", block, 1.0, chunk, chunk_k).payload_bytes((1,)) * topk_fraction
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; known: {list(CODECS)}")
-    n = count("block", block) if codec in codecs.BLOCK_FORMATS else 1
-    return 8 * _codec(codec, block, topk_fraction).payload_bytes((n,)) / n
+    n = (count("block", block) if codec in codecs.BLOCK_FORMATS
+         else count("chunk", chunk, 2) if codec == "sparseloco" else 1)
+    return 8 * _codec(codec, block, topk_fraction, chunk, chunk_k).payload_bytes((n,)) / n
 
 
-def payload_bytes(codec: str, n: int, block: int = 64, topk_fraction: float = 0.01) -> int:
+def payload_bytes(codec: str, n: int, block: int = 64, topk_fraction: float = 0.01, chunk: int = 4096,
+                  chunk_k: int = 32) -> int:
     """Exact payload bytes of one tensor of n values: the codec's own layout (Codec.payload_bytes),
     no header, no zstd."""
     n = count("n (values)", n, minimum=0)
-    wire_bits(codec, block, topk_fraction)  # validates codec, block and fraction, naming the bad one
-    return _codec(codec, block, topk_fraction).payload_bytes((n,))
+    wire_bits(codec, block, topk_fraction, chunk, chunk_k)  # validates the options, naming the bad one
+    return _codec(codec, block, topk_fraction, chunk, chunk_k).payload_bytes((n,))
 
 
-def _codec(codec: str, block: int, topk_fraction: float) -> codecs.Codec:
+def _codec(codec: str, block: int, topk_fraction: float, chunk: int = 4096, chunk_k: int = 32) -> codecs.Codec:
     """The registered codec, built with only the options it takes (make_codec)."""
-    return codecs.make_codec(codec, block=block, topk_fraction=topk_fraction)
+    return codecs.make_codec(codec, block=block, topk_fraction=topk_fraction, chunk=chunk, chunk_k=chunk_k)
 
 
 def dp_bytes_per_step(N: float, M: int, bits: float = BF16_BITS) -> float:
@@ -125,7 +129,8 @@ class StepBytes:
 
 
 def diloco_bytes_per_step(N: int, H: int, P: int, up: str = "int4", down: str = "int8", block: int = 64,
-                          topk_fraction: float = 0.01, merges_per_round: float = 1.0) -> StepBytes:
+                          topk_fraction: float = 0.01, merges_per_round: float = 1.0, chunk: int = 4096,
+                          chunk_k: int = 32) -> StepBytes:
     """Payload bytes per inner step of one Decoupled DiLoCo learner (headers and zstd not counted).
 
     Up: each of P fragments of N/P values leaves once per H steps. Down: every merge of a fragment
@@ -144,6 +149,6 @@ def diloco_bytes_per_step(N: int, H: int, P: int, up: str = "int4", down: str = 
     fragment = -(-N // P)
     per_round = P / H  # fragment sends per inner step
     return StepBytes(
-        up=per_round * payload_bytes(up, fragment, block, topk_fraction),
+        up=per_round * payload_bytes(up, fragment, block, topk_fraction, chunk, chunk_k),
         down=per_round * positive("merges_per_round", merges_per_round)
-        * payload_bytes(down, fragment, block, topk_fraction))
+        * payload_bytes(down, fragment, block, topk_fraction, chunk, chunk_k))

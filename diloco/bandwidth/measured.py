@@ -66,15 +66,16 @@ def measured_vs_analytic(run_dir: str | Path) -> dict:
     steps, frag, codec = int(cfg["run"]["steps"]), cfg["fragments"], cfg["codec"]
     H, P, tau = int(frag["H"]), int(frag["count"]), int(frag["tau"])
     block, fraction = int(codec["block"]), float(codec["topk_fraction"])
+    chunk, chunk_k = int(codec.get("chunk", 4096)), int(codec.get("chunk_k", 32))  # runs before sparseloco lack them
     sends = sends_per_learner(steps, H, P, tau, bool(frag.get("final_sync", True)))
     fragment = -(-N // P)
-    up_payload = payload_bytes(codec["up"], fragment, block, fraction)
-    down_payload = payload_bytes(codec["down"], fragment, block, fraction)
+    up_payload = payload_bytes(codec["up"], fragment, block, fraction, chunk, chunk_k)
+    down_payload = payload_bytes(codec["down"], fragment, block, fraction, chunk, chunk_k)
     measured_up = summary["bytes_up"] / (M * steps)
     measured_down = summary["bytes_down"] / (M * steps)
     analytic_up = sends * up_payload / steps
     analytic_down = summary["merges"] * down_payload / steps  # every merge reaches every learner
-    schedule = diloco_bytes_per_step(N, H, P, codec["up"], codec["down"], block, fraction)
+    schedule = diloco_bytes_per_step(N, H, P, codec["up"], codec["down"], block, fraction, chunk=chunk, chunk_k=chunk_k)
     dp = dp_bytes_per_step(N, M)
     return {
         "run_dir": str(run_dir), "params": N, "learners": M, "steps": steps, "H": H, "P": P, "tau": tau,

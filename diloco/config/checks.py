@@ -11,7 +11,7 @@ import math
 import re
 from pathlib import Path
 
-from diloco.algo.codecs import CODECS
+from diloco.algo.codecs import BLOCK_FORMATS, CODECS
 from diloco.algo.fragments import FRAGMENTERS
 from diloco.algo.merge import MERGES
 from diloco.algo.outer import OUTER
@@ -226,6 +226,15 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     check(e, c.up in CODECS, f"codec.up={c.up!r} not in {'|'.join(CODECS)}")
     check(e, c.down in CODECS, f"codec.down={c.down!r} not in {'|'.join(CODECS)}")
     check(e, 0 <= c.zstd_level <= 22, f"codec.zstd_level={c.zstd_level} must be in [0, 22]")
+    check(e, 0.0 < c.ef_decay <= 1.0, f"codec.ef_decay={c.ef_decay} must be in (0, 1]")
+    # The block formats' residuals live on the learner's devices (device_codecs.py), undecayed.
+    check(e, c.ef_decay == 1.0 or (c.error_feedback and c.up not in BLOCK_FORMATS),
+          f"codec.ef_decay={c.ef_decay} needs codec.error_feedback=true and a host-encoded up codec "
+          f"(sparseloco or topk), not codec.up={c.up!r} with error_feedback={c.error_feedback}")
+    if "sparseloco" in (c.up, c.down):
+        check(e, 2 <= c.chunk <= 1 << 16 and c.chunk & (c.chunk - 1) == 0,
+              f"codec.chunk={c.chunk} must be a power of two in [2, 65536]")
+        check(e, 1 <= c.chunk_k <= c.chunk, f"codec.chunk_k={c.chunk_k} must be in [1, codec.chunk={c.chunk}]")
     check(e, 1 <= s.quorum <= r.learners, f"syncer.quorum={s.quorum} must be in [1, runtime.learners={r.learners}]")
     check(e, 0 <= s.gamma <= 1, f"syncer.gamma={s.gamma} must be in [0, 1]")
     for name in ("merge", "embedding_merge"):

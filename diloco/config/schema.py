@@ -197,12 +197,15 @@ class OuterConfig:
 class CodecConfig:
     """Wire precision of contributions (up) and broadcasts (down)."""
 
-    up: str = "int4"  # fp32 | bf16 | int8 | int4 | fp4 | 2bit | topk
+    up: str = "int4"  # fp32 | bf16 | int8 | int4 | fp4 | 2bit | topk | sparseloco
     down: str = "int8"  # broadcast deltas; learners that missed a version get fp32
     error_feedback: bool = False  # on the up direction
     zstd_level: int = 1  # 0 disables the zstd stage
     block: int = 64  # values per float32 scale in the block formats (int8, int4, fp4, 2bit)
     topk_fraction: float = 0.01  # topk: the share of each tensor's values sent, largest magnitudes first
+    chunk: int = 4096  # sparseloco: values per chunk (a power of two), each with its own top-k and scale
+    chunk_k: int = 32  # sparseloco: values kept per chunk
+    ef_decay: float = 1.0  # error feedback: the residual is multiplied by this before it is added (SparseLoCo: 0.95)
 
 
 @dataclass(frozen=True)

@@ -96,10 +96,12 @@ def run_codecs(cfg: TrainConfig) -> Codecs:
     c = cfg.codec
     return Codecs(
         make_codec(c.up, error_feedback=c.error_feedback, zstd_level=c.zstd_level, block=c.block,
-                   topk_fraction=c.topk_fraction),
-        codec_spec(c.up, c.error_feedback, c.zstd_level, block=c.block, topk_fraction=c.topk_fraction),
-        None if c.down == "fp32" else make_codec(c.down, block=c.block, topk_fraction=c.topk_fraction),
-        codec_spec(c.down, block=c.block, topk_fraction=c.topk_fraction))
+                   topk_fraction=c.topk_fraction, chunk=c.chunk, chunk_k=c.chunk_k, ef_decay=c.ef_decay),
+        codec_spec(c.up, c.error_feedback, c.zstd_level, block=c.block, topk_fraction=c.topk_fraction,
+                   chunk=c.chunk, chunk_k=c.chunk_k),
+        None if c.down == "fp32" else make_codec(c.down, block=c.block, topk_fraction=c.topk_fraction,
+                                                 chunk=c.chunk, chunk_k=c.chunk_k),
+        codec_spec(c.down, block=c.block, topk_fraction=c.topk_fraction, chunk=c.chunk, chunk_k=c.chunk_k))
 
 
 def policy(cfg: TrainConfig, wire: Codecs | None = None) -> sync.Policy:

@@ -96,7 +96,7 @@ class SyncerHost:
             log.warning("learner event refused, nothing booked: %s (%s)", why, type(e).__name__)
             return
         if (m, inc) in self.gaps and not isinstance(e, ev.Applied):
-            self.gap_closed(e)
+            self.gap_closed(e, now)
         for at, p, nbytes, codec in getattr(e, "fetched", ()):
             self.bytes = traffic.add_bytes(self.bytes, at, nbytes, "down", m, p, codec)
         for start, end in getattr(e, "stalls", ()):
@@ -196,7 +196,11 @@ class SyncerHost:
                                               "after_step": after_step, "final_step": final_step})
         gap["events"][1] = last  # a second gap before the next step: one stretch of lost steps
 
-    def gap_closed(self, e: ev.Event) -> None:
+    def gap_closed(self, e: ev.Event, now: float) -> None:
+        """The gap of e's incarnation is closed by `e`: its steps are booked lost and, as the
+        learner took them and counts them in its next contribution's c_steps, credited to its
+        claims (a lost_steps input, before e's own step and contributions), so that contribution is
+        not refused as bad_counter (docs/algorithm.md#claims-checked-against-observation)."""
         gap = self.gaps.pop((e.learner, e.incarnation))
         steps, tokens = None, 0
         if isinstance(e, ev.StepDone):
@@ -207,6 +211,8 @@ class SyncerHost:
             tokens = steps * self.setup.spec.batch_size * self.setup.spec.seq_len
         if tokens:
             self.tokens = ledger.lose(self.tokens, e.learner, e.incarnation, tokens)
+        if steps and self.incarnations.get(e.learner) == e.incarnation and e.learner in self.alive:
+            self.deliver(Input("lost_steps", now, (e.learner, steps)))
         self.events_lost.append({"learner": e.learner, "incarnation": e.incarnation, "events": gap["events"],
                                  "after_step": gap["after_step"], "steps": steps, "tokens": tokens})
         log.error("learner %d incarnation %d: events %d to %d were lost; %s", e.learner, e.incarnation,
