@@ -111,6 +111,9 @@ def render_summary(summary: dict[str, Any], title: str) -> str:
         lines.append(("eval loss", text))
     if g("train_loss") is not None and not math.isnan(g("train_loss")):
         lines.append(("train loss", f"{g('train_loss'):.4f} nats/token (last logged)"))
+    scores = [f"{k[len('eval/'):]} {v:.4f}" for k, v in summary.items() if k.startswith("eval/")]
+    if scores:  # run.eval_tasks, the last scores (docs/evaluation.md#during-a-run)
+        lines.append(("tasks", ", ".join(scores)))
     times = []
     if g("clock") == "virtual" and g("clock_s") is not None:
         times.append(f"{g('clock_s'):,.1f} s virtual")

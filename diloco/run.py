@@ -19,7 +19,7 @@ from diloco.config import ConfigError, TrainConfig, legacy, to_dict
 from diloco.config.convert import options_by_path
 from diloco.data import Corpus, assistant_tokens, held_out
 from diloco.data.corpus import val_bytes_per_token
-from diloco.evaluation import bits_per_byte
+from diloco.evaluation import bits_per_byte, during_run
 from diloco.inputs import full_params, load_inputs
 from diloco.model import Model, count_params
 from diloco.runtime import build as build_setup
@@ -31,7 +31,8 @@ from diloco.train.trainer import evaluate, train_dp
 # A resumed run may change how it is watched, never what it computes.
 _RESUMABLE_CHANGES = {("run", "resume"), ("run", "progress"), ("run", "plot"), ("run", "tensorboard"),
                       ("run", "peak_tflops"), ("run", "profile"),
-                      ("run", "memory_check"), ("run", "wandb"), ("run", "wandb_project")}
+                      ("run", "memory_check"), ("run", "wandb"), ("run", "wandb_project"),
+                      ("run", "eval_tasks"), ("run", "eval_tasks_every"), ("run", "eval_limit")}
 # Options naming files or directories: the same on resume if they resolve to the same path, so
 # `runs/a` and `/home/me/runs/a` (what a stopped run's resume line may print) are one directory.
 _PATHS = {("run", "out_dir"), ("data", "paths"), ("data", "eval_paths"), ("data", "data_dir"),
@@ -113,9 +114,10 @@ def prepare_run_dir(cfg: TrainConfig, continuing: bool = False) -> Path:
     return run_dir
 
 
-def global_evaluator(cfg: TrainConfig, corpus: Corpus, model: Model, setup) -> Callable[[dict], float]:
+def global_evaluator(cfg: TrainConfig, corpus: Corpus, model: Model, setup,
+                     tasks: during_run.RunTasks | None = None) -> during_run.Evaluator:
     """Eval loss of a global model given as {path: array}, on learner 0's sub-mesh and the run's
-    fixed validation batches."""
+    fixed validation batches; with `tasks` (run.eval_tasks), its task scores at the steps due."""
     val = held_out(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
                    n=cfg.run.eval_batches)
     compiled = setup.compiled[0]
@@ -124,7 +126,9 @@ def global_evaluator(cfg: TrainConfig, corpus: Corpus, model: Model, setup) -> C
         params = params_of(model, theta_by_path)
         return evaluate(compiled, jax.device_put(params, compiled.state_sharding.params), val)
 
-    return evaluate_global
+    if tasks is None:
+        return during_run.Evaluator(evaluate_global)
+    return during_run.Evaluator(evaluate_global, lambda theta, step: tasks(params_of(model, theta), step))
 
 
 def params_of(model: Model, theta_by_path: dict) -> dict:
@@ -139,13 +143,18 @@ def export_model(run_dir: Path, cfg: TrainConfig, corpus: Corpus, params: dict) 
     A model fine-tuned from model.init_from carries that checkpoint's tokenizer, special tokens and
     chat template, so it chats as the original did."""
     from diloco import hf
+    return hf.save(run_dir / "model", cfg.model, params, run_tokenizer(corpus))
+
+
+def run_tokenizer(corpus: Corpus):
+    """The run's text as a Hugging Face tokenizer (what its exported model carries and its task
+    prompts are encoded with): the checkpoint's, else the run's byte or BPE one; None for synthetic."""
     from diloco.hf.tokenizer import from_parts
 
-    tokenizer = corpus.hf_tokenizer
-    if tokenizer is None:
-        source = corpus.tokenizer.hf if corpus.tokenizer is not None else None
-        tokenizer = None if source is None else from_parts(source, {})
-    return hf.save(run_dir / "model", cfg.model, params, tokenizer)
+    if corpus.hf_tokenizer is not None:
+        return corpus.hf_tokenizer
+    source = corpus.tokenizer.hf if corpus.tokenizer is not None else None
+    return None if source is None else from_parts(source, {})
 
 
 def _final_theta(rt) -> dict:
@@ -161,13 +170,13 @@ def dp_bytes_same_steps(cfg: TrainConfig, params: int) -> float:
 
 
 def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path,
-               full: Callable[[dict], dict] = lambda params: params) -> dict:
+               full: Callable[[dict], dict] = lambda params: params, tasks: during_run.RunTasks | None = None) -> dict:
     """`full`: the full model's params of the trained ones (inputs.full_params: LoRA merges its
-    adapters into the checkpoint), which the export writes."""
+    adapters into the checkpoint), which the export writes; `tasks`: run.eval_tasks' scorer."""
     setup = build_setup.build(cfg, corpus, model)
     # ray: procs' supervisor with Ray's launcher (procs.launcher_for imports Ray only then)
     runtime = {"sim": sim.run, "threads": threads.run, "procs": procs.run, "ray": procs.run}[cfg.runtime.kind]
-    rt, summary = runtime(cfg, setup, run_dir, global_evaluator(cfg, corpus, model, setup))
+    rt, summary = runtime(cfg, setup, run_dir, global_evaluator(cfg, corpus, model, setup, tasks))
     summary["model_dir"] = str(export_model(run_dir, cfg, corpus, full(params_of(model, _final_theta(rt)))))
     # Under LoRA data parallel too would all-reduce the adapters only.
     dp = dp_bytes_same_steps(cfg, count_params(model.params))
@@ -182,7 +191,7 @@ def _from_records(run_dir: Path) -> dict:
     learners of each one's last) and the rejoins."""
     records = report.read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     last = {r.get("learner", 0): r["loss"] for r in records if r.get("kind") == "train" and "loss" in r}
-    out = {"rejoins": sum(r.get("kind") == "rejoin" for r in records)}
+    out = {"rejoins": sum(r.get("kind") == "rejoin" for r in records), **during_run.last_scores(records)}
     if last:
         out["train_loss"] = sum(last.values()) / len(last)
     return out
@@ -248,10 +257,12 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.algo == "diloco":
         build_setup.check_devices(cfg)
     check_memory(cfg, corpus, model, pre)
+    full = lambda params: full_params(inputs, params)  # noqa: E731
+    # Task files are read before the run directory is written; LoRA's scores run on the merged weights.
+    tasks = during_run.run_tasks(cfg, pre.model if cfg.finetune.lora.rank > 0 else model, run_tokenizer(corpus), full)
     run_dir = prepare_run_dir(cfg, continuing)
     if continuing:  # no longer finished: the summary is written again when the new steps are done
         (run_dir / "summary.json").unlink()
-    full = lambda params: full_params(inputs, params)  # noqa: E731
     head = {"corpus": corpus.name, "algo": cfg.algo, "params": count_params(model.params)}
     if cfg.finetune.lora.rank > 0:  # the adapters train and travel; the model is the checkpoint's
         head.update(params=count_params(pre.model.params), adapter_params=count_params(model.params))
@@ -263,10 +274,10 @@ def run(cfg: TrainConfig) -> dict:
     t0 = time.perf_counter()
     if cfg.algo == "diloco":
         summary = {**head, "learners": cfg.runtime.learners, "runtime": cfg.runtime.kind,
-                   **run_diloco(cfg, corpus, model, run_dir, full)}
+                   **run_diloco(cfg, corpus, model, run_dir, full, tasks)}
     else:
         mesh = make_mesh(cfg.mesh, cfg.data.batch_size)
-        state, result = train_dp(cfg, corpus, model, mesh, run_dir)
+        state, result = train_dp(cfg, corpus, model, mesh, run_dir, tasks=tasks)
         summary = {**head, "devices": f"{mesh.devices.size} x {jax.devices()[0].platform}", **result,
                    "model_dir": str(export_model(run_dir, cfg, corpus, full(state.params)))}
     summary.setdefault("wall_s", time.perf_counter() - t0)

@@ -132,6 +132,9 @@ class RunWatch:
         if _num(r.get("eval_loss")):
             self.eval_loss = float(r["eval_loss"])
             self._scalar("eval/loss", self.eval_loss)
+        for key, value in r.items():  # run.eval_tasks' scores, eval/<task>/<metric> (diloco/evaluation/during_run.py)
+            if key.startswith("eval/") and _num(value):
+                self._scalar(key, value)
 
     def _merge(self, r: dict) -> None:
         """The syncer's series, one point per merge (docs/design.md#metrics-series)."""

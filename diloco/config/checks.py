@@ -142,6 +142,12 @@ def run_errors(r: RunConfig) -> list[str]:
         check(e, len(window) == 2 and 0 <= window[0] < window[1] <= r.steps,
               f"run.profile={window} must be [start_step, stop_step] with 0 <= start_step < stop_step <= "
               f"run.steps={r.steps} ([] or null: no trace)")
+    check(e, r.eval_limit >= 0, f"run.eval_limit={r.eval_limit} must be >= 0 (0: every test document)")
+    # Tasks are scored where the eval loss is (docs/evaluation.md#during-a-run).
+    check(e, r.eval_tasks_every == 0 or (r.eval_every > 0 and r.eval_tasks_every > 0
+                                         and r.eval_tasks_every % r.eval_every == 0),
+          f"run.eval_tasks_every={r.eval_tasks_every} must be a multiple of run.eval_every={r.eval_every}: "
+          "tasks are scored at evals (0: at every eval)")
     return e
 
 
@@ -173,6 +179,10 @@ def start_errors(cfg: TrainConfig) -> list[str]:
 
         check(e, importlib.util.find_spec("wandb") is not None,
               "run.wandb=true needs the wandb package: pip install -e .[wandb] (or run.wandb=false)")
+    gone = [p for p in cfg.run.eval_tasks if not Path(p).is_file()]
+    check(e, not gone, f"run.eval_tasks: {', '.join(gone)} not found (working directory {Path.cwd()})")
+    check(e, not (cfg.run.eval_tasks and d.source == "synthetic"),
+          "run.eval_tasks needs text: data.source=synthetic has no tokenizer to encode task prompts with")
     check(e, not (m.init_from and d.source == "synthetic"),
           f"model.init_from={m.init_from!r} with data.source=synthetic: the chain's states are not "
           "the checkpoint's tokens; use data.source=sft, files or shakespeare")

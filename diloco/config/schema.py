@@ -133,6 +133,11 @@ class RunConfig:
     log_every: int = 10  # steps between train records (metrics.jsonl, TensorBoard, the status line)
     eval_every: int = 50  # steps between evals of the (global) model on the validation split
     eval_batches: int = 8  # validation batches per eval
+    # downstream task files (lm-eval .yaml, BIG-bench .json, as scripts/evaluate.py tasks=[...]) scored
+    # on the global model beside the eval loss, and on the base model at step 0 (docs/evaluation.md#during-a-run)
+    eval_tasks: tuple[str, ...] = ()
+    eval_tasks_every: int = 0  # steps between task scores, a multiple of run.eval_every; 0 = at every eval
+    eval_limit: int = 100  # test documents scored per task each time (the first ones); 0 = all
     # trainer: steps between checkpoints; sim: inner steps per learner between snapshots; procs:
     # merges between syncer checkpoints (0 = none, and then a killed syncer fails the run)
     checkpoint_every: int = 100

@@ -135,8 +135,11 @@ def evaluate(compiled: Compiled, params: dict, batches: list) -> float:
 
 
 def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir: Path,
-             stop: Callable[[int], bool] = lambda step: False) -> tuple[TrainState, dict]:
+             stop: Callable[[int], bool] = lambda step: False,
+             tasks: Callable[[dict, int], dict] | None = None) -> tuple[TrainState, dict]:
     """Train with data parallelism over `mesh`; returns the final state and a summary dict.
+    `tasks(params, step)`: run.eval_tasks' scores due at a step (diloco/evaluation/during_run.py),
+    written into the eval records, the base model's at step 0.
 
     `stop(step)` is asked after every step; when it says yes (preemption, a signal, a test that
     simulates a crash) the state is checkpointed and the run ends early, to be resumed later.
@@ -164,7 +167,7 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir
             if found is not None:
                 start, state, meta = found
                 tokens = int(meta.get("tokens", start * data.batch_size * data.seq_len))
-        state, summary = _loop(cfg, corpus, compiled, state, start, tokens, val, saves, writer, stop, trace)
+        state, summary = _loop(cfg, corpus, compiled, state, start, tokens, val, saves, writer, stop, trace, tasks)
         saves.settle(fatal=False)
         writer.summary(summary)
         return state, summary
@@ -174,7 +177,7 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir
         saves.close()
 
 
-def _loop(cfg, corpus, compiled, state, start, tokens, val, saves, writer, stop, trace):
+def _loop(cfg, corpus, compiled, state, start, tokens, val, saves, writer, stop, trace, tasks=None):
     """`tokens`: trained tokens (positions) before `start`, counted on from there into the
     records, checkpoints and the summary; fine-tuning adds its assistant tokens beside them
     (docs/design.md#fine-tuning). `trace` (train/profile.py) is told the steps done before each
@@ -185,6 +188,9 @@ def _loop(cfg, corpus, compiled, state, start, tokens, val, saves, writer, stop,
     bar = report.progress(run.steps, start, run.progress)
     t0 = t_log = time.perf_counter()
     compile_s, last, eval_loss, since_log, after_compile = None, {}, float("nan"), 0, 0
+    if tasks is not None and start == 0:
+        writer.write({"kind": "eval", "step": 0, "tokens": 0, "eval_loss": evaluate(compiled, state.params, val),
+                      **tasks(state.params, 0)})
     for step in range(start + 1, run.steps + 1):
         batch = train_batch(corpus.train, seed=run.seed, learner=0, num_learners=1, step=step - 1,
                             batch_size=data.batch_size, seq_len=data.seq_len)
@@ -209,7 +215,8 @@ def _loop(cfg, corpus, compiled, state, start, tokens, val, saves, writer, stop,
             bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{tok_s:,.0f}", **_device_rate(record))
         if report.due(step, run.eval_every, run.steps):
             eval_loss = evaluate(compiled, state.params, val)
-            writer.write({"kind": "eval", "step": step, "tokens": tokens, "eval_loss": eval_loss})
+            writer.write({"kind": "eval", "step": step, "tokens": tokens, "eval_loss": eval_loss,
+                          **(tasks(state.params, step) if tasks is not None else {})})
         stopping = stop(step)
         # checkpoint_every=0 saves none, not even the last step's (a stop still saves, to resume from)
         if stopping or (run.checkpoint_every > 0 and report.due(step, run.checkpoint_every, run.steps)):

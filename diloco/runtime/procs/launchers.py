@@ -17,6 +17,7 @@ from typing import Callable
 from diloco import report
 from diloco import watch as run_watch
 from diloco.config import TrainConfig
+from diloco.evaluation import during_run
 from diloco.runtime.build import Setup
 from diloco.runtime.interfaces import Launcher
 from diloco.runtime.procs.launch import Local
@@ -54,6 +55,8 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
             stack.callback(writer.close)
         run_tape(cfg, run_dir)  # for the record: every learner process derives the same tape
         rt = Procs(cfg, setup, run_dir, evaluate, writer, url, launcher, str(root / "xla_cache"))
+        if not cfg.run.resume and during_run.scores_tasks(evaluate):  # the base model's task scores
+            rt.record_eval(0.0, 0, {path: x for frag in setup.theta0 for path, x in frag.items()}, 0, 0)
         summary = rt.run()
         if evaluate is not None:
             rt.record_eval(rt.finished["time"], rt.finished["steps"]["0"], rt.theta, rt.finished["processed0"],

@@ -35,6 +35,7 @@ from typing import Callable
 from diloco import report
 from diloco import store as bs
 from diloco.config import ConfigError, TrainConfig, to_dict
+from diloco.evaluation import during_run
 from diloco.runtime.interfaces import Child, Launcher, RunSpec
 from diloco.runtime.procs.child import EXIT_DOWN, PREFIXES, buried, died, keep_secret, note_ignored
 from diloco.runtime.procs import theta0
@@ -373,7 +374,7 @@ class Procs:
         loss = self.evaluate(theta)
         self.evals.append((t, step, loss))
         self._write({"kind": "eval", "step": step, "time": t, "tokens": tokens, "eval_loss": loss,
-                     "merges": merges})
+                     "merges": merges, **during_run.fields(self.evaluate, theta, step)})
 
     def _write(self, record: dict) -> None:
         if self.writer is not None:

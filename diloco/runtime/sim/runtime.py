@@ -34,6 +34,7 @@ from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
 from diloco.chaos import tapes
 from diloco.config import TrainConfig
+from diloco.evaluation import during_run
 from diloco.runtime import events as ev
 from diloco.algo.eventlog import LedgerError
 from diloco.runtime import keepup
@@ -99,7 +100,10 @@ class Sim(HostedRuntime):
         heapq.heappush(self.heap, (t, self.order, kind, data))
 
     def run(self, snapshots=None, stop: Callable[["Sim"], bool] | None = None) -> dict | None:
-        """From the start: wake every learner, queue the tape, then `loop`."""
+        """From the start: the base model's task scores at step 0 (run.eval_tasks), wake every
+        learner, queue the tape, then `loop`."""
+        if during_run.scores_tasks(self.evaluate) and self.units[0] is not None:
+            self._eval(0.0)
         for m in range(self.M):
             if self.alive[m]:
                 self._wake(m, 0.0)
@@ -312,13 +316,15 @@ class Sim(HostedRuntime):
 
     # --- outputs ------------------------------------------------------------------------------
     def _eval(self, t: float) -> None:
-        loss = self.evaluate(sync.theta(self.syncer))
+        theta = sync.theta(self.syncer)
+        loss = self.evaluate(theta)
         step = self.units[0].ls.step
         self.evals.append((t, step, loss))
+        scores = during_run.fields(self.evaluate, theta, step)  # run.eval_tasks, when due
         if self.writer is not None:
             tokens = int(self.tokens.processed[0])
             self.writer.write({"kind": "eval", "step": step, "time": t, "tokens": tokens,
-                               "eval_loss": loss, "merges": self.syncer.merges})
+                               "eval_loss": loss, "merges": self.syncer.merges, **scores})
 
     def summary(self) -> dict:
         return self.host.summary(clock="virtual", end=self.now, window=self.cfg.runtime.step_time, tape=self.tape)

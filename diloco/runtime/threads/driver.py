@@ -11,6 +11,7 @@ from typing import Callable
 from diloco import watch as run_watch
 from diloco.algo import syncer as sync
 from diloco.config import TrainConfig
+from diloco.evaluation import during_run
 from diloco.runtime.build import Setup
 from diloco.runtime.runlog import close_run, learner_rates, run_outputs, write_decisions
 from diloco.runtime.stop import RunStopped
@@ -41,6 +42,8 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
                          None if run_dir is None else run_dir / "learners", run_tape(cfg, run_dir),
                          syncer_ckpts=ckpts, restored=found, run_dir=run_dir)
             start = int(rt.tokens.processed[0])  # a resumed run's, from its checkpoint
+            if found is None and during_run.scores_tasks(evaluate):  # the base model's task scores
+                rt._eval(0.0, 0, sync.theta(rt.syncer), 0, 0)
             try:
                 summary = rt.run()  # every thread has been joined when it returns or raises
             except RunStopped:

@@ -43,6 +43,7 @@ from diloco.algo import syncer as sync
 from diloco.algo.replay import Input
 from diloco.chaos import tapes
 from diloco.config import TrainConfig
+from diloco.evaluation import during_run
 from diloco.runtime import events as ev
 from diloco.runtime.crew import Crew, Stopped
 from diloco.runtime import keepup
@@ -370,7 +371,7 @@ class Threads(StopAndResume, HostedRuntime):
         loss = self.evaluate(theta)
         self.evals.append((t, step, loss))
         self._write({"kind": "eval", "step": step, "time": t, "tokens": tokens,
-                           "eval_loss": loss, "merges": merges})
+                     "eval_loss": loss, "merges": merges, **during_run.fields(self.evaluate, theta, step)})
 
     def summary(self) -> dict:
         # Peak rates over windows of one (slowest measured) step, as sim uses its modelled step time.
