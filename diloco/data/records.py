@@ -75,8 +75,10 @@ class Lines:
 
 
 class ParquetFile:
-    """One Parquet file's rows, by index, of the columns a run reads; a row group is decoded once
-    and kept while reads stay inside it (reads are block-local: docs/data.md#shuffling)."""
+    """One Parquet file's rows, by index, of the columns a run reads; the last GROUPS_KEPT row
+    groups decoded are kept, as a shuffle block's reads stay among a few (docs/data.md#shuffling)."""
+
+    GROUPS_KEPT = 8
 
     def __init__(self, path: Path, columns: tuple[str, ...]):
         import pyarrow.parquet as pq
@@ -94,22 +96,24 @@ class ParquetFile:
                             "(or data.chat_field) to one of them")
         sizes = [self._file.metadata.row_group(g).num_rows for g in range(self._file.num_row_groups)]
         self.group_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self._group, self._rows = -1, None
+        self._groups: dict[int, dict] = {}  # row group -> its columns as lists, oldest first
 
     def __len__(self) -> int:
         return int(self.group_starts[-1])
 
     def row(self, i: int) -> dict:
         g = int(np.searchsorted(self.group_starts, i, side="right") - 1)
-        if g != self._group:
+        if g not in self._groups:
             try:
                 table = self._file.read_row_group(g, columns=list(self.columns))
             except Exception as e:  # noqa: BLE001
                 raise DataError(f"{self.path}: row group {g} cannot be read ({type(e).__name__}: {e}); "
                                 "rewrite the file or drop it from data.paths") from None
-            self._group, self._rows = g, table.to_pydict()
-        k = i - int(self.group_starts[g])
-        return {c: self._rows[c][k] for c in self.columns}
+            if len(self._groups) >= self.GROUPS_KEPT:
+                del self._groups[next(iter(self._groups))]
+            self._groups[g] = table.to_pydict()
+        rows, k = self._groups[g], i - int(self.group_starts[g])
+        return {c: rows[c][k] for c in self.columns}
 
     def __getstate__(self):
         return {"path": self.path, "columns": self.columns}
@@ -119,12 +123,17 @@ class ParquetFile:
 
 
 class ArrayRecordFile:
-    """One ArrayRecord file's records (bytes), by index."""
+    """One ArrayRecord file's records (bytes), by index, read CHUNK at a time: a lone random read
+    decompresses the record's whole group, so its neighbours are kept for the reads that follow
+    (a shuffle block's reads stay among a few chunks: docs/data.md#shuffling)."""
+
+    CHUNK, CHUNKS_KEPT = 64, 64
 
     def __init__(self, path: Path):
         from array_record.python.array_record_module import ArrayRecordReader
 
         self.path = path
+        self._chunks: dict[int, list[bytes]] = {}  # oldest first
         try:
             self._reader = ArrayRecordReader(str(path), "readahead_buffer_size:0")
             self._n = self._reader.num_records()
@@ -136,7 +145,16 @@ class ArrayRecordFile:
         return self._n
 
     def record(self, i: int) -> bytes:
-        return self._reader.read([i])[0]
+        c = i // self.CHUNK
+        if c not in self._chunks:
+            if len(self._chunks) >= self.CHUNKS_KEPT:
+                del self._chunks[next(iter(self._chunks))]
+            try:
+                self._chunks[c] = self._reader.read(list(range(c * self.CHUNK, min(self._n, (c + 1) * self.CHUNK))))
+            except Exception as e:  # noqa: BLE001 - a damaged chunk
+                raise DataError(f"{self.path}: records {c * self.CHUNK}.. cannot be read ({type(e).__name__}: "
+                                f"{e}); rewrite the file or drop it from data.paths") from None
+        return self._chunks[c][i - c * self.CHUNK]
 
     def __getstate__(self):
         return {"path": self.path}

@@ -20,7 +20,7 @@ from diloco.data.records import FileSet
 
 log = logging.getLogger(__name__)
 
-SHUFFLE_BLOCK = 4096  # records of a learner's shard shuffled together: reads stay near each other
+SHUFFLE_BLOCK = 1024  # records of a learner's shard shuffled together: reads stay near each other
 EPOCHS = 1 << 20  # the stream repeats its shard, reshuffled each pass; enough passes for any run
 KEEP_STATES = 8  # iterator states a feed keeps of the steps it made last (besides restored ones)
 
