@@ -234,7 +234,7 @@ def test_rejoin_view_falls_back_from_a_missing_or_corrupt_newest_full_copy(small
     _, values = _at_version(setup, 0, 1)
     assert all((view.fragments[0].refs[-1][1][k] == values[k]).all() for k in values)
     assert skipped == {"full": 1} and "version 2" in caplog.text
-    assert [p for p, _ in fetched] == [0, 0]  # the corrupt copy's bytes flowed too
+    assert [p for p, _ in fetched] == [0]  # sealed: the corrupt copy is refused unread, not booked as the run's
 
 
 def test_rejoin_view_gives_up_on_a_fragment_after_its_timeout_and_says_so(small, caplog):

@@ -288,3 +288,39 @@ def test_what_the_learners_and_the_supervisor_ignored_reaches_the_summary(monkey
     assert more == 3 and "x" not in seen and child.ignored_name(1, 0) in own
     assert intake.ignored_summary(seen, more) == {"store_objects_ignored": 10, "ignored_events": 3,
                                                   "ignored_controls": 7}
+
+
+def test_a_pointer_is_rebuilt_only_from_full_copies_the_syncer_sealed(caplog):
+    """Without a readable pointer the syncer rebuilds it from the full copies the store lists: a
+    forger's full copy at version 999 made its next publish raise. Broadcasts are sealed under the
+    runtime's key now, so a forged copy is neither taken by the rebuild nor applied by a learner."""
+    store, full = bs.BlobStore("memory://"), b"full copy"
+    bs.publish(store, 0, 1, b"delta", full, (), 1, SECRET)
+    assert bs.fetch_fragment(store, 0, 1, True, None, SECRET) == full
+    assert bs.fetch_fragment(store, 0, 1, False, None, SECRET) == b"delta"
+    store.put(bs.broadcast_key(0, 999, "full"), full)  # unsealed, ahead of the syncer's versions
+    store.put(bs.broadcast_key(0, 1, "delta"), b"forged")  # over a real one
+    with pytest.raises(ValueError, match="unauthenticated"):
+        bs.fetch_fragment(store, 0, 1, False, None, SECRET)
+    store.delete(bs.LATEST)  # a learner follows only a sealed pointer; the syncer must rebuild it
+    store.put(bs.LATEST, b"junk")
+    with caplog.at_level(logging.ERROR):
+        assert bs.latest_or_rebuilt(store, 1, SECRET)[0].version == 1
+        pointer = bs.publish(store, 0, 2, None, full, (), 1, SECRET)
+    assert pointer[0].version == 2 and "not the syncer's" in caplog.text
+
+
+def test_a_restarted_syncer_keeps_its_clock_past_a_forged_start_and_the_syncer_keeps_start_in_place(
+        syncer, tmp_path):  # noqa: F811
+    """A forged ctl/start is ignored, and a restarted syncer started a new clock while its learners
+    kept theirs; now it takes the clock it recorded beside its journal. A real ctl/start written
+    over held back every learner that started later; the syncer now writes it again."""
+    store, rt, _ = syncer
+    rt.recovery.enabled, rt.recovery.run_dir, rt.restart = True, tmp_path, True
+    rt.recovery.keep_clock(1234.5)
+    store.put(bs.ctl_key("start"), b'{"t0": 99.0}')  # forged
+    rt._start_clock()
+    assert rt.t0 == 1234.5 and bs.read_control(store, "start", rt.secret) == {"t0": 1234.5}
+    store.put(bs.ctl_key("start"), b'{"t0": 99.0}')
+    rt._keep_controls()
+    assert bs.read_control(store, "start", rt.secret) == {"t0": 1234.5}

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from diloco.algo import auth, messages
 from diloco.store.blobstore import BlobStore, TooLarge
-from diloco.store.control import put_sealed, read_sealed
+from diloco.store.control import opened, put_sealed, read_sealed
 from diloco.store.json_objects import is_count
 from diloco.store.keys import (DOWN, LATEST, UP, Key, ack_key, broadcast_key, contribution_key,
                                parse_contribution_key)
@@ -155,15 +155,27 @@ def latest(store: BlobStore, fragments: int | None = None, secret: auth.Secret |
     return {} if obj is None else parse_pointer(obj, fragments, f"{store.url} {LATEST}")
 
 
-def _rebuilt(store: BlobStore, fragments: int | None) -> dict[int, Published]:
-    """A pointer from what the store lists: per fragment, the newest version with a full copy."""
-    out: dict[int, Published] = {}
+def _rebuilt(store: BlobStore, fragments: int | None, secret: auth.Secret | None) -> dict[int, Published]:
+    """A pointer from what the store lists: per fragment, the newest version with a full copy that,
+    with the run `secret`, is sealed under the runtime's key (read to check it: a forger's full
+    copies written ahead of the syncer's versions would otherwise make its next publish raise)."""
     keys = set(store.list("down/"))
-    for key in sorted(keys):
+    listed: dict[int, list[int]] = {}
+    for key in keys:
         m = DOWN.match(key)
         if m and m[3] == "full" and (fragments is None or int(m[1]) < fragments):
-            p, v = int(m[1]), int(m[2])
+            listed.setdefault(int(m[1]), []).append(int(m[2]))
+    out: dict[int, Published] = {}
+    for p, versions in sorted(listed.items()):
+        for v in sorted(versions, reverse=True):
+            try:
+                if secret is not None and get_broadcast(store, broadcast_key(p, v, "full"), None, secret) is None:
+                    continue  # collected since the listing
+            except ValueError as e:
+                log.error("pointer rebuild: %s is not the syncer's (%s); not taken", broadcast_key(p, v, "full"), e)
+                continue
             out[p] = Published(v, broadcast_key(p, v, "delta") in keys, ())
+            break
     return out
 
 
@@ -174,7 +186,7 @@ def latest_or_rebuilt(store: BlobStore, fragments: int | None = None,
     try:
         return latest(store, fragments, secret)
     except ValueError as e:
-        pointer = _rebuilt(store, fragments)
+        pointer = _rebuilt(store, fragments, secret)
         log.error("rebuilding a malformed pointer from the store's full copies (%s): %s",
                   {p: e.version for p, e in pointer.items()}, e)
         return pointer
@@ -196,11 +208,15 @@ def publish(store: BlobStore, fragment: int, version: int, delta_frame: bytes | 
     if fragment in pointer and version <= pointer[fragment].version:
         raise ValueError(f"fragment {fragment}: version {version} is not newer than the published "
                          f"{pointer[fragment].version}; objects are never overwritten")
+    def put(kind: str, frame: bytes) -> None:  # sealed under the runtime's key (diloco/algo/auth.py)
+        key = broadcast_key(fragment, version, kind)
+        store.put(key, frame if secret is None else auth.seal(secret.runtime_key(), key, frame))
+
     if delta_frame is not None:
-        store.put(broadcast_key(fragment, version, "delta"), delta_frame)
+        put("delta", delta_frame)
     else:
         store.delete(broadcast_key(fragment, version, "delta"))
-    store.put(broadcast_key(fragment, version, "full"), full_frame)
+    put("full", full_frame)
     merged = tuple(sorted({tuple(int(x) for x in k) for k in merged_keys}))
     pointer[fragment] = Published(version, delta_frame is not None, merged)
     obj = {"fragments": {str(p): {"version": e.version, "delta": e.has_delta, "merged": [list(k) for k in e.merged]}
@@ -209,12 +225,20 @@ def publish(store: BlobStore, fragment: int, version: int, delta_frame: bytes | 
     return pointer
 
 
+def get_broadcast(store: BlobStore, key: str, max_bytes: int | None, secret: auth.Secret | None) -> bytes | None:
+    """The frame of broadcast object `key`; None if absent; TooLarge, unread, if its frame would be
+    over `max_bytes`; ValueError if, with the run `secret` (runtime.auth), it is not sealed under
+    the runtime's key (forged, damaged, or moved from another key)."""
+    raw = store.get(key, None if max_bytes is None else max_bytes + auth.MAC_HEX + 1)
+    return None if raw is None else opened(raw, key, _runtime(secret))
+
+
 def fetch_fragment(store: BlobStore, fragment: int, version: int, want_full: bool,
-                   max_bytes: int | None = None) -> bytes | None:
+                   max_bytes: int | None = None, secret: auth.Secret | None = None) -> bytes | None:
     """The full copy or the delta of one published version; None if absent (no delta was
     published, or gc removed it: a learner then falls back to the latest full copy); TooLarge,
-    unread, if over `max_bytes`."""
-    return store.get(broadcast_key(fragment, version, "full" if want_full else "delta"), max_bytes)
+    unread, if over `max_bytes`; ValueError if not sealed under the run `secret`'s runtime key."""
+    return get_broadcast(store, broadcast_key(fragment, version, "full" if want_full else "delta"), max_bytes, secret)
 
 
 def full_versions(store: BlobStore, fragment: int) -> list[int]:

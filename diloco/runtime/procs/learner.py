@@ -191,11 +191,22 @@ class ProcLearner:
         the step the predecessor stopped at, the least step to resume at)."""
         m = self.m
         secret, ignored = self.setup.policy.auth, self.ignored  # control objects sealed (diloco/store/control.py)
-        bs.write_control(self.store, f"ready/{m:04d}", {"incarnation": self.inc}, secret, learner=m)
+        ready, kept = {"incarnation": self.inc}, [0.0]
+        bs.write_control(self.store, f"ready/{m:04d}", ready, secret, learner=m)
         stopping = lambda: self.terminating  # noqa: E731 - SIGTERM while waiting: nothing to save yet
-        # One that is forged or malformed is ignored and read again: the syncer's lands on its key.
-        started = wait_for(lambda: bs.read_trusted(self.store, "start", secret, ignored, {"t0": (int, float)}),
-                           self.parent, stopping)
+
+        def start():
+            """ctl/start; one forged or malformed is ignored and read again: the syncer's lands on
+            its key. Once a second, its readiness written again if it no longer reads back (the
+            syncer waits for it)."""
+            found = bs.read_trusted(self.store, "start", secret, ignored, {"t0": (int, float)})
+            if found is None and time.monotonic() - kept[0] >= 1.0:
+                kept[0] = time.monotonic()
+                if bs.read_trusted(self.store, f"ready/{m:04d}", secret, ignored) != ready:
+                    bs.write_control(self.store, f"ready/{m:04d}", ready, secret, learner=m)
+            return found
+
+        started = wait_for(start, self.parent, stopping)
         if started is None:
             return {"go": False, "t0": self.t0, "stop": self.terminating, "rejoin": None}
         self.t0 = started["t0"]
@@ -338,9 +349,12 @@ class ProcLearner:
             if key in self.bad:
                 continue
             try:
-                frame = self.store.get(key, self.max_frame)
+                frame = bs.get_broadcast(self.store, key, self.max_frame, self.setup.policy.auth)
             except bs.TooLarge as e:
                 frame, why = None, str(e)
+            except ValueError as e:  # not the syncer's: a learner never applies it
+                frame, why = None, str(e)
+                self.ignored.setdefault(key, why[:200])
             else:
                 if frame is None:  # collected by gc, or no delta was published
                     continue

@@ -71,8 +71,8 @@ def store_view(store: bs.BlobStore, setup: Setup, timeout_s: float = VIEW_TIMEOU
                 if v in tried:
                     continue
                 try:
-                    frame = bs.fetch_fragment(store, p, v, True, limit)
-                except bs.TooLarge as e:
+                    frame = bs.fetch_fragment(store, p, v, True, limit, setup.policy.auth)
+                except (bs.TooLarge, ValueError) as e:  # too large, or not sealed by the syncer
                     frame, why = None, str(e)
                 else:
                     if frame is None:

@@ -39,6 +39,9 @@ from diloco.runtime.syncer_ckpt import SYNCER_DIR, SyncerCheckpoints, host_in, h
 from diloco.runtime.runlog import InputLog
 
 JOURNAL, INPUTS, CHECKPOINTS = "syncer_journal.jsonl", "syncer_inputs.bin", SYNCER_DIR
+# The run's clock (t0) as the syncer started it, beside its journal: a restarted syncer whose
+# ctl/start is gone or forged keeps its learners' clock (docs/design.md#damage-in-the-store).
+CLOCK = "syncer_clock.json"
 
 
 class Journal:
@@ -190,6 +193,21 @@ class Recovery:
         if self.pending is not None and (self.run_dir / CHECKPOINTS / str(self.pending[0])).is_dir():
             self.covers[self.pending[0]] = self.pending[1]
             self.pending = None
+
+    def keep_clock(self, t0: float) -> None:
+        """Record the run's clock beside the journal (written whole: a temporary file renamed)."""
+        if self.enabled:
+            tmp = self.run_dir / f"{CLOCK}.tmp"
+            tmp.write_text(json.dumps({"t0": t0}))
+            tmp.replace(self.run_dir / CLOCK)
+
+    def kept_clock(self) -> float | None:
+        """The clock keep_clock recorded, None if none (or it is unreadable)."""
+        try:
+            t0 = json.loads((self.run_dir / CLOCK).read_text())["t0"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return float(t0) if self.enabled and type(t0) in (int, float) else None
 
     def close(self, rt) -> None:
         for f in (rt.host.inputs, self.journal):

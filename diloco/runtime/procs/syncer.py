@@ -120,6 +120,7 @@ class ProcSyncer(HostedRuntime):
         # forger's object is never taken as truth, and never blocks the real one landing on its key.
         self.ignored: dict[str, str] = {}
         self.secret = s.policy.auth
+        self.burials: dict[tuple[int, int], dict] = {}  # written, until the successor's first event (_keep_controls)
 
     def clock(self) -> float:
         return time.time() - self.t0
@@ -146,6 +147,7 @@ class ProcSyncer(HostedRuntime):
                 if len(self.host.done) == self.M and not self.deadlines:
                     break  # `done` is each learner's last event, so everything has been booked
                 if now - last_gc >= GC_EVERY:
+                    self._keep_controls()
                     self.collect()
                     last_gc = now
                 poller.wait(any(active))
@@ -163,14 +165,33 @@ class ProcSyncer(HostedRuntime):
         started = bs.read_trusted(self.store, "start", self.secret, self.ignored, {"t0": (int, float)})
         if started is not None:
             self.t0 = started["t0"]
+            self.recovery.keep_clock(self.t0)
+            return
+        kept = self.recovery.kept_clock() if self.restart and self.resume is None else None
+        if kept is not None:  # its ctl/start gone or forged: the clock its learners run on, from its own record
+            self.t0 = kept
+            bs.write_control(self.store, "start", {"t0": self.t0}, self.secret)
             return
         waiting = range(self.M) if self.resume is None else self.resume["learners"]
         ready = bs.Poller(POLL_MIN, POLL_MAX, stop=lambda: self.stopping or os.getppid() != self.parent)
         ready.until(lambda: all(bs.read_trusted(self.store, f"ready/{m:04d}", self.secret, self.ignored,
                                                 {"incarnation": int}) for m in waiting))
         self.t0 = time.time() - (0.0 if self.resume is None else self.resume["at"])
+        self.recovery.keep_clock(self.t0)
         if not self.stopping:
             bs.write_control(self.store, "start", {"t0": self.t0}, self.secret)
+
+    def _keep_controls(self) -> None:
+        """Write ctl/start, and the burial each successor still waits for, again if it no longer
+        reads back as written (damaged, or a forger's written over it): a learner that starts
+        later waits for them, and would wait forever."""
+        kept = {"start": {"t0": self.t0}, **{buried(m, inc): rec for (m, inc), rec in self.burials.items()
+                                              if self.current[m] == inc + 1 and self.cursor[m] == 0}}
+        self.burials = {k: v for k, v in self.burials.items() if buried(*k) in kept}
+        for name, record in kept.items():
+            if bs.read_trusted(self.store, name, self.secret, self.ignored) != record:
+                log.error("ctl/%s in the store is not the one written; writing it again", name)
+                bs.write_control(self.store, name, record, self.secret)
 
     # --- the loop's entries (diloco/runtime/procs/recovery.py) ---------------------------------
     def _do(self, entry: dict, raw: bytes | None = None) -> None:
@@ -322,7 +343,8 @@ class ProcSyncer(HostedRuntime):
         self.died_at[m] = at
         self.current[m], self.cursor[m] = inc + 1, 0
         self.graves.add((m, inc))  # its objects go once a checkpoint covers this (collect)
-        bs.write_control(self.store, buried(m, inc), {"step": self.steps[m], "done": m in self.host.done}, self.secret)
+        self.burials[(m, inc)] = {"step": self.steps[m], "done": m in self.host.done}
+        bs.write_control(self.store, buried(m, inc), self.burials[(m, inc)], self.secret)
 
     def _arm(self, p: int, at: float) -> None:
         heapq.heappush(self.deadlines, (at, self.order, p))
