@@ -97,9 +97,9 @@ def _grain_corpus(cfg: DataConfig, tokenizer: Any, seed: int) -> Corpus:
     trained BPE is cached."""
     from diloco.data import grain_corpus  # pyarrow and array_record load only for data=grain
 
-    train, val, vocab, tok, unigram = grain_corpus.load(cfg, tokenizer, seed)
+    train, val, vocab, tok, sample = grain_corpus.load(cfg, tokenizer, seed)
     return Corpus(name="grain", train=train, val=val, vocab_size=vocab, tokenizer=tok, entropy_floor=None,
-                  hf_tokenizer=tokenizer, unigram_loss=unigram)
+                  hf_tokenizer=tokenizer, unigram_loss=unigram_loss(sample, sft.trained_ids(val), vocab))
 
 
 def _cache_key(cfg: DataConfig, files: list[Path], tokenizer: Any = None) -> tuple[str, dict]:

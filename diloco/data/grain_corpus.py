@@ -41,8 +41,9 @@ def local_paths(patterns: tuple[str, ...]) -> list[Path]:
 
 
 def load(cfg, checkpoint_tok: Any, seed: int = 0):
-    """(train: GrainTrain, val: sft.Rows, vocab_size, tokenizer, unigram_loss) of data=grain.
-    seed: run.seed, which orders the stream."""
+    """(train: GrainTrain, val: sft.Rows, vocab_size, tokenizer, sample) of data=grain: sample is
+    the trained ids of the leading train records, for the unigram baseline. seed: run.seed, which
+    orders the stream."""
     if not cfg.paths:  # the preset composes without them; the command line names them
         raise DataError("data.source=grain needs data.paths: files or globs (docs/data.md)")
     files = local_paths(cfg.paths)
@@ -80,8 +81,8 @@ def load(cfg, checkpoint_tok: Any, seed: int = 0):
     val, _ = sft.pack(val_examples, cfg.seq_len, "truncate")
     sample = [ex.ids[1:][ex.mask[1:]] for i in range(min(n - n_val, UNIGRAM_RECORDS))
               for ex in [document(recipe, i)] if ex is not None]
-    unigram = _unigram(np.concatenate(sample) if sample else np.zeros(0, np.int32), sft.trained_ids(val), vocab)
-    return GrainTrain(recipe), val, vocab, tokenizer, unigram
+    sample = np.concatenate(sample) if sample else np.zeros(0, np.int32)
+    return GrainTrain(recipe), val, vocab, tokenizer, sample
 
 
 def _probe(recipe: Recipe) -> None:
@@ -91,12 +92,6 @@ def _probe(recipe: Recipe) -> None:
     for f in range(len(fs.files)):
         for i in range(int(fs.starts[f]), min(int(fs.starts[f + 1]), int(fs.starts[f]) + PROBE)):
             document(recipe, i)
-
-
-def _unigram(train: np.ndarray, val: np.ndarray, vocab: int) -> float:
-    from diloco.data.corpus import unigram_loss
-
-    return unigram_loss(train, val, vocab) if len(val) else float("nan")
 
 
 def _bpe(cfg, fileset: FileSet, files: list[Path], n_train: int):
