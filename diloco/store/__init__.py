@@ -6,7 +6,7 @@ only diloco.algo; callers use the names below (`from diloco import store as bs`)
 """
 
 from diloco.store.blobstore import BlobStore, TooLarge
-from diloco.store.control import learner_of, list_control, read_control, read_trusted, write_control
+from diloco.store.control import keep_control, learner_of, list_control, read_control, read_trusted, write_control
 from diloco.store.exchange import (OVERSIZED, Published, fetch_fragment, full_versions, gc, get_broadcast, get_frame, latest,
                                    latest_or_rebuilt, parse_pointer, poll_contributions, publish, read_ack,
                                    send_contribution, write_ack)
@@ -18,7 +18,7 @@ from diloco.store.poller import Poller
 
 __all__ = ["LATEST", "MAX_COUNT", "MAX_JSON_BYTES", "OVERSIZED", "BlobStore", "Key", "Poller",
            "Published", "StoreUnavailable", "TooLarge", "ack_key", "broadcast_key", "contribution_key", "ctl_key",
-           "fetch_fragment", "full_versions", "gc", "get_broadcast", "get_frame", "is_count", "latest", "learner_of", "latest_or_rebuilt",
+           "fetch_fragment", "full_versions", "gc", "get_broadcast", "get_frame", "is_count", "keep_control", "latest", "learner_of", "latest_or_rebuilt",
            "list_control", "loads_object", "parse_contribution_key", "parse_pointer", "poll_contributions",
            "publish", "read_ack", "read_control", "read_json", "read_trusted", "send_contribution", "theta0_key", "write_ack",
            "write_control"]

@@ -118,6 +118,18 @@ def read_trusted(store: BlobStore, name: str, secret: auth.Secret | None, ignore
         return None
 
 
+def keep_control(store: BlobStore, name: str, obj: Any, secret: auth.Secret | None, ignored: dict | None = None,
+                 learner: int | None = None) -> bool:
+    """Write control object `name` again if it no longer reads back as `obj` (damaged, or a forger's
+    written over it), as its writer does for every object another process waits for: whether it
+    was written (docs/design.md#damage-in-the-store)."""
+    if read_trusted(store, name, secret, ignored) == obj:
+        return False
+    log.error("ctl/%s in the store is not the one written; writing it again", name)
+    write_control(store, name, obj, secret, learner)
+    return True
+
+
 def list_control(store: BlobStore, prefix: str = "") -> list[str]:
     """Names (without "ctl/") of the control objects under `prefix`, sorted."""
     return [k[len("ctl/"):] for k in store.list(f"ctl/{prefix}")]

@@ -202,8 +202,7 @@ class ProcLearner:
             found = bs.read_trusted(self.store, "start", secret, ignored, {"t0": (int, float)})
             if found is None and time.monotonic() - kept[0] >= 1.0:
                 kept[0] = time.monotonic()
-                if bs.read_trusted(self.store, f"ready/{m:04d}", secret, ignored) != ready:
-                    bs.write_control(self.store, f"ready/{m:04d}", ready, secret, learner=m)
+                bs.keep_control(self.store, f"ready/{m:04d}", ready, secret, ignored, m)
             return found
 
         started = wait_for(start, self.parent, stopping)

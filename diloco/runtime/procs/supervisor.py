@@ -314,10 +314,8 @@ class Procs:
         for (m, inc), notice in list(self.notices.items()):
             if bs.read_trusted(self.store, buried(m, inc), self.secret, self.ignored) is not None:
                 del self.notices[(m, inc)]
-            elif bs.read_trusted(self.store, died(m, inc), self.secret, self.ignored) != notice:
-                log.error("learner %d incarnation %d: its exit notice in the store is not the one written; "
-                          "writing it again", m, inc)
-                bs.write_control(self.store, died(m, inc), notice, self.secret)
+            else:
+                bs.keep_control(self.store, died(m, inc), notice, self.secret, self.ignored)
 
     def _error(self, name: str) -> str:
         # sealed by the process that failed: a forged traceback fails no one (docs/design.md#damage-in-the-store)

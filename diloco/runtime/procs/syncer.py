@@ -189,9 +189,7 @@ class ProcSyncer(HostedRuntime):
                                               if self.current[m] == inc + 1 and self.cursor[m] == 0}}
         self.burials = {k: v for k, v in self.burials.items() if buried(*k) in kept}
         for name, record in kept.items():
-            if bs.read_trusted(self.store, name, self.secret, self.ignored) != record:
-                log.error("ctl/%s in the store is not the one written; writing it again", name)
-                bs.write_control(self.store, name, record, self.secret)
+            bs.keep_control(self.store, name, record, self.secret, self.ignored)
 
     # --- the loop's entries (diloco/runtime/procs/recovery.py) ---------------------------------
     def _do(self, entry: dict, raw: bytes | None = None) -> None:
