@@ -1,6 +1,9 @@
 """data=grain across a learner's death (docs/data.md#resume): the threads runtime kills learner 1
 mid-run; its next incarnation restores its stream from the checkpoint's iterator state and
-trains, record by record, what the stream holds from that step on. Slow: a real threads run."""
+trains, record by record, what the stream holds from that step on. procs: a kill -9 of a learner
+process, whose checkpoints carry the state. Slow: real runs (80 s and 140 s here)."""
+
+import json
 
 import numpy as np
 import pytest
@@ -66,3 +69,60 @@ def test_a_killed_learner_resumes_its_shard_where_its_checkpoint_says(tmp_path, 
     assert all(0 < lost <= retrained for lost in rt.tokens.lost), (rt.tokens.lost, retrained)
     train.close()
     fresh.close()
+
+
+@pytest.mark.slow
+def test_a_killed_learner_process_saves_and_takes_up_its_stream_position(tmp_path):
+    """procs: kill -9 of learner 1's process once it has checkpointed; its checkpoints carry its
+    stream's iterator state, which gives the stream's own batch at that step, and the restarted
+    incarnation finishes the run with the ledger balanced."""
+    import os
+    import signal
+    import threading
+
+    from diloco import store as bs
+    from diloco.runtime import procs
+
+    write_sets(tmp_path, n=300)
+    cfg = tiny_cfg(tmp_path, "procs", run=dict(steps=20),
+                   data=dict(source="grain", paths=(str(tmp_path / "d.jsonl"),), too_long="split", batch_size=8),
+                   runtime=dict(speeds=(1.0, 3.0), learner_checkpoint_every=4, restart_s=1.0))
+    corpus, _, setup, _, _ = diloco_world(cfg)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    killed, stop = [], threading.Event()
+
+    def killer():
+        store, saved = bs.BlobStore(f"file://{run_dir}/store"), run_dir / "learners" / "learner-1"
+        while not stop.is_set() and not killed:
+            if saved.is_dir() and any(d.name.isdigit() for d in saved.iterdir()):
+                learner = bs.read_control(store, "procs")["learners"]["1"]
+                os.kill(learner["pid"], signal.SIGKILL)
+                killed.append(learner["incarnation"])
+            stop.wait(0.01)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    try:
+        rt, summary = procs.run(cfg, setup, run_dir, None)
+    finally:
+        stop.set()
+        thread.join()
+    assert killed == [0] and [(r["learner"], r["incarnation"]) for r in rt.rejoins] == [(1, 1)]
+    assert rt.finished["complete"] and rt.finished["steps"] == {"0": 20, "1": 20}
+    assert summary["token_ledger_imbalance"] == 0
+    metas = {}
+    for d in (run_dir / "learners" / "learner-1").iterdir():
+        for f in d.rglob("*") if d.name.isdigit() else []:
+            if f.is_file() and f.suffix in ("", ".json") and b'"versions"' in f.read_bytes()[:100_000]:
+                metas[int(d.name)] = json.loads(f.read_text())
+    assert metas and all(isinstance(m.get("data"), str) for m in metas.values()), metas
+    step, meta = max(metas.items())
+    fresh = type(corpus.train)(corpus.train.recipe)
+    fresh.restore(1, 2, step, meta["data"])
+    replayed = type(corpus.train)(corpus.train.recipe)
+    assert (fresh.records(learner=1, num_learners=2, step=step)
+            == replayed.records(learner=1, num_learners=2, step=step)).all()
+    assert min(fresh._feeds[(1, 2)].made) == step  # taken up from the saved state
+    for t in (fresh, replayed, corpus.train):
+        t.close()
