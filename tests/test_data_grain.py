@@ -91,7 +91,7 @@ def test_learners_read_disjoint_deterministic_shards_that_cover_the_train_record
         x.train.close()
 
 
-def test_long_documents_are_split_truncated_or_dropped_as_configured(tmp_path):
+def test_long_documents_are_split_truncated_or_dropped_as_configured(tmp_path, caplog):
     (tmp_path / "long.jsonl").write_text("".join(json.dumps({"text": "x" * n}) + "\n" for n in (100, 10, 100, 10) * 4))
 
     def trained(too_long):
@@ -103,6 +103,8 @@ def test_long_documents_are_split_truncated_or_dropped_as_configured(tmp_path):
 
     assert trained("split") == SEQ + 1 and trained("truncate") == SEQ + 1
     assert trained("drop") == 10  # only the short documents are left
+    assert "of the first 16 records of data.paths' files, 0 are skipped as bad (data.on_bad=skip) and 8 dropped" \
+        in caplog.text
 
 
 def test_a_restored_position_gives_the_same_batches_without_replaying(sets):
@@ -191,3 +193,37 @@ def test_packed_pretraining_rows_do_not_attend_across_documents(sets):
     np.testing.assert_allclose(packed[0, len(a):], alone[0], atol=2e-5)
     joined = np.asarray(model.packed(model.params, row, np.ones_like(seg), np.arange(row.shape[1], dtype=np.int32)[None]))
     assert np.abs(joined[0, len(a):] - alone[0]).max() > 1e-3  # without segments it would differ
+
+
+def test_chat_messages_in_parquet_are_rendered_packed_and_masked_to_the_assistant(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from test_generate_cli import FIXTURES
+
+    from diloco.hf.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(FIXTURES / "tokenizer")  # ChatML, SmolLM2's template
+    chats = [[{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": f"A{i}!"}] for i in range(40)]
+    pq.write_table(pa.table({"messages": chats}), tmp_path / "c.parquet")
+    c = load_corpus(grain_cfg(tmp_path, ["c.parquet"], chat_field="messages", seq_len=256), tok)
+    b = train_batch(c.train, seed=0, learner=0, num_learners=1, step=0, batch_size=B, seq_len=256)
+    predicted = b["tokens"][:, 1:][b["targets"]]
+    text = tok.decode([int(i) for i in predicted], skip_special_tokens=False)
+    assert "A" in text and "!" in text and "Q" not in text and "user" not in text  # the assistant's only
+    assert (b["segments"].max(axis=1) > 1).all()  # several conversations a row
+    c.train.close()
+
+
+@pytest.mark.slow  # Grain's worker processes start in about 10 s each time
+def test_worker_processes_give_a_deterministic_restorable_stream(sets):
+    root, _ = sets
+    cfg = grain_cfg(root, ["d.parquet"], workers=2)
+    a, b = load_corpus(cfg).train, load_corpus(cfg).train
+    want = [a.records(learner=0, num_learners=2, step=s) for s in range(6)]
+    assert all((x % 2 == 0).all() for x in want)
+    state = a.position(0, 2, 4)
+    b.restore(0, 2, 4, state)
+    assert all((b.records(learner=0, num_learners=2, step=s) == want[s]).all() for s in (4, 5))
+    assert min(b._feeds[(0, 2)].made) == 4
+    a.close()
+    b.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ from diloco.data.records import FileSet
 from diloco.data.store import build_atomically
 from diloco.data.stream import GrainTrain, Recipe, document, pieces
 from diloco.data.tokenizer import byte_tokenizer, load_bpe, save_bpe, train_bpe
+
+log = logging.getLogger(__name__)
 
 PROBE = 32  # records of each file read through the whole path at start-up: bad input fails there
 VAL_RECORDS = 4096  # held-out records packed at most (the eval reads run.eval_batches batches)
@@ -87,11 +90,22 @@ def load(cfg, checkpoint_tok: Any, seed: int = 0):
 
 def _probe(recipe: Recipe) -> None:
     """Read the first PROBE records of every file through the whole path, so a missing field, bad
-    JSON or UTF-8, or an id outside the vocabulary is an error at start-up naming the file."""
+    JSON or UTF-8, or an id outside the vocabulary is an error at start-up naming the file; records
+    that will be skipped (data.on_bad=skip) or dropped (data.too_long=drop, or nothing to predict)
+    are counted there and said in a warning, as a sample of what the stream will leave out."""
     fs = recipe.files
+    read = skipped = dropped = 0
     for f in range(len(fs.files)):
         for i in range(int(fs.starts[f]), min(int(fs.starts[f + 1]), int(fs.starts[f]) + PROBE)):
-            document(recipe, i)
+            ex = document(recipe, i)
+            read += 1
+            skipped += ex is None
+            dropped += ex is not None and not pieces(recipe, ex)
+    if skipped or dropped:
+        log.warning("data=grain: of the first %d records of data.paths' files, %d are skipped as bad "
+                    "(data.on_bad=skip) and %d dropped (longer than a row of data.seq_len+1=%d with "
+                    "data.too_long=%s, or nothing to predict)", read, skipped, dropped, recipe.width,
+                    recipe.too_long)
 
 
 def _bpe(cfg, fileset: FileSet, files: list[Path], n_train: int):
