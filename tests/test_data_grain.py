@@ -164,10 +164,10 @@ def test_bad_input_is_one_error_naming_the_file_and_the_fix(tmp_path, case):
         w.close()
         paths, kw, want = ["x.array_record"], {"record": "tokens"}, "x.array_record: record 0: token ids span [1, 300]"
     else:
-        paths, want = ["s3://bucket/x.parquet"], "data=grain reads local files (or file:// URLs) only"
+        paths, want = ["hdfs://bucket/x.parquet"], "data=grain reads local paths, file://, s3:// or gs:// URLs"
     cfg = grain_cfg(tmp_path, paths, **kw)
     if case == "url":
-        cfg = replace(cfg, paths=("s3://bucket/x.parquet",))
+        cfg = replace(cfg, paths=("hdfs://bucket/x.parquet",))
     with pytest.raises(DataError) as err:
         c = load_corpus(cfg)
         c.train.check_learners(12)
@@ -227,3 +227,32 @@ def test_worker_processes_give_a_deterministic_restorable_stream(sets):
     assert min(b._feeds[(0, 2)].made) == 4
     a.close()
     b.close()
+
+
+@pytest.mark.slow  # 7.5 s here: the S3 client's start-up, three times
+def test_a_set_in_an_s3_bucket_is_copied_once_and_read_as_local_files(tmp_path):
+    """Through diloco/store's S3 client, against the local S3 server of tests/test_blobstore_s3.py."""
+    pytest.importorskip("localbucket")
+    from test_blobstore_s3 import BUCKET, LocalS3
+
+    write_sets(tmp_path, n=30)
+    s3 = LocalS3(tmp_path / "s3").start()
+    try:
+        (tmp_path / "s3" / BUCKET / "sets").mkdir(parents=True)
+        for name in ("d.parquet", "d.jsonl"):
+            (tmp_path / "s3" / BUCKET / "sets" / name).write_bytes((tmp_path / name).read_bytes())
+        url = s3.url("sets/*.parquet")
+        c = load_corpus(replace(grain_cfg(tmp_path, []), paths=(url,)))
+        assert [f.name for f in c.train.recipe.files.files] == ["d.parquet"]
+        local = load_corpus(grain_cfg(tmp_path, ["d.parquet"]))
+        assert (c.train.records(learner=0, num_learners=1, step=2)
+                == local.train.records(learner=0, num_learners=1, step=2)).all()
+        before = s3.requests
+        load_corpus(replace(grain_cfg(tmp_path, []), paths=(url,)))
+        assert s3.requests - before <= 2  # listed again, not fetched again
+        with pytest.raises(DataError, match="matches no objects"):
+            load_corpus(replace(grain_cfg(tmp_path, []), paths=(s3.url("sets/*.array_record"),)))
+        c.train.close()
+        local.train.close()
+    finally:
+        s3.stop()

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from diloco.data import sft, sources
+from diloco.data import remote, sft, sources
 from diloco.data.errors import DataError
 from diloco.data.records import FileSet
 from diloco.data.store import build_atomically
@@ -29,18 +29,20 @@ BPE_TRAIN_CHARS = 32 << 20  # text a data.tokenizer=bpe is trained on, from the 
 UNIGRAM_RECORDS = 2000  # train records the unigram baseline is counted over
 
 
-def local_paths(patterns: tuple[str, ...]) -> list[Path]:
-    """data.paths as files: a file:// URL is a local path; an object-store URL is refused by name
-    (reading through diloco/store is not built yet: docs/data.md#formats)."""
-    local = []
+def local_paths(patterns: tuple[str, ...], data_dir: str | Path) -> list[Path]:
+    """data.paths as local files: a file:// URL is a local path; the objects of an s3:// or gs://
+    URL are copied into data_dir first (remote.py)."""
+    local, fetched = [], []
     for p in patterns:
         if p.startswith("file://"):
             p = p[len("file://"):]
+        elif remote.is_remote(p):
+            fetched += remote.fetch(p, data_dir)
+            continue
         elif "://" in p:
-            raise DataError(f"data.paths entry {p!r}: data=grain reads local files (or file:// URLs) "
-                            "only; copy the set to a local disk (docs/data.md#formats)")
+            raise DataError(f"data.paths entry {p!r}: data=grain reads local paths, file://, s3:// or gs:// URLs")
         local.append(p)
-    return sources.resolve_paths(tuple(local))
+    return sorted(set(fetched) | set(sources.resolve_paths(tuple(local)) if local else ()))
 
 
 def load(cfg, checkpoint_tok: Any, seed: int = 0):
@@ -49,7 +51,7 @@ def load(cfg, checkpoint_tok: Any, seed: int = 0):
     orders the stream."""
     if not cfg.paths:  # the preset composes without them; the command line names them
         raise DataError("data.source=grain needs data.paths: files or globs (docs/data.md)")
-    files = local_paths(cfg.paths)
+    files = local_paths(cfg.paths, cfg.data_dir)
     columns = (cfg.chat_field,) if cfg.chat_field else (cfg.text_field,)
     fileset = FileSet(files, cfg.format, columns, cfg.record)
     for f, reader in zip(files, fileset.readers):
