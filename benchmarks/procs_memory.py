@@ -7,7 +7,9 @@ Runs `scripts/train.py` of each checkout on the same short full fine-tune (runti
 `--learners` learners of one device each, a few steps of short rows) and samples every process of
 the run (supervisor, syncer, learners) every `--every` seconds: the proportional set size (PSS:
 pages shared between processes counted once in all) summed over the tree, its peak, and each
-process's peak. Writes benchmarks/results/procs_memory.json. Needs `make smollm2` and about 16 GB.
+process's peak. Writes benchmarks/results/procs_memory.json. Needs `make smollm2`; the run's start-up check
+refuses what the machine cannot hold (2 learners are estimated at 23.7 GiB,
+docs/design.md#memory-before-a-run). `--setup-only` needs about 2 GiB.
 """
 
 from __future__ import annotations

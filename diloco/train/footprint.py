@@ -130,6 +130,14 @@ def estimate(cfg: TrainConfig, params: int, vocab: int, trained: int | None = No
 # What a process holds before any model (Python, JAX, XLA's compiled steps): 0.86 GiB measured at
 # the first step of a 3.2M-parameter sim run on the CPU (docs/design.md#memory-before-a-run).
 RUNTIME_BYTES = 0.8 * GIB
+# procs and ray run the supervisor, the syncer and each learner as processes of their own. Beyond
+# its runtime and the state counted for it, each learner held about 9 float32 copies of what trains
+# at its peak, the learners at the same moment, and the syncer 3.5 then (its own peak comes at the
+# end, as the supervisor's, when the learners are gone): full fine-tunes of 135m-shaped models of
+# 4, 12 and 30 layers, M = 2, one device each, on the CPU (docs/design.md#memory-before-a-run).
+# They are the Theta_0 a process reads from the store and the frame it came in, the frames it
+# encodes or decodes, and XLA's buffers for its own programs.
+PROCESS_COPIES = {"learner": 9.0, "syncer": 3.5}
 # What a refusal leaves unclaimed: an estimate is no measurement, and the kernel kills at the edge.
 MARGIN = 0.9
 
@@ -148,7 +156,9 @@ def host_estimate(cfg: TrainConfig, params: int, vocab: int, trained: int | None
     turn) or of all (threads, procs). The syncer holds Theta, the outer state, a round's sums and
     the broadcast references of the versions learners may still be based on (counted as M + 1 per
     fragment; 2 measured with M = 4, docs/design.md#syncer-memory),
-    and the setup a host copy of Theta_0 and of the loaded model."""
+    and the setup a host copy of Theta_0 and of the loaded model. Under procs and ray (started
+    together) every learner and the syncer is a process with a runtime of its own, and on the CPU
+    each holds PROCESS_COPIES more than its state; LoRA learners read the frozen checkpoint each."""
     per = estimate(cfg, params, vocab, trained, platform)
     diloco = cfg.algo == "diloco"
     learners = cfg.runtime.learners if diloco else 1
@@ -168,7 +178,19 @@ def host_estimate(cfg: TrainConfig, params: int, vocab: int, trained: int | None
         versions = min(cfg.syncer.history, learners + 1)
         # Theta, the outer state, a round's sums, the references, and Theta_0 (the setup's copy)
         parts["syncer"] = 4.0 * trained_ * (1 + outer_slots(cfg.outer.name) + 1 + versions + 1)
+        if cfg.runtime.kind in ("procs", "ray") and cfg.runtime.launch != "external":
+            parts.update(_process_parts(learners, per, platform))
     return Footprint(params, per.trained, per.devices, per.batch, parts)
+
+
+def _process_parts(learners: int, per: Footprint, platform: str) -> dict[str, float]:
+    """What M learner processes and a syncer process add to the supervisor's runtime and the
+    state counted for them (PROCESS_COPIES; measured on the CPU only, so elsewhere the runtimes)."""
+    parts = {"runtimes of the M + 1 children": (learners + 1) * RUNTIME_BYTES}
+    if platform == "cpu":
+        copies = learners * PROCESS_COPIES["learner"] + PROCESS_COPIES["syncer"]
+        parts["per-process copies"] = 4.0 * per.trained * copies + learners * 4.0 * (per.params - per.trained)
+    return parts
 
 
 def mem_available() -> int | None:
