@@ -151,7 +151,7 @@ def test_bad_input_is_one_error_naming_the_file_and_the_fix(tmp_path, case):
         (tmp_path / "x.jsonl").write_text("\n\n")
         paths, want = ["d.jsonl", "x.jsonl"], "x.jsonl holds no records"
     elif case == "learners":
-        want = "data.paths holds 9 training records (10 in all, the last held out), fewer than the 12 learners"
+        want = "data.paths holds 9 training records (10 in all, the last 1 held out), fewer than the 12 learners"
     elif case == "field":
         (tmp_path / "x.jsonl").write_text(json.dumps({"body": "hi"}) + "\n")
         paths, want = ["d.jsonl", "x.jsonl"], "x.jsonl: line 1: no string field 'text' (found ['body']); set data.text_field"
