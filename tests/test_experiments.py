@@ -26,9 +26,13 @@ def _global_batch(cfg: TrainConfig) -> int:
     return cfg.data.batch_size * (cfg.runtime.learners if cfg.algo == "diloco" else 1)
 
 
+# Issue 35's tables (T10 Muon, its small-model run T10s, T14 SparseLoCo) run on their own, not in `all`.
+BEYOND = ["t10", "t10s", "t14"]
+
+
 def test_the_suite_runs_t1_to_t8():
-    assert TABLES == [f"t{i}" for i in range(1, 9)]
-    assert list(spec.load_experiment("all").suite) == TABLES
+    assert TABLES == sorted([f"t{i}" for i in range(1, 9)] + BEYOND)
+    assert list(spec.load_experiment("all").suite) == [f"t{i}" for i in range(1, 9)]
 
 
 @pytest.mark.parametrize("name", TABLES)
@@ -46,7 +50,7 @@ def test_every_variant_composes_into_a_valid_config(name, quick):
     assert all(j.cfg.runtime.kind == "sim" for j in jobs)
 
 
-@pytest.mark.parametrize("name", ["t1", "t2", "t3", "t4", "t5", "t6", "t7", "t8"])
+@pytest.mark.parametrize("name", ["t1", "t2", "t3", "t4", "t5", "t6", "t7", "t8", *BEYOND])
 def test_every_experiment_has_three_seeds(name):
     assert len(spec.load_experiment(name).seeds) >= 3
 

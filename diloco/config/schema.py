@@ -112,7 +112,7 @@ class InnerConfig:
     clip_norm: float = 1.0  # global-norm clipping; 0 disables it
     muon_beta: float = 0.95  # Muon's momentum decay (inner.optimizer=muon)
     muon_ns_steps: int = 5  # Newton-Schulz iterations that orthogonalise Muon's momentum
-    muon_rms: float = 0.2  # Muon's update RMS per matrix, AdamW's typical RMS, so lr and weight_decay carry over
+    muon_rms: float = 0.2  # RMS of a Muon matrix update before the lr (AdamW's typical RMS; inner=muon sets 0.5, T10)
 
 
 @dataclass(frozen=True)
