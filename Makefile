@@ -14,7 +14,7 @@ SMOLLM2 := $(VENV)/.smollm2
 # Torch and transformers, only to regenerate the parity fixtures (tests/fixtures/hf/README.md).
 PARITY := .venv-parity/.installed
 
-.PHONY: train test test-slow bench bench-accelerator accelerator-wheels finetune smollm2 parity-fixtures \
+.PHONY: train test test-slow bench bench-accelerator accelerator-wheels finetune finetune-tasks smollm2 parity-fixtures \
 	test-parity clean-venv
 
 PIP := $(PY) -m pip -qq --disable-pip-version-check  # -qq: errors only, no warnings
@@ -63,6 +63,10 @@ test-slow: $(STAMP)
 # scored by its generated answers: about an hour on a 2-core CPU (docs/finetuning.md).
 finetune: $(STAMP) $(SMOLLM2)
 	$(PY) scripts/finetune_study.py $(ARGS)
+
+# The study on BIG-bench tasks (docs/finetuning.md#real-tasks); fetches the bigbench sdist into data/bigbench
+finetune-tasks: $(STAMP) $(SMOLLM2)
+	$(PY) scripts/finetune_tasks.py $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/inner_step.py $(ARGS)

@@ -238,8 +238,8 @@ def _bigbench(path: Path) -> Task:
     unknown = sorted(set(raw) - _BB_KEYS)
     if unknown:
         _fail(path, f"field(s) {', '.join(unknown)} not supported")
-    mc = all("target_scores" in e for e in raw["examples"])
-    if not mc and not all("target" in e for e in raw["examples"]):
+    mc = not bb_generative(raw)
+    if mc and not all("target_scores" in e for e in raw["examples"]):
         _fail(path, "examples: each holds target_scores (multiple choice) or each holds target (generative)")
     output = raw.get("example_output_prefix", BB_OUTPUT)
     # A trailing space of the output prefix is the delimiter before the answer, as lm-eval moves it
@@ -254,6 +254,16 @@ def _bigbench(path: Path) -> Task:
                 fewshot_delimiter=str(raw.get("few_shot_example_separator", BB_SEPARATOR)),
                 until=(stop,) if stop else ("\n",), max_gen_toks=128, output_regex=regex,
                 metrics=METRICS[MULTIPLE_CHOICE] if mc else ("exact_match",))
+
+
+def bb_generative(raw: dict) -> bool:
+    """Whether a BIG-bench task is scored by generation: every example has a target, and the task
+    prefers exact_str_match or some example lacks target_scores (arithmetic's examples carry both;
+    its preferred score is exact match)."""
+    ex = raw["examples"]
+    return (all(isinstance(e, dict) and "target" in e for e in ex)
+            and (raw.get("preferred_score") == "exact_str_match"
+                 or not all(isinstance(e, dict) and "target_scores" in e for e in ex)))
 
 
 def _bb_doc(path: Path, raw: dict, example, i: int, mc: bool, output: str) -> Doc:

