@@ -9,6 +9,7 @@ from diloco import bandwidth as A
 from diloco.algo import codec_specs, messages
 from diloco.algo.codecs import CodecError, error_feedback, make_codec
 from diloco.algo.sparseloco import bits_per_kept_value, sparseloco
+from test_sim import build, corpus, model  # noqa: F401  (fixtures)
 
 
 def test_two_chunks_by_hand():
@@ -119,3 +120,19 @@ def test_config_checks_name_the_values(tmp_path):
     from diloco.runtime.build import run_codecs
     wire = run_codecs(cfg)
     assert wire.up_spec == "sparseloco+ef" and wire.up.name == "error_feedback(sparseloco(chunk=4096,k=32))"
+
+
+@pytest.mark.slow  # 28 s here under load (compiling the learners' steps)
+def test_a_sim_run_sends_sparseloco_and_merges(tmp_path, build):
+    """End to end on sim: learners encode with decayed error feedback on the host, the syncer decodes
+    by the header's spec, every contribution merges and the ledger balances."""
+    from test_sim import make_cfg
+
+    from diloco.runtime import sim
+    cfg = make_cfg(tmp_path, steps=8, codec=dict(up="sparseloco", error_feedback=True, ef_decay=0.95,
+                                                 chunk=64, chunk_k=8, zstd_level=0))
+    rt, summary = sim.run(cfg, build(cfg), tmp_path / "run", None)
+    assert summary["merges"] == 4 and summary["quarantined"] == 0 and summary["token_ledger_imbalance"] == 0
+    assert rt.units[0].spec.up_spec == "sparseloco+ef+c64+t8"
+    residuals = [s.residual for s in rt.units[0].codec_states.values()]
+    assert residuals and any(np.abs(r).sum() > 0 for r in residuals)  # the unsent 7/8 wait there

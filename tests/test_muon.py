@@ -70,6 +70,36 @@ def test_muon_fields_are_checked_with_their_values(tmp_path):
 RUN_MUON = dict(optimizer="muon", lr=1e-2, schedule="constant", warmup_steps=0)
 
 
+def test_a_checkpointed_muon_state_continues_bit_identically(tmp_path):
+    """A TrainState with Muon's and AdamW's moments through an Orbax checkpoint (what a dp run, a
+    procs or threads learner saves) restores into the same tree, and two more steps from it equal
+    two more steps of the state that never left memory, bit for bit."""
+    from diloco import checkpoint
+    from diloco.train.step import init_state
+
+    params = {"embed": {"embedding": jnp.ones((8, 4))}, "blocks": {"0": {"attn_norm": {"scale": jnp.ones(4)},
+                                                                          "mlp": {"w_up": {"kernel": jnp.ones((4, 6))}}}}}
+    opt = make_optimizer(replace(MUON, weight_decay=0.1, clip_norm=1.0), 10)
+    loss = lambda p: sum(jnp.sum(jnp.sin(x * (i + 1.0))) for i, x in enumerate(jax.tree.leaves(p)))
+
+    @jax.jit
+    def step(state):
+        updates, opt_state = opt.update(jax.grad(loss)(state.params), state.opt_state, state.params)
+        return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                             opt_state=opt_state)
+
+    state = step(step(init_state(params, opt)))
+    manager = checkpoint.open_manager(tmp_path / "ckpt", keep=1, async_save=False)
+    checkpoint.save(manager, 2, state)
+    manager.wait_until_finished()
+    restored, _ = checkpoint.restore(manager, 2, state)
+    manager.close()
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for x, y in zip(jax.tree.leaves(step(step(state))), jax.tree.leaves(step(step(restored)))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow  # 11 s here (compiling the learners' steps); the fast checks are above
 def test_sim_trains_with_muon(tmp_path, build):
     from diloco.runtime import sim
     cfg = make_cfg(tmp_path, steps=12, inner=RUN_MUON, run=dict(eval_every=12, out_dir=str(tmp_path / "run")))
@@ -79,6 +109,7 @@ def test_sim_trains_with_muon(tmp_path, build):
     assert any(isinstance(s, optax.contrib.MuonState) for s in states)
 
 
+@pytest.mark.slow  # 5 to 15 s here (three sim runs)
 def test_a_resumed_muon_learner_continues_bit_identically(tmp_path, build):
     """Sim snapshots carry each learner's Muon and AdamW state: a run cut at 10 of 24 inner steps
     and resumed ends with the uninterrupted run's Theta and learner states, bit for bit."""
