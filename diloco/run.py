@@ -13,7 +13,9 @@ import jax
 import yaml
 
 from diloco import report
+from diloco.algo import drift
 from diloco.algo import syncer as sync
+from diloco.algo.fragments import get_path
 from diloco.bandwidth.analytic import dp_bytes_per_step
 from diloco.config import ConfigError, TrainConfig, legacy, to_dict
 from diloco.config.convert import options_by_path
@@ -177,7 +179,10 @@ def run_diloco(cfg: TrainConfig, corpus: Corpus, model: Model, run_dir: Path,
     # ray: procs' supervisor with Ray's launcher (procs.launcher_for imports Ray only then)
     runtime = {"sim": sim.run, "threads": threads.run, "procs": procs.run, "ray": procs.run}[cfg.runtime.kind]
     rt, summary = runtime(cfg, setup, run_dir, global_evaluator(cfg, corpus, model, setup, tasks))
-    summary["model_dir"] = str(export_model(run_dir, cfg, corpus, full(params_of(model, _final_theta(rt)))))
+    theta = _final_theta(rt)
+    summary["model_dir"] = str(export_model(run_dir, cfg, corpus, full(params_of(model, theta))))
+    # The drift monitor: Theta's distance from Theta_0 (the model's params before the run) per fragment
+    summary.update(drift.summary(theta, {p: get_path(model.params, p) for p in theta}, setup.fragments))
     # Under LoRA data parallel too would all-reduce the adapters only.
     dp = dp_bytes_same_steps(cfg, count_params(model.params))
     summary["dp_bytes_same_steps"] = int(dp)

@@ -14,7 +14,7 @@ import numpy as np
 
 from diloco.algo import close as closing
 from diloco.algo import merge as merging
-from diloco.algo import claims, messages, quorum, roundsum
+from diloco.algo import claims, drift, messages, quorum, roundsum
 from diloco.algo import syncer_publish as publishing
 from diloco.algo.codecs import NonFiniteError
 from diloco.algo.syncer_state import (
@@ -68,6 +68,7 @@ def merge_round(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
         weights = [merging.token_weight(c.c_tokens, c.c_steps) for c in inside]
         if not inside or sum(weights) <= 0:  # nothing with weight: no step, nothing published
             return st, dropped + tuple(Outcome(c.key, "excluded") for c in inside)
+        cosine = drift.agreement(rs, rule, scales)  # before the close, which may reuse the sums' buffers
         stepped = _step(cfg, st, fs, p, rs, weights, scales, rule, tuple(c.key for c in inside))
         if stepped is not None:
             break
@@ -86,6 +87,7 @@ def merge_round(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
         "learners": [c.key[0] for c in inside], "weights": weights,
         "staleness": [fs.version - c.base_version for c in inside],
         "delta_norm": delta_norm, "clipped": [c.key[0] for c in inside if c.key in clipped],
+        "cosine": cosine,  # the drift monitor's agreement of this round's pseudo-gradients (algo/drift.py)
     }
     st = st._replace(merges=st.merges + 1, decisions=st.decisions.add(record),
                      claims=claims.merged(st.claims, [(*c.key[:2], p) for c in inside]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from diloco.algo import ledger, timeline, traffic
+from diloco.algo import drift, ledger, timeline, traffic
 from diloco.algo import syncer as sync
 
 # Keys measured in real seconds on this host, or of this process's share of a resumed run
@@ -49,6 +49,7 @@ def run_summary(st: sync.SyncerState, tokens: ledger.TokenLedger, bytes_: traffi
     merges = [r for r in st.decisions if r["event"] == "merge"]
     quorum_sizes = [len(r["learners"]) for r in merges]
     graces = [r["grace"] for r in merges if r["grace"] is not None]
+    cosines = [r["cosine"] for r in merges if r.get("cosine") is not None]  # rounds of 2+ learners
     sums = ledger.summary(tokens, bytes_, time, start=0.0, end=max(end, 1e-9), window=window)
     lost = {} if not events_lost else {
         "events_lost": sum(g["events"][1] - g["events"][0] + 1 for g in events_lost),
@@ -72,6 +73,9 @@ def run_summary(st: sync.SyncerState, tokens: ledger.TokenLedger, bytes_: traffi
         "grace_mean_s": float(np.mean(graces)) if graces else 0.0,
         "grace_max_s": max(graces, default=0.0),
         "stalls": stalls,
+        # the drift monitor's agreement of learners (algo/drift.py): the mean round cosine
+        "pseudograd_cos_mean": float(np.mean(cosines)) if cosines else None,
+        "pseudograd_cos_rounds": len(cosines),
         # incarnations that ended before the run did: chip failures, kills, and a resumed run's stop
         "learner_deaths": len(tokens.dead),
         "quarantined": sum(st.quarantined.values()),

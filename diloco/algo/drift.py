@@ -1,0 +1,64 @@
+"""The drift monitor of a Decoupled DiLoCo run (docs/finetuning.md#drift-monitor): how far the global
+model moved from the base per fragment, and how much the learners' pseudo-gradients of one round
+agree, both from what the syncer already holds (a round's running sums and norms; Theta and
+Theta_0), with no extra pass over the wire.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from diloco.algo import roundsum
+from diloco.algo.merge import MergeRule
+
+
+def agreement(rs: roundsum.RoundSum, rule: MergeRule, clips: Sequence[float]) -> float | None:
+    """The mean cosine between the vectors a round folds into its sum, v_m = k_m delta_m (per
+    tensor k_mt from the merge rule, times the clip factor where the rule folds it in):
+
+        cos = (||sum_m v_m||^2 - sum_m ||v_m||^2) / ((sum_m ||v_m||)^2 - sum_m ||v_m||^2),
+
+    since ||sum_m v_m||^2 = sum_m ||v_m||^2 + 2 sum_{m<m'} ||v_m|| ||v_m'|| cos(v_m, v_m'): the
+    mean of the pairwise cosines weighted by ||v_m|| ||v_m'||, which is their plain mean when the
+    ||v_m|| are equal (RDA at equal token weights) and the cosine itself for two learners. Under
+    `average` and `rda_fragment` v_m is a multiple of delta_m, so these are the pseudo-gradients'
+    cosines; under per-tensor `rda` the cosines of their per-tensor directions. None with fewer
+    than two contributions (or a zero one). One norm pass over the sums, nothing else."""
+    if len(rs.parts) < 2:
+        return None
+    lengths = []
+    for part, clip in zip(rs.parts, clips):
+        k = rule.coefficients(part.weight, part.norms)
+        c = clip if rule.clip_rebuilds else 1.0
+        lengths.append(math.sqrt(math.fsum((kt * c * n) ** 2 for kt, n in zip(k, part.norms))))
+    if not all(0.0 < x < math.inf for x in lengths):
+        return None
+    total = math.fsum((z * roundsum.norm(s)) ** 2 for s, z in zip(rs.sums, rs.scales) if s is not None)
+    own = math.fsum(x * x for x in lengths)
+    pairs = math.fsum(lengths) ** 2 - own
+    return (total - own) / pairs
+
+
+def distance(theta: Mapping, base: Mapping, fragments) -> list[dict]:
+    """Per fragment: ||Theta_p - Theta_0,p|| (l2) and that over ||Theta_0,p|| (rel; None where
+    the base is zero, as LoRA's B matrices start)."""
+    out = []
+    for f in fragments:
+        d2 = b2 = 0.0
+        for path in f.paths:
+            a, b = np.asarray(theta[path], np.float64), np.asarray(base[path], np.float64)
+            d2 += float(np.sum((a - b) ** 2))
+            b2 += float(np.sum(b * b))
+        out.append({"fragment": f.index, "l2": math.sqrt(d2), "rel": math.sqrt(d2 / b2) if b2 > 0 else None})
+    return out
+
+
+def summary(theta: Mapping, base: Mapping, fragments) -> dict:
+    """The summary's distance fields: per fragment, and the largest of each (None where none)."""
+    per = distance(theta, base, fragments)
+    rel = [d["rel"] for d in per if d["rel"] is not None]
+    return {"drift": per, "drift_rel_max": max(rel) if rel else None,
+            "drift_l2_max": max(d["l2"] for d in per) if per else None}
