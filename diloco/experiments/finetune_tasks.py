@@ -173,12 +173,15 @@ def run(cfg: TasksConfig) -> list[Path]:
         before[task] = base
         print(f"[{NAME}] {task}: {data['n_train']} train, {data['n_test']} test; base {base['metric']} "
               f"{base['value']:.3f}", flush=True)
+        # The bytes' reference: data parallel of the full model every step, among the slices of the
+        # first data-parallel variant run (runtime.learners: 4 in the default study)
+        ref = next((j for j in planned if j.cfg.algo == "dp"), planned[0]).cfg
         dp_bytes = None
         for job in planned:
             summary = runner.trained(job, settings)
-            if dp_bytes is None:  # the reference: data parallel of the full model, every step
+            if dp_bytes is None:
                 from diloco.run import dp_bytes_same_steps
-                dp_bytes = dp_bytes_same_steps(job.cfg, summary["params"])
+                dp_bytes = dp_bytes_same_steps(ref, summary["params"])
             run_dir = Path(job.cfg.run.out_dir)
             s = score(run_dir / "model", data["test"], cfg, run_dir / "task_score.json")
             rows.append(row(task, job, summary, s, dp_bytes))
