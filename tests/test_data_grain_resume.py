@@ -126,3 +126,37 @@ def test_a_killed_learner_process_saves_and_takes_up_its_stream_position(tmp_pat
     assert min(fresh._feeds[(1, 2)].made) == step  # taken up from the saved state
     for t in (fresh, replayed, corpus.train):
         t.close()
+
+
+@pytest.mark.slow
+def test_a_resumed_data_parallel_run_takes_up_its_stream_and_matches_an_uninterrupted_one(tmp_path):
+    """run.resume=true of the data-parallel trainer: its checkpoint carries the stream's position,
+    which the resumed run restores (no replay), and 6 + 6 steps equal 12, exactly."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    import jax
+
+    from diloco.data import load_corpus
+    from diloco.model import build
+    from diloco.train.mesh import make_mesh
+    from diloco.train.trainer import train_dp
+
+    write_sets(tmp_path, n=200)
+
+    def cfg(name):
+        return tiny_cfg(tmp_path / name, algo="dp", run={"checkpoint_every": 6, "steps": 12, "eval_every": 6},
+                        data=dict(source="grain", paths=(str(tmp_path / "d.parquet"),), batch_size=8))
+    straight, half = cfg("a"), cfg("b")
+    mesh = make_mesh(straight.mesh, 8)
+    corpus = load_corpus(straight.data)
+    model = build(straight.model, corpus.vocab_size, seed=0)
+    full, _ = train_dp(straight, corpus, model, mesh, Path(straight.run.out_dir))
+    first, _ = train_dp(half, load_corpus(half.data), model, mesh, Path(half.run.out_dir), stop=lambda s: s == 6)
+    again = load_corpus(half.data)
+    resumed, _ = train_dp(replace(half, run=replace(half.run, resume=True)), again, model, mesh, Path(half.run.out_dir))
+    assert int(first.step) == 6 and int(resumed.step) == 12
+    feed = again.train._feeds[(0, 1)]
+    assert 6 in feed.pinned and min(feed.made) >= 6 and 0 not in feed.made  # taken up at step 6
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

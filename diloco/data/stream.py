@@ -305,3 +305,20 @@ class GrainTrain:
     def close(self) -> None:
         for feed in self._feeds.values():
             feed.close()
+
+
+def saved_position(train, learner: int, num_learners: int, step: int) -> dict:
+    """What a checkpoint at `step` adds to its meta: {"data": the iterator state that yields the
+    batch at `step` next} for data=grain, else {} (every other source is a pure function of the
+    step alone)."""
+    if not isinstance(train, GrainTrain):
+        return {}
+    state = train.position(learner, num_learners, step)
+    return {} if state is None else {"data": state}
+
+
+def restore_position(train, learner: int, num_learners: int, step: int, meta: dict) -> None:
+    """Hand a checkpoint's data=grain position back to the stream; a meta without one (an older
+    checkpoint) leaves the stream to replay from its start."""
+    if isinstance(train, GrainTrain) and isinstance(meta.get("data"), str):
+        train.restore(learner, num_learners, step, meta["data"])

@@ -30,6 +30,7 @@ import jax
 
 from diloco import checkpoint
 from diloco.algo import syncer as sync
+from diloco.data.stream import restore_position, saved_position
 from diloco.runtime.build import Setup, new_unit
 from diloco.runtime.unit import LearnerUnit
 
@@ -84,9 +85,7 @@ class LearnerCheckpoints:
             return False
         meta = {"learner": unit.learner, "incarnation": unit.ls.incarnation, "step": step,
                 "versions": list(unit.ls.versions)}
-        data = data_position(unit.spec, unit.learner, step)
-        if data is not None:
-            meta["data"] = data
+        meta.update(saved_position(unit.spec.train, unit.learner, unit.spec.num_learners, step))
         self._manager(unit.learner)
         if self._lock is None:
             return self._saves[unit.learner].save(step, unit.state, meta)
@@ -108,20 +107,6 @@ class LearnerCheckpoints:
             saves.close()
         self._managers.clear()
         self._saves.clear()
-
-
-def data_position(spec, m: int, step: int) -> str | None:
-    """data=grain: learner m's iterator state that yields its batch at `step` (JSON), else None."""
-    position = getattr(spec.train, "position", None)
-    return None if position is None else position(m, spec.num_learners, step)
-
-
-def restore_data_position(spec, m: int, step: int, meta: dict) -> None:
-    """Hand a checkpoint's data=grain iterator state back to learner m's stream; a meta without
-    one (an older checkpoint) leaves the stream to replay from its start."""
-    restore = getattr(spec.train, "restore", None)
-    if restore is not None and isinstance(meta.get("data"), str):
-        restore(m, spec.num_learners, step, meta["data"])
 
 
 def staleness(syncer_state: sync.SyncerState, versions: list[int]) -> int:
@@ -187,7 +172,7 @@ def rejoin_unit(setup: Setup, m: int, incarnation: int, syncer_state: sync.Synce
         step, state, meta = found
         stale = staleness(syncer_state, meta["versions"])
         if stale <= max_staleness:
-            restore_data_position(setup.spec, m, step, meta)
+            restore_position(setup.spec.train, m, setup.spec.num_learners, step, meta)
             unit = new_unit(setup, m, incarnation, syncer_state, max(step, at_least))
             unit.state = state.replace(params=unit.state.params, step=unit.state.step)
             return unit, Rejoin(m, incarnation, unit.ls.step, step, stale)

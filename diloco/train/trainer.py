@@ -20,6 +20,7 @@ from diloco import checkpoint, report
 from diloco import watch as run_watch
 from diloco.config import TrainConfig
 from diloco.data import Corpus, assistant_tokens, held_out, target_tokens, train_batch, trained_tokens
+from diloco.data.stream import restore_position, saved_position
 from diloco.model import Model
 from diloco.train import flops, profile
 from diloco.train.mesh import batch_sharding, replicated, tree_shardings
@@ -167,6 +168,7 @@ def train_dp(cfg: TrainConfig, corpus: Corpus, model: Model, mesh: Mesh, run_dir
             if found is not None:
                 start, state, meta = found
                 tokens = int(meta.get("tokens", start * data.batch_size * data.seq_len))
+                restore_position(corpus.train, 0, 1, start, meta)  # data=grain: its stream's position
         state, summary = _loop(cfg, corpus, compiled, state, start, tokens, val, saves, writer, stop, trace, tasks)
         saves.settle(fatal=False)
         writer.summary(summary)
@@ -220,7 +222,7 @@ def _loop(cfg, corpus, compiled, state, start, tokens, val, saves, writer, stop,
         stopping = stop(step)
         # checkpoint_every=0 saves none, not even the last step's (a stop still saves, to resume from)
         if stopping or (run.checkpoint_every > 0 and report.due(step, run.checkpoint_every, run.steps)):
-            saves.save(step, state, {"tokens": tokens})
+            saves.save(step, state, {"tokens": tokens, **saved_position(corpus.train, 0, 1, step)})
         if stopping:
             break
     trace.at(int(state.step), state)
