@@ -24,6 +24,8 @@ from syncer_frames import FRAGS, THETA0, B, W, frame, merges, policy, start
 from test_finetune import TINY
 from test_generate_cli import FIXTURES
 
+E = ("embed",)  # fragment 1's one tensor in syncer_frames
+
 
 def mc_task(n=20):
     return {"name": "mini", "task_prefix": "Say if it is true.", "preferred_score": "multiple_choice_grade",
@@ -95,22 +97,24 @@ def test_bad_study_configs_name_the_values():
 
 
 def test_default_study_runs_each_method_at_equal_rows_a_step(tmp_path):
-    assert ft.parse(_compose("finetune_tasks", [])).seeds == (0, 1, 2)
-    # Each config composes in about 0.6 s: two seeds of three of the six variants (the other three
-    # are these with LoRA or M = 4)
-    cfg = ft.parse(_compose("finetune_tasks", ["seeds=[0,1]", "only=[dp,diloco_m2,diloco_lora_m4]"]))
+    # Each config composes in about 0.5 s: two seeds of two of the six variants (the others differ
+    # from these by LoRA or M, checked in their overrides)
+    cfg = ft.parse(_compose("finetune_tasks", ["seeds=[0,1]", "only=[dp,diloco_lora_m4]"]))
     assert list(cfg.tasks) == ["2_digit_addition", "sports_understanding", "logical_fallacy_detection"]
-    assert [v.label for v in cfg.variants] == ["dp", "dp_lora", "diloco_m2", "diloco_m4", "diloco_lora_m2",
-                                               "diloco_lora_m4"]
+    variants = {v.label: v.overrides for v in cfg.variants}
+    assert list(variants) == ["dp", "dp_lora", "diloco_m2", "diloco_m4", "diloco_lora_m2", "diloco_lora_m4"]
+    for label, o in variants.items():
+        assert ("finetune=lora" in o) == ("lora" in label)
+        assert ("runtime.learners=2" in o and "data.batch_size=4" in o) == label.endswith("m2")
     _, jobs = ft.jobs(cfg, "t", tmp_path / "c.gguf", tmp_path / "train.jsonl")
     by = {(j.variant, j.seed): j.cfg for j in jobs}
-    assert len(jobs) == 3 * 2
+    assert len(jobs) == 2 * 2
     for (label, _), c in by.items():
         M = c.runtime.learners if c.algo == "diloco" else 1
         assert M * c.data.batch_size == 8 and c.run.steps == by[("dp", 0)].run.steps
         assert (c.finetune.lora.rank > 0) == ("lora" in label)
         assert c.algo != "diloco" or c.syncer.quorum == 1
-    assert by[("diloco_m2", 0)].runtime.learners == 2 and by[("diloco_lora_m4", 0)].runtime.learners == 4
+    assert by[("diloco_lora_m4", 0)].runtime.learners == 4
     assert {c.run.seed for c in by.values()} == {0, 1}
 
 
@@ -175,8 +179,6 @@ def test_distance_per_fragment_relative_to_the_base():
     zero = drift.distance({E: np.ones(2)}, {E: np.zeros(2)}, [FRAGS[1]._replace(paths=(E,))])
     assert zero == [{"fragment": 1, "l2": pytest.approx(math.sqrt(2)), "rel": None}]  # LoRA's B starts at 0
 
-
-E = ("embed",)
 
 
 # ---- the miniature study ------------------------------------------------------------------------

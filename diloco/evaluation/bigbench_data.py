@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import runpy
 import subprocess
@@ -84,7 +85,6 @@ def fetch(task: str, root: str | Path, path: str = "") -> Path:
 
 
 def _in_dir(folder: Path, fn) -> None:
-    import os
     here = os.getcwd()
     state = random.getstate()  # the generator seeds the global stream; leave it as it was
     try:
