@@ -142,6 +142,12 @@ def render_summary(summary: dict[str, Any], title: str) -> str:
         if g("grace_mean_s") is not None:
             text += f", grace mean {g('grace_mean_s'):.2f} s (max {g('grace_max_s'):.2f} s)"
         lines.append(("merges", text))
+    if g("drift_l2_max") is not None:  # the drift monitor (docs/finetuning.md#drift-monitor)
+        text = (f"largest fragment {g('drift_rel_max'):.4f} of the base's norm" if g("drift_rel_max") is not None
+                else f"largest fragment {g('drift_l2_max'):.4g} (L2)")
+        if g("pseudograd_cos_mean") is not None:
+            text += f"; pseudo-gradient cosine {g('pseudograd_cos_mean'):.3f} ({g('pseudograd_cos_rounds')} rounds)"
+        lines.append(("drift", text))
     if g("bytes_up") is not None:
         text = f"up {_bytes(g('bytes_up'))}, down {_bytes(g('bytes_down', 0))}"
         if g("peak_rate_up"):

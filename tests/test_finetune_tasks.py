@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from diloco import hf
+from diloco import hf, report
 from diloco.algo import drift
 from diloco.algo import syncer as sync
 from diloco.algo.outer import make_outer
@@ -176,6 +176,10 @@ def test_distance_per_fragment_relative_to_the_base():
     assert d["drift"][0]["rel"] == pytest.approx(math.sqrt(54.0) / base_norm)
     assert d["drift"][1]["rel"] == pytest.approx(1.0)  # moved to zero: its whole norm
     assert d["drift_rel_max"] == max(d["drift"][0]["rel"], 1.0)
+    text = report.render_summary({**d, "pseudograd_cos_mean": 0.25, "pseudograd_cos_rounds": 3}, "run")
+    (line,) = [x for x in text.splitlines() if x.strip().startswith("drift")]
+    assert line.endswith(f"largest fragment {d['drift_rel_max']:.4f} of the base's norm; "
+                         "pseudo-gradient cosine 0.250 (3 rounds)")
     zero = drift.distance({E: np.ones(2)}, {E: np.zeros(2)}, [FRAGS[1]._replace(paths=(E,))])
     assert zero == [{"fragment": 1, "l2": pytest.approx(math.sqrt(2)), "rel": None}]  # LoRA's B starts at 0
 
