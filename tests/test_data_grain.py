@@ -154,7 +154,8 @@ def test_bad_input_is_one_error_naming_the_file_and_the_fix(tmp_path, case):
         want = "data.paths holds 9 training records (10 in all, the last 1 held out), fewer than the 12 learners"
     elif case == "field":
         (tmp_path / "x.jsonl").write_text(json.dumps({"body": "hi"}) + "\n")
-        paths, want = ["d.jsonl", "x.jsonl"], "x.jsonl: line 1: no string field 'text' (found ['body']); set data.text_field"
+        paths = ["d.jsonl", "x.jsonl"]
+        want = "x.jsonl: line 1: no string field 'text' (found ['body']); set data.text_field"
     elif case == "vocab":
         from array_record.python.array_record_module import ArrayRecordWriter
 
@@ -191,7 +192,8 @@ def test_packed_pretraining_rows_do_not_attend_across_documents(sets):
     alone = np.asarray(model.packed(model.params, b[None], np.ones((1, len(b)), np.int32),
                                     np.arange(len(b), dtype=np.int32)[None]))
     np.testing.assert_allclose(packed[0, len(a):], alone[0], atol=2e-5)
-    joined = np.asarray(model.packed(model.params, row, np.ones_like(seg), np.arange(row.shape[1], dtype=np.int32)[None]))
+    joined = np.asarray(model.packed(model.params, row, np.ones_like(seg),
+                                     np.arange(row.shape[1], dtype=np.int32)[None]))
     assert np.abs(joined[0, len(a):] - alone[0]).max() > 1e-3  # without segments it would differ
 
 

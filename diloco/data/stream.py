@@ -258,8 +258,9 @@ class GrainTrain:
         """Every learner's shard holds records; else the error says how many there are."""
         n = self.recipe.n_train
         if shard_size(n, num_learners - 1, num_learners) == 0:
-            raise DataError(f"data.paths holds {n} training records ({len(self.recipe.files)} in all, the "
-                            f"last {len(self.recipe.files) - n} held out), fewer than the {num_learners} learners: learner "
+            total = len(self.recipe.files)
+            raise DataError(f"data.paths holds {n} training records ({total} in all, the last {total - n} "
+                            f"held out), fewer than the {num_learners} learners: learner "
                             f"{n} would read nothing; use at most {n} learners or more records")
 
     def _feed(self, learner: int, num_learners: int) -> tuple[Feed, threading.Lock]:
