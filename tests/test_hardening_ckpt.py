@@ -369,7 +369,7 @@ def test_a_learner_checkpoint_from_the_future_is_not_used(tmp_path, learner_worl
 def test_a_learner_checkpoint_from_the_past_is_still_used(learner_world):
     setup, directory, saved, _, at_1 = learner_world
     unit, how = rejoin(setup, directory, at_1, stopped_at=6)  # step 8 is ahead; step 4 is not
-    assert (how.restored_from, how.step) == (4, 4)
+    assert (how.restored_from, how.step) == (4, 6)  # step 4's optimizer state, at the step where it stopped
     assert bitwise_equal(jax.device_get(unit.state.opt_state), saved[4])
 
 
@@ -508,7 +508,7 @@ def test_a_damaged_learner_checkpoint_rejoins_exactly_or_falls_back(learner_worl
         assert how.step == 8 and how.staleness == -1
         opt = jax.device_get(new_unit(setup, 1, 1, at_1, 8).state.opt_state)
     else:
-        assert how.step == how.restored_from
+        assert how.step == 8  # where the dead incarnation stopped, whichever checkpoint it restored
         opt = saved[how.restored_from]
     assert bitwise_equal(jax.device_get(unit.state.opt_state), opt), (done, how)
     fresh = new_unit(setup, 1, 1, at_1, 8)

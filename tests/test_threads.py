@@ -231,7 +231,9 @@ def test_sigint_while_running_stops_all(world, tmp_path, no_leftover_threads):
 def test_a_killed_learner_rejoins_from_its_checkpoint_under_a_new_incarnation(world, tmp_path, monkeypatch,
                                                                                no_leftover_threads):
     """kill(1) mid-run: its unsent work is lost, it restarts as incarnation 1 with the syncer's
-    Theta and its own checkpointed optimizer state and step, and the run finishes balanced."""
+    Theta and its own checkpointed optimizer state at the step where it stopped (13: the steps
+    after its checkpoint were merged or booked lost, never trained twice), and the run finishes
+    balanced."""
     cfg, setup = variant(world, restart_s=0.2, learner_checkpoint_every=5, max_rejoin_staleness=1000)
     rt = threads.Threads(cfg, setup, None, None, None, tmp_path / "learners")
     plain_step = LearnerUnit.step
@@ -243,10 +245,10 @@ def test_a_killed_learner_rejoins_from_its_checkpoint_under_a_new_incarnation(wo
     monkeypatch.setattr(LearnerUnit, "step", step)
     summary = rt.run()
 
-    assert [(r.learner, r.incarnation, r.restored_from, r.step) for r in rt.rejoins] == [(1, 1, 10, 10)]
+    assert [(r.learner, r.incarnation, r.restored_from, r.step) for r in rt.rejoins] == [(1, 1, 10, 13)]
     assert [u.ls.step for u in rt.units] == [STEPS] * M and rt.units[1].ls.incarnation == 1
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    assert rt.tokens.processed == ((STEPS + 13 + STEPS - 10) * tokens_per_step,) * P
+    assert rt.tokens.processed == ((STEPS + 13 + STEPS - 13) * tokens_per_step,) * P
     assert summary["token_ledger_imbalance"] == 0 and sum(rt.tokens.lost) > 0
     assert rt.syncer.live == {0: 0, 1: 1}
     assert timeline.seconds(rt.time)[1]["restarting"] >= 0.2

@@ -8,9 +8,12 @@ read again from its start (docs/data.md#resume).
 
 When a learner comes back it always takes the syncer's current Theta as its parameters: a crashed
 learner's own weights are at best a few merges old, and a brand-new one must never seed the global
-model. What a checkpoint is worth keeping is the inner optimizer's state (AdamW moments) and the
-step (the learning-rate schedule and the data position): they are kept when no fragment has moved
-more than `max_rejoin_staleness` versions since the checkpoint, and reset otherwise.
+model. What a checkpoint is worth keeping is the inner optimizer's state (AdamW moments): it is kept
+when no fragment has moved more than `max_rejoin_staleness` versions since the checkpoint, and reset
+otherwise. Either way the learner resumes at the step where the dead incarnation stopped (its
+learning-rate schedule and data position): the steps that incarnation trained after its
+checkpoint were sent and merged, or booked lost, so training their samples again would put them
+into Theta twice (docs/algorithm.md#failures-and-rejoin).
 
 A checkpoint is used only if it verifies (diloco/checkpoint.py), has every field, and is from this
 learner's past: written by an earlier incarnation of it, at or before the step where the dead one
@@ -42,7 +45,7 @@ class Rejoin(NamedTuple):
 
     learner: int
     incarnation: int
-    step: int  # the step it resumes at
+    step: int  # the step it resumes at: where the dead incarnation stopped, or the schedule's
     restored_from: int | None  # checkpoint step whose optimizer state it kept; None = fresh
     staleness: int  # most versions any fragment moved since that checkpoint (-1 without one)
 
@@ -155,13 +158,14 @@ def usable(m: int, incarnation: int, syncer_state: sync.SyncerState, stopped_at:
 def rejoin_unit(setup: Setup, m: int, incarnation: int, syncer_state: sync.SyncerState,
                 checkpoints: LearnerCheckpoints, max_staleness: int, fallback_step: int,
                 at_least: int = 0) -> tuple[LearnerUnit, Rejoin]:
-    """A restarted learner m under `incarnation`: parameters from the syncer's current Theta; the
-    inner optimizer state and step from its newest checkpoint if fresh enough, else a fresh
-    optimizer at `fallback_step` (where the dead incarnation stopped). `at_least` moves the step
+    """A restarted learner m under `incarnation` at `fallback_step` (where the dead incarnation
+    stopped): parameters from the syncer's current Theta; the inner optimizer state from its newest
+    checkpoint if fresh enough, else a fresh optimizer. `at_least` moves the step
     forward (runtime.rejoin_at=schedule: take up the step the other learners are at, skipping the
     steps missed while down, so the fragment schedule is in phase with theirs again). A checkpoint
     that cannot be used is skipped (see `usable`); this never raises for one."""
     target = setup.compiled[m % len(setup.compiled)].abstract_state
+    resume = max(fallback_step, at_least)
     try:
         found = checkpoints.latest(m, target, usable(m, incarnation, syncer_state, fallback_step))
     except Exception as err:  # noqa: BLE001 - an unreadable directory must not stop the rejoin
@@ -172,12 +176,12 @@ def rejoin_unit(setup: Setup, m: int, incarnation: int, syncer_state: sync.Synce
         step, state, meta = found
         stale = staleness(syncer_state, meta["versions"])
         if stale <= max_staleness:
+            # the stream's saved position at the checkpoint; it is taken up from there to `resume`
             restore_position(setup.spec.train, m, setup.spec.num_learners, step, meta)
-            unit = new_unit(setup, m, incarnation, syncer_state, max(step, at_least))
+            unit = new_unit(setup, m, incarnation, syncer_state, resume)
             unit.state = state.replace(params=unit.state.params, step=unit.state.step)
-            return unit, Rejoin(m, incarnation, unit.ls.step, step, stale)
+            return unit, Rejoin(m, incarnation, resume, step, stale)
     else:
         stale = -1
-    step = max(fallback_step, at_least)
-    return new_unit(setup, m, incarnation, syncer_state, step), Rejoin(m, incarnation, step, None, stale)
+    return new_unit(setup, m, incarnation, syncer_state, resume), Rejoin(m, incarnation, resume, None, stale)
 
