@@ -23,7 +23,7 @@ from diloco.experiments import runner
 from diloco.experiments.spec import ExperimentSpec, Job, Settings, Variant, hydra_configs, train_config
 
 NAME = "finetune_tasks"
-DRIFT_KEYS = ("drift_rel_max", "pseudograd_cos_mean")
+DRIFT_KEYS = ("drift_rel_max", "drift_l2_max", "pseudograd_cos_mean")
 
 
 @dataclass(frozen=True)
@@ -123,10 +123,18 @@ def _num(x, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
+def _drift(r: dict) -> str:
+    """The largest fragment's distance from the base over its norm, or its L2 where the base is
+    zero (LoRA's adapters)."""
+    if r.get("drift_rel_max") is not None:
+        return f"{r['drift_rel_max']:.4f} of the base"
+    return "-" if r.get("drift_l2_max") is None else f"L2 {r['drift_l2_max']:.3g}"
+
+
 def table(before: dict, rows: list[dict]) -> str:
     """One line per task and model (the base, then each run), in the order run."""
     head = ("| task | model | seed | metric [95% CI] | n | held-out masked loss | bytes sent | / data parallel | "
-            "drift (max rel.) | pseudo-grad cos | trained params | wall s |")
+            "drift: largest fragment's | pseudo-grad cos | trained params | wall s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for task, b in before.items():
         lines.append(f"| {task} | base | - | {b['metric']} {b['value']:.3f} [{b['low']:.3f}, {b['high']:.3f}] | "
@@ -135,7 +143,7 @@ def table(before: dict, rows: list[dict]) -> str:
             lines.append(f"| {task} | {r['variant']} | {r['seed']} | {r['metric']} {r['value']:.3f} "
                          f"[{r['low']:.3f}, {r['high']:.3f}] | {r['n']} | {r['eval_loss']:.4f} | "
                          f"{r['bytes'] / 1e9:.3f} GB | {_num(r['bytes_over_dp'], '.5f')} | "
-                         f"{_num(r.get('drift_rel_max'), '.4f')} | {_num(r.get('pseudograd_cos_mean'), '.3f')} | "
+                         f"{_drift(r)} | {_num(r.get('pseudograd_cos_mean'), '.3f')} | "
                          f"{r['trained_params']:,} | {r['wall_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
