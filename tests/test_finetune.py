@@ -145,8 +145,8 @@ def test_diloco_learners_train_sft_and_the_ledger_books_every_position(files, ki
     cfg = make_cfg(files, f"diloco-{kind}", algo="diloco", runtime=dict(kind=kind))
     _, corpus, _, _ = load_inputs(cfg)
     summary = run(cfg)
-    # two rounds (H = 2 of 4 steps); on a wall clock a loaded machine can let a learner's late
-    # contribution be overwritten first, and its round then closes with the final sync's (1 merge)
+    # two rounds (H = 2 of 4 steps); on a wall clock a late contribution may be overwritten first
+    # (see the merged share below), and a threads run at load 16 ended with 1 merge
     assert summary["token_ledger_imbalance"] == 0 and summary["merges"] in ((2,) if kind == "sim" else (1, 2))
     assert summary["tokens_processed"] == 2 * cfg.run.steps * cfg.data.batch_size * cfg.data.seq_len
     assistant = sum(sum(per_step(target_tokens, corpus, cfg, m, 2)) for m in range(2))
