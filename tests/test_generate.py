@@ -30,10 +30,12 @@ def _recompute_greedy(model, prompt, n):
     return seq[len(prompt):]
 
 
-@pytest.mark.parametrize("variant", [{}, {"positions": "learned", "norm": "layer", "mlp": "gelu",
-                                          "qkv_bias": True, "o_bias": True, "mlp_bias": True},
-                                     {"qk_norm": True, "head_dim": 8, "rope_scaling": "llama3",
-                                      "rope_original_max_len": 16}])
+# the architecture variants (5-7 s each) in the slow suite; the families' fixtures run by default
+@pytest.mark.parametrize("variant", [{}, pytest.param({"positions": "learned", "norm": "layer", "mlp": "gelu",
+                                                       "qkv_bias": True, "o_bias": True, "mlp_bias": True},
+                                                      marks=pytest.mark.slow),
+                                     pytest.param({"qk_norm": True, "head_dim": 8, "rope_scaling": "llama3",
+                                                   "rope_original_max_len": 16}, marks=pytest.mark.slow)])
 def test_kv_cache_greedy_equals_recomputing_the_sequence(variant):
     cfg = dataclasses.replace(TINY, **variant)
     model = build(cfg, 256, seed=3)
@@ -155,7 +157,7 @@ VARIANTS = [{}, {"positions": "learned", "norm": "layer", "mlp": "gelu", "qkv_bi
             {"qk_norm": True, "head_dim": 8, "rope_scaling": "llama3", "rope_original_max_len": 16}]
 
 
-@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+@pytest.mark.parametrize("variant", [0, *(pytest.param(v, marks=pytest.mark.slow) for v in range(1, len(VARIANTS)))])
 def test_device_loop_equals_the_per_token_loop_on_tiny_models(variant):
     cfg = dataclasses.replace(TINY, **VARIANTS[variant])
     model = build(cfg, 256, seed=3)
