@@ -2,7 +2,7 @@
 (configs/finetune_study.yaml, docs/finetuning.md).
 
     python scripts/finetune_study.py                                   # = make finetune, about an hour
-    python scripts/finetune_study.py 'overrides=[run.steps=8]' out_dir=/tmp/ft
+    python scripts/finetune_study.py 'overrides=["run.steps=8"]' out_dir=/tmp/ft
 """
 
 from __future__ import annotations
