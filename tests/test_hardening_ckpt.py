@@ -513,4 +513,5 @@ def test_a_damaged_learner_checkpoint_rejoins_exactly_or_falls_back(learner_worl
     assert bitwise_equal(jax.device_get(unit.state.opt_state), opt), (done, how)
     fresh = new_unit(setup, 1, 1, at_1, 8)
     assert bitwise_equal(jax.device_get(unit.state.params), jax.device_get(fresh.state.params))
-    assert how.restored_from == 8 or warned, (done, how)
+    # step 8 not restored: a warning says why, unless its whole directory is gone (nothing to warn of)
+    assert how.restored_from == 8 or warned or "delete 8" in done, (done, how)

@@ -229,9 +229,10 @@ def sigterm_once_started(run_dir, stop: threading.Event, sent: list):
 def test_sigterm_stops_every_process_and_gives_a_partial_summary(world, tmp_path):
     """SIGTERM to the supervisor (as from a process manager) mid-run: the learners checkpoint and
     exit, the syncer finishes with what it booked, RunStopped carries its summary."""
-    # Learner 1 keeps it going for seconds: paced (20 x 5 ms a step), so however fast the machine,
-    # the run cannot end before the SIGTERM lands.
-    cfg, setup, run_dir = variant(world, tmp_path, speeds=(1.0, 20.0), step_period_s=0.005)
+    # Both learners paced at 20 x 5 ms a step (2 s for the run), so however fast the machine, no
+    # learner can finish before the SIGTERM lands 0.5 s after the start (learner 0 at 5 ms a step
+    # once did, on a quiet machine, and exited 0 instead of 143).
+    cfg, setup, run_dir = variant(world, tmp_path, speeds=(20.0, 20.0), step_period_s=0.005)
     sent, stop = [], threading.Event()
     store, thread = sigterm_once_started(run_dir, stop, sent)
 
