@@ -3,6 +3,7 @@ promotion; the tests' one tiny configuration (tiny_model, tiny_cfg) and the help
 
 import dataclasses
 import os
+import threading
 
 from hypothesis import HealthCheck, settings
 
@@ -78,6 +79,20 @@ def diloco_world(cfg):
     evaluate_global = global_evaluator(cfg, corpus, model, setup)
     initial = evaluate_global({path: x for frag in setup.theta0 for path, x in frag.items()})
     return corpus, model, setup, evaluate_global, initial
+
+
+def alongside(background, run):
+    """run() while background(stop) runs on a thread of its own (what a test kills, forges or breaks
+    during a live run); `stop`, a threading.Event, is set and the thread joined once run() returns
+    or raises. Returns what run() returned."""
+    stop = threading.Event()
+    thread = threading.Thread(target=background, args=(stop,))
+    thread.start()
+    try:
+        return run()
+    finally:
+        stop.set()
+        thread.join()
 
 
 def load_scaled(bound_s: float, baseline_s: float, ratio: float = 1.0) -> float:

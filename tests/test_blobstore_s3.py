@@ -18,6 +18,7 @@ import pytest
 localbucket = pytest.importorskip("localbucket")
 
 import store_checks  # noqa: E402
+from conftest import alongside  # noqa: E402
 
 from diloco import store as bs  # noqa: E402
 from diloco.store import network  # noqa: E402
@@ -120,21 +121,13 @@ def test_a_reader_sees_the_old_or_the_new_object_never_a_mix(s3):
     writer, reader = bs.BlobStore(s3.url()), bs.BlobStore(s3.url())
     versions = [bytes([65 + i]) * (1 << 20) for i in range(4)]
     writer.put("down/latest", versions[0])
-    stop = threading.Event()
-
-    def rewrite():
+    def rewrite(stop):
         i = 0
         while not stop.is_set():
             i += 1
             writer.put("down/latest", versions[i % 4])
 
-    t = threading.Thread(target=rewrite)
-    t.start()
-    try:
-        reads = [reader.get("down/latest") for _ in range(40)]
-    finally:
-        stop.set()
-        t.join()
+    reads = alongside(rewrite, lambda: [reader.get("down/latest") for _ in range(40)])
     assert all(r in versions for r in reads) and len(set(reads)) > 1
 
 
@@ -299,9 +292,9 @@ def test_a_procs_run_rides_out_the_s3_server_down_for_3_s(world, tmp_path, s3):
     from diloco.runtime import procs
 
     cfg, setup, run_dir = variant(world, tmp_path, store=StoreConfig(f"s3://{BUCKET}/run", s3.endpoint, retry_s=30.0))
-    up, done, outage = s3.root / BUCKET / "run" / "up", threading.Event(), {}
+    up, outage = s3.root / BUCKET / "run" / "up", {}
 
-    def outage_once_traffic_flows():
+    def outage_once_traffic_flows(done):
         while not done.is_set() and not (up.is_dir() and any(up.rglob("*"))):
             time.sleep(0.05)
         if done.is_set():
@@ -312,13 +305,7 @@ def test_a_procs_run_rides_out_the_s3_server_down_for_3_s(world, tmp_path, s3):
         s3.start()
         outage["restarted"], outage["run_going"] = time.monotonic(), not done.is_set()
 
-    t = threading.Thread(target=outage_once_traffic_flows)
-    t.start()
-    try:
-        rt, summary = procs.run(cfg, setup, run_dir, None)
-    finally:
-        done.set()
-        t.join()
+    rt, summary = alongside(outage_once_traffic_flows, lambda: procs.run(cfg, setup, run_dir, None))
     assert outage.get("run_going"), outage  # the server came back while the run was still going
     _check_run(rt, summary, cfg)
     assert sorted(rt.exits) == [(f"learner-{m}", 0, 0) for m in range(M)]  # nobody crashed or restarted

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import diloco_world, tiny_cfg
+from conftest import alongside, diloco_world, tiny_cfg
 from test_data_grain import write_sets
 
 from diloco.runtime import threads
@@ -76,7 +76,6 @@ def test_a_killed_learner_process_saves_and_takes_up_its_stream_position(tmp_pat
     incarnation finishes the run with the ledger balanced."""
     import os
     import signal
-    import threading
 
     from diloco import store as bs
     from diloco.runtime import procs
@@ -88,9 +87,9 @@ def test_a_killed_learner_process_saves_and_takes_up_its_stream_position(tmp_pat
     corpus, _, setup, _, _ = diloco_world(cfg)
     run_dir = tmp_path / "run"
     run_dir.mkdir(exist_ok=True)
-    killed, stop = [], threading.Event()
+    killed = []
 
-    def killer():
+    def killer(stop):
         store, saved = bs.BlobStore(f"file://{run_dir}/store"), run_dir / "learners" / "learner-1"
         while not stop.is_set() and not killed:
             if saved.is_dir() and any(d.name.isdigit() for d in saved.iterdir()):
@@ -99,13 +98,7 @@ def test_a_killed_learner_process_saves_and_takes_up_its_stream_position(tmp_pat
                 killed.append(learner["incarnation"])
             stop.wait(0.01)
 
-    thread = threading.Thread(target=killer)
-    thread.start()
-    try:
-        rt, summary = procs.run(cfg, setup, run_dir, None)
-    finally:
-        stop.set()
-        thread.join()
+    rt, summary = alongside(killer, lambda: procs.run(cfg, setup, run_dir, None))
     assert killed == [0] and [(r["learner"], r["incarnation"]) for r in rt.rejoins] == [(1, 1)]
     assert rt.finished["complete"] and rt.finished["steps"] == {"0": 20, "1": 20}
     assert summary["token_ledger_imbalance"] == 0

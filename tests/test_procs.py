@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import replace
 
 import pytest
-from conftest import diloco_world, load_scaled, tiny_cfg
+from conftest import alongside, diloco_world, load_scaled, tiny_cfg
 
 from diloco import store as bs
 from diloco.algo import syncer as sync
@@ -105,9 +105,9 @@ def test_kill_9_learner_restarts_rejoins_and_balances(world, tmp_path):
     """kill -9 of learner 1's process mid-run: the supervisor restarts it as incarnation 1, which
     rejoins from the store's Theta; the syncer books the death, drops nothing twice, finishes."""
     cfg, setup, run_dir = variant(world, tmp_path, speeds=(1.0, 3.0), learner_checkpoint_every=4, restart_s=1.0)
-    killed, stop = [], threading.Event()
+    killed = []
 
-    def killer():
+    def killer(stop):
         """Kill learner 1 once it has checkpointed step 4 (Orbax renames a finished step into place)."""
         store, saved = bs.BlobStore(f"file://{run_dir}/store"), run_dir / "learners" / "learner-1"
         while not stop.is_set() and not killed:
@@ -118,13 +118,7 @@ def test_kill_9_learner_restarts_rejoins_and_balances(world, tmp_path):
                 killed.append((learner["incarnation"], max(steps)))
             stop.wait(0.01)
 
-    thread = threading.Thread(target=killer)
-    thread.start()
-    try:
-        rt, summary = procs.run(cfg, setup, run_dir, None)
-    finally:
-        stop.set()
-        thread.join()
+    rt, summary = alongside(killer, lambda: procs.run(cfg, setup, run_dir, None))
 
     assert killed and killed[0][0] == 0, killed
     assert ("learner-1", 0, -signal.SIGKILL) in rt.exits and ("learner-1", 1, 0) in rt.exits
@@ -149,9 +143,9 @@ def test_kill_9_syncer_restarts_from_its_checkpoint_and_skips_or_repeats_no_vers
     _, _, evaluate_global, initial = world
     cfg, setup, run_dir = variant(world, tmp_path, speeds=(1.0, 2.0))
     cfg = validate(replace(cfg, run=replace(cfg.run, checkpoint_every=4)))  # merges between checkpoints
-    killed, seen, stop = [], {}, threading.Event()
+    killed, seen = [], {}
 
-    def killer():
+    def killer(stop):
         store, saved, published = bs.BlobStore(f"file://{run_dir}/store"), run_dir / "syncer", None
         while not stop.is_set() and not killed:
             if saved.is_dir() and any(d.name.isdigit() for d in saved.iterdir()):  # renamed in when done
@@ -165,13 +159,7 @@ def test_kill_9_syncer_restarts_from_its_checkpoint_and_skips_or_repeats_no_vers
                     seen.update({p: fs.refs[-1] for p, fs in enumerate(view.fragments) if fs.version})
             stop.wait(0.005)
 
-    thread = threading.Thread(target=killer)
-    thread.start()
-    try:
-        rt, summary = procs.run(cfg, setup, run_dir, evaluate_global)
-    finally:
-        stop.set()
-        thread.join()
+    rt, summary = alongside(killer, lambda: procs.run(cfg, setup, run_dir, evaluate_global))
 
     assert killed and ("syncer", 0, -signal.SIGKILL) in rt.exits, (killed, rt.exits)
     assert rt.finished["complete"] and rt.finished["steps"] == {"0": STEPS, "1": STEPS}

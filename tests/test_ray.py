@@ -8,7 +8,6 @@ ledger and versions 1..n of every fragment."""
 
 import json
 import math
-import threading
 import time
 import warnings
 from dataclasses import replace
@@ -18,7 +17,7 @@ import pytest
 pytest.importorskip("ray")
 
 import ray  # noqa: E402
-from conftest import diloco_world  # noqa: E402
+from conftest import alongside, diloco_world  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from test_procs import STEPS, make_cfg, merge_versions  # noqa: E402
 
@@ -84,9 +83,9 @@ def variant(world, tmp_path, **run):
 
 def run_with(cfg, setup, evaluate, run_dir, fault):
     """The run, with `fault(store)` polled on a thread until it returns truthy (what it did)."""
-    done, stop = [], threading.Event()
+    done = []
 
-    def watch():
+    def watch(stop):
         store = bs.BlobStore(f"file://{run_dir}/store")
         while not stop.is_set() and not done:
             try:
@@ -97,13 +96,7 @@ def run_with(cfg, setup, evaluate, run_dir, fault):
                 done.append(found)
             stop.wait(0.05)
 
-    thread = threading.Thread(target=watch)
-    thread.start()
-    try:
-        rt, summary = procs.run(cfg, setup, run_dir, evaluate)
-    finally:
-        stop.set()
-        thread.join()
+    rt, summary = alongside(watch, lambda: procs.run(cfg, setup, run_dir, evaluate))
     return rt, summary, done
 
 

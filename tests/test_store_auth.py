@@ -5,10 +5,10 @@ lands on a key later (docs/design.md#damage-in-the-store)."""
 import json
 import logging
 import signal
-import threading
 from types import SimpleNamespace
 
 import pytest
+from conftest import alongside
 
 from diloco import report
 from diloco import store as bs
@@ -142,9 +142,9 @@ def test_a_live_procs_run_books_every_step_past_forged_events_and_a_forged_exit_
     learner 0 buried it and hung the run. Now both learners are booked to the end and the summary
     says what was ignored."""
     cfg, setup, run_dir = variant(world, tmp_path)
-    stop, forged = threading.Event(), []
+    forged = []
 
-    def forger():
+    def forger(stop):
         store = bs.BlobStore(f"file://{run_dir}/store")
         while not stop.is_set() and bs.read_control(store, "run") is None:  # the store is cleared before
             stop.wait(0.01)
@@ -156,13 +156,7 @@ def test_a_live_procs_run_books_every_step_past_forged_events_and_a_forged_exit_
         store.put(bs.ctl_key(child.died(0, 0)), b'{"at": 0.5, "exitcode": -9}')
         store.put(bs.LATEST, b"junk")  # before the first merge: the learners ignore it (the syncer rebuilds it)
 
-    thread = threading.Thread(target=forger)
-    thread.start()
-    try:
-        rt, summary = procs.run(cfg, setup, run_dir, None)
-    finally:
-        stop.set()
-        thread.join()
+    rt, summary = alongside(forger, lambda: procs.run(cfg, setup, run_dir, None))
     assert len(forged) > STEPS
     assert sorted(rt.exits) == [("learner-0", 0, 0), ("learner-1", 0, 0)]  # nobody buried alive
     assert rt.finished["complete"] and rt.finished["steps"] == {"0": STEPS, "1": STEPS}
