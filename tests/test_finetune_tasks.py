@@ -226,3 +226,23 @@ def test_miniature_study_writes_the_table_from_its_runs(tiny_ckpt, tmp_path):
     assert table[4].startswith("| task | model | seed | metric [95% CI] | n | held-out masked loss | bytes sent |")
     assert table[6].startswith("| add | base |") and table[7].startswith("| add | dp | 0 | exact_match")
     assert table[8].startswith("| add | diloco_m2 | 0 |") and f"| {dl['drift_rel_max']:.4f} of the base |" in table[8]
+
+
+def test_a_round_where_one_pseudo_gradient_dwarfs_the_other_has_no_cosine_and_never_raises():
+    """A fuzzed frame 1e20 times another's norm (tests/test_hardening.py's frame fuzz found it):
+    (sum ||v||)^2 - sum ||v||^2 cancelled to 0 and the merge divided by zero. The pairs are summed
+    one by one now, and a cosine that rounding put outside [-1, 1] is None."""
+    from types import SimpleNamespace
+
+    from diloco.algo import drift, roundsum
+    rule = SimpleNamespace(coefficients=lambda weight, norms: (1.0,) * len(norms), clip_rebuilds=False)
+    parts = (SimpleNamespace(weight=1.0, norms=(0.07,)), SimpleNamespace(weight=1.0, norms=(1e19,)))
+    total = np.array([1e19, 0.07, 0.0, 0.0], np.float32)
+    rs = SimpleNamespace(parts=parts, sums=(total,), scales=(1.0,))
+    assert roundsum.norm(total) > 0
+    assert drift.agreement(rs, rule, [1.0, 1.0]) is None
+    # ordinary vectors still give their cosine
+    a, b = np.array([1.0, 0.0], np.float32), np.array([1.0, 1.0], np.float32)
+    parts = (SimpleNamespace(weight=1.0, norms=(1.0,)), SimpleNamespace(weight=1.0, norms=(float(np.linalg.norm(b)),)))
+    rs = SimpleNamespace(parts=parts, sums=(a + b,), scales=(1.0,))
+    assert drift.agreement(rs, rule, [1.0, 1.0]) == pytest.approx(1 / np.sqrt(2), abs=1e-6)

@@ -38,8 +38,14 @@ def agreement(rs: roundsum.RoundSum, rule: MergeRule, clips: Sequence[float]) ->
         return None
     total = math.fsum((z * roundsum.norm(s)) ** 2 for s, z in zip(rs.sums, rs.scales) if s is not None)
     own = math.fsum(x * x for x in lengths)
-    pairs = math.fsum(lengths) ** 2 - own
-    return (total - own) / pairs
+    # sum over m < m' of 2 ||v_m|| ||v_m'||, summed pair by pair: (sum ||v||)^2 - own cancels to 0
+    # when one vector dwarfs the rest (a fuzzed 1e19 against 0.07 divided by zero)
+    pairs = math.fsum(2.0 * a * b for i, a in enumerate(lengths) for b in lengths[i + 1:])
+    cosine = (total - own) / pairs if pairs > 0 else math.nan
+    # the numerator cancels the same way: a value rounding put outside [-1, 1] says nothing
+    if not math.isfinite(cosine) or abs(cosine) > 1.0 + 1e-6:
+        return None
+    return max(-1.0, min(1.0, cosine))
 
 
 def distance(theta: Mapping, base: Mapping, fragments) -> list[dict]:
