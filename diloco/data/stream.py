@@ -248,8 +248,9 @@ class Feed:
 class GrainTrain:
     """Corpus.train of data=grain: every learner's stream (a Feed each, made on first use)."""
 
-    def __init__(self, recipe: Recipe):
+    def __init__(self, recipe: Recipe, learner_batch: tuple[int, ...] = ()):
         self.recipe = recipe
+        self.learner_batch = tuple(learner_batch)  # rows per step of each learner (runtime.learner_batch)
         self._feeds: dict[tuple[int, int], Feed] = {}
         self._locks: dict[tuple[int, int], threading.Lock] = {}
         self._lock = threading.Lock()
@@ -263,20 +264,24 @@ class GrainTrain:
                             f"held out), fewer than the {num_learners} learners: learner "
                             f"{n} would read nothing; use at most {n} learners or more records")
 
+    def rows(self, learner: int) -> int:
+        """A step's rows of learner: its runtime.learner_batch, else (or a later learner) data.batch_size."""
+        return self.learner_batch[learner] if learner < len(self.learner_batch) else self.recipe.batch_size
+
     def _feed(self, learner: int, num_learners: int) -> tuple[Feed, threading.Lock]:
         key = (learner, num_learners)
         with self._lock:
             if key not in self._feeds:
                 self.check_learners(num_learners)
-                self._feeds[key] = Feed(self.recipe, learner, num_learners)
+                self._feeds[key] = Feed(self.recipe._replace(batch_size=self.rows(learner)), learner, num_learners)
                 self._locks[key] = threading.Lock()
             return self._feeds[key], self._locks[key]
 
     def batch_at(self, *, learner: int, num_learners: int, step: int, batch_size: int) -> dict:
         """The first batch_size rows of learner's batch at step (fewer: a learner that lost slices)."""
-        if batch_size > self.recipe.batch_size:
-            raise DataError(f"batch_size={batch_size} is more than data.batch_size={self.recipe.batch_size}, "
-                            "the rows a step of data=grain makes")
+        if batch_size > self.rows(learner):
+            raise DataError(f"batch_size={batch_size} is more than the {self.rows(learner)} rows a step of "
+                            f"learner {learner} makes (data.batch_size or runtime.learner_batch) with data=grain")
         feed, lock = self._feed(learner, num_learners)
         with lock:
             batch, _ = feed.get(step)
