@@ -130,7 +130,7 @@ def global_evaluator(cfg: TrainConfig, corpus: Corpus, model: Model, setup,
 
     if tasks is None:
         return during_run.Evaluator(evaluate_global)
-    return during_run.Evaluator(evaluate_global, lambda theta, step: tasks(params_of(model, theta), step))
+    return during_run.Evaluator(evaluate_global, lambda theta, step, final=None: tasks(params_of(model, theta), step, final))
 
 
 def params_of(model: Model, theta_by_path: dict) -> dict:

@@ -85,15 +85,16 @@ def test_data_parallel_run_scores_tasks_at_step_0_every_n_steps_and_the_end(tmp_
 def test_sim_run_scores_the_global_model(tmp_path):
     cfg = text_cfg(tmp_path, "sim")
     summary = run(cfg)
-    # every eval (2, 4, 6 of learner 0), then the final model once more after the last merges
-    check_run(cfg, summary, [0, 2, 4, 6, 6])
+    # every eval (2, 4 of learner 0), and the last step once: the final model, after the last
+    # merges (the eval before them at step 6 has its loss only)
+    check_run(cfg, summary, [0, 2, 4, 6])
 
 
 @pytest.mark.slow
 def test_threads_run_scores_the_global_model(tmp_path):
     cfg = text_cfg(tmp_path, "threads", generative=True, eval_tasks_every=4)
     summary = run(cfg)
-    check_run(cfg, summary, [0, 4, 6, 6])
+    check_run(cfg, summary, [0, 4, 6])
 
 
 def test_the_scorer_scores_at_step_0_every_n_steps_and_the_last_the_full_models_params(tmp_path):
@@ -107,9 +108,12 @@ def test_the_scorer_scores_at_step_0_every_n_steps_and_the_last_the_full_models_
     assert [s for s, f in got.items() if f] == [0, 4, 6]  # the base model, every 4 steps, the last
     assert got[4] == pytest.approx(scores_of(cfg, model, other.params, tokenizer))
     assert set(got[0]) == {"eval/toy_mc/acc", "eval/toy_mc/acc_norm"}
-    evaluator = during_run.Evaluator(lambda theta: 1.5, lambda theta, step: tasks(model.params, step))
+    evaluator = during_run.Evaluator(lambda theta: 1.5, lambda theta, step, final: tasks(model.params, step, final))
     assert evaluator({}) == 1.5 and during_run.fields(evaluator, {}, 4) == got[4]
     assert during_run.fields(lambda theta: 1.5, {}, 4) == {} and not during_run.scores_tasks(lambda theta: 1.5)
+    # a DiLoCo runtime scores the last step once: in its eval after the final merges
+    assert tasks(model.params, 6, final=False) == {} and tasks(model.params, 6, final=True) == got[6]
+    assert tasks(model.params, 5, final=True) == got[4] and tasks(model.params, 4, final=False) == got[4]
     every_eval = during_run.run_tasks(text_cfg(tmp_path / "b"), model, tokenizer, full=lambda p: p)
     assert [s for s in range(7) if every_eval.due(s)] == [0, 2, 4, 6]  # eval_tasks_every=0: at every eval
 

@@ -41,12 +41,17 @@ class RunTasks(NamedTuple):
     steps: int
     limit: int
 
-    def due(self, step: int) -> bool:
-        return step == 0 or report.due(step, self.every, self.steps)
+    def due(self, step: int, final: bool | None = None) -> bool:
+        """Whether scores are due at `step`. `final`: None from a trainer with one eval a step;
+        from a DiLoCo runtime, True for its eval after the final merges and False for the ones
+        before, so the last step is scored once, on the model that is exported."""
+        if final is False and step >= self.steps:
+            return False
+        return step == 0 or final is True or report.due(step, self.every, self.steps)
 
-    def __call__(self, params, step: int) -> dict[str, float]:
+    def __call__(self, params, step: int, final: bool | None = None) -> dict[str, float]:
         """{eval/<task>/<metric>: value} of `params` at `step`; {} when none are due."""
-        if not self.due(step):
+        if not self.due(step, final):
             return {}
         from diloco.hf import Pretrained
         pre = Pretrained(self.model._replace(params=self.full(params)), self.config, 0, self.tokenizer, "run")
@@ -69,17 +74,17 @@ class Evaluator(NamedTuple):
     """What a runtime calls with the global model ({path: array}): its eval loss, as a plain
     evaluator; `tasks(theta, step)` adds the downstream scores due at that step (fields)."""
     loss: Callable[[dict], float]
-    tasks: Callable[[dict, int], dict] | None = None
+    tasks: Callable[..., dict] | None = None  # (theta, step, final) -> fields, RunTasks.__call__
 
     def __call__(self, theta: dict) -> float:
         return self.loss(theta)
 
 
-def fields(evaluate, theta, step: int) -> dict[str, float]:
+def fields(evaluate, theta, step: int, final: bool | None = None) -> dict[str, float]:
     """The task scores an eval record at `step` carries: {} from an evaluator without tasks (a
-    plain loss function) or when none are due."""
+    plain loss function) or when none are due (`final`: RunTasks.due)."""
     tasks = getattr(evaluate, "tasks", None)
-    return {} if tasks is None else tasks(theta, step)
+    return {} if tasks is None else tasks(theta, step, final)
 
 
 def scores_tasks(evaluate) -> bool:

@@ -60,7 +60,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
         summary = rt.run()
         if evaluate is not None:
             rt.record_eval(rt.finished["time"], rt.finished["steps"]["0"], rt.theta, rt.finished["processed0"],
-                           rt.finished["merges"])
+                           rt.finished["merges"], final=True)
             summary["eval_loss"] = rt.evals[-1][2]
         summary["tokens_at_start"] = rt.tokens_at_start  # a resumed run's rates are its own (run.py)
         if writer is not None:

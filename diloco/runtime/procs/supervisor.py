@@ -367,12 +367,12 @@ class Procs:
                 self.rejoins.append(record)
             self._write(record)
 
-    def record_eval(self, t: float, step: int, theta: dict, tokens: int, merges: int) -> None:
+    def record_eval(self, t: float, step: int, theta: dict, tokens: int, merges: int, final: bool = False) -> None:
         """Evaluate Theta as of (t, step) and write its eval record."""
         loss = self.evaluate(theta)
         self.evals.append((t, step, loss))
         self._write({"kind": "eval", "step": step, "time": t, "tokens": tokens, "eval_loss": loss,
-                     "merges": merges, **during_run.fields(self.evaluate, theta, step)})
+                     "merges": merges, **during_run.fields(self.evaluate, theta, step, final)})
 
     def _write(self, record: dict) -> None:
         if self.writer is not None:

@@ -77,7 +77,7 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None, evaluate: Callable
                 return sim, None
 
             def last_eval() -> float:
-                sim._eval(sim.now)
+                sim._eval(sim.now, final=True)
                 return sim.evals[-1][2]
 
             return sim, close_run(run_dir, writer, summary, start, last_eval if evaluate is not None else None,

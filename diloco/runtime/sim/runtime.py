@@ -315,12 +315,12 @@ class Sim(HostedRuntime):
         self.push(self.link_down[m] + r.latency, "fragment", m, frame)
 
     # --- outputs ------------------------------------------------------------------------------
-    def _eval(self, t: float) -> None:
+    def _eval(self, t: float, final: bool = False) -> None:
         theta = sync.theta(self.syncer)
         loss = self.evaluate(theta)
         step = self.units[0].ls.step
         self.evals.append((t, step, loss))
-        scores = during_run.fields(self.evaluate, theta, step)  # run.eval_tasks, when due
+        scores = during_run.fields(self.evaluate, theta, step, final)  # run.eval_tasks, when due
         if self.writer is not None:
             tokens = int(self.tokens.processed[0])
             self.writer.write({"kind": "eval", "step": step, "time": t, "tokens": tokens,

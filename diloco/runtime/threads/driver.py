@@ -52,7 +52,8 @@ def run(cfg: TrainConfig, setup: Setup, run_dir: Path | None,
                 raise
 
             def last_eval() -> float:
-                rt._eval(rt.end, rt.steps[0], sync.theta(rt.syncer), int(rt.tokens.processed[0]), rt.syncer.merges)
+                rt._eval(rt.end, rt.steps[0], sync.theta(rt.syncer), int(rt.tokens.processed[0]), rt.syncer.merges,
+                         final=True)
                 return rt.evals[-1][2]
 
             return rt, close_run(run_dir, writer, summary, start, last_eval if evaluate is not None else None,

@@ -366,12 +366,12 @@ class Threads(StopAndResume, HostedRuntime):
             with self._write_lock:
                 self.writer.write(record)
 
-    def _eval(self, t: float, step: int, theta: dict, tokens: int, merges: int) -> None:
+    def _eval(self, t: float, step: int, theta: dict, tokens: int, merges: int, final: bool = False) -> None:
         theta = {path: np.array(x, copy=True) for path, x in theta.items()}  # copy on receive
         loss = self.evaluate(theta)
         self.evals.append((t, step, loss))
         self._write({"kind": "eval", "step": step, "time": t, "tokens": tokens,
-                     "eval_loss": loss, "merges": merges, **during_run.fields(self.evaluate, theta, step)})
+                     "eval_loss": loss, "merges": merges, **during_run.fields(self.evaluate, theta, step, final)})
 
     def summary(self) -> dict:
         # Peak rates over windows of one (slowest measured) step, as sim uses its modelled step time.
