@@ -67,8 +67,12 @@ def load_inputs(cfg: TrainConfig, weights: bool = True) -> Inputs:
     weights = weights or cfg.finetune.lora.rank > 0
     cfg, pre = load_checkpoint(cfg, weights)
     corpus = load_corpus(cfg.data, None if pre is None else pre.tokenizer, cfg.run.seed)
-    if hasattr(corpus.train, "check_learners"):  # data=grain: every learner's shard holds records
-        corpus.train.check_learners(cfg.runtime.learners if cfg.algo == "diloco" else 1)
+    if hasattr(corpus.train, "in_world"):  # data=grain: every learner's shard holds records for its processes
+        diloco = cfg.algo == "diloco"
+        processes = cfg.runtime.world.processes_per_learner if diloco else 1
+        corpus.train.check_learners(cfg.runtime.learners if diloco else 1, processes)
+        # read as the learners' worlds read it: each process its own part (docs/data.md#sharding)
+        corpus = dataclasses.replace(corpus, train=corpus.train.in_world(processes))
     if pre is not None:
         model = pre.model
     elif weights:

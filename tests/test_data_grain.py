@@ -9,7 +9,7 @@ import pytest
 
 from diloco.config import DataConfig
 from diloco.data import DataError, load_corpus, train_batch
-from diloco.data.stream import Feed
+from diloco.data.pipeline import Feed
 
 SEQ, B = 32, 4
 
@@ -118,7 +118,7 @@ def test_a_restored_position_gives_the_same_batches_without_replaying(sets):
     fresh.restore(1, 2, 6, state)
     got = [fresh.records(learner=1, num_learners=2, step=s) for s in (6, 7, 8)]
     assert all((a == b).all() for a, b in zip(got, want[6:]))
-    feed: Feed = fresh._feeds[(1, 2)]
+    feed: Feed = fresh._feeds[(1, 2, 0)]
     assert min(feed.made) == 6  # read from the restored state on, not replayed from step 0
     # a state of another pipeline (other workers, other files) is replayed from the start instead
     c.train.close()
@@ -226,7 +226,7 @@ def test_worker_processes_give_a_deterministic_restorable_stream(sets):
     state = a.position(0, 2, 4)
     b.restore(0, 2, 4, state)
     assert all((b.records(learner=0, num_learners=2, step=s) == want[s]).all() for s in (4, 5))
-    assert min(b._feeds[(0, 2)].made) == 4
+    assert min(b._feeds[(0, 2, 0)].made) == 4
     a.close()
     b.close()
 

@@ -42,7 +42,7 @@ def test_a_killed_learner_resumes_its_shard_where_its_checkpoint_says(tmp_path, 
     resumed = KILL_AT + 1  # where incarnation 0 stopped, not the checkpoint's step
     assert [(r.learner, r.incarnation, r.restored_from, r.step) for r in rt.rejoins] == [(1, 1, restored, resumed)]
     # the checkpoint carried the iterator state, and the rejoin handed it to the stream
-    assert restored in train._feeds[(1, 2)].pinned
+    assert restored in train._feeds[(1, 2, 0)].pinned
 
     # The same stream, made afresh from nothing but the data: what each step should train.
     fresh = type(train)(train.recipe)
@@ -114,7 +114,7 @@ def test_a_killed_learner_process_saves_and_takes_up_its_stream_position(tmp_pat
     replayed = type(corpus.train)(corpus.train.recipe)
     assert (fresh.records(learner=1, num_learners=2, step=step)
             == replayed.records(learner=1, num_learners=2, step=step)).all()
-    assert min(fresh._feeds[(1, 2)].made) == step  # taken up from the saved state
+    assert min(fresh._feeds[(1, 2, 0)].made) == step  # taken up from the saved state
     for t in (fresh, replayed, corpus.train):
         t.close()
 
@@ -147,7 +147,7 @@ def test_a_resumed_data_parallel_run_takes_up_its_stream_and_matches_an_uninterr
     again = load_corpus(half.data)
     resumed, _ = train_dp(replace(half, run=replace(half.run, resume=True)), again, model, mesh, Path(half.run.out_dir))
     assert int(first.step) == 6 and int(resumed.step) == 12
-    feed = again.train._feeds[(0, 1)]
+    feed = again.train._feeds[(0, 1, 0)]
     assert 6 in feed.pinned and min(feed.made) >= 6 and 0 not in feed.made  # taken up at step 6
     for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

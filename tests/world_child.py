@@ -3,6 +3,7 @@ the loop the test's one-process reference runs, so both drive LearnerUnit the sa
 
     python tests/world_child.py train <index> <processes> <port> <out_dir> <steps>
     python tests/world_child.py spin  <index> <processes> <port> <out_dir> <nap_s>
+    python tests/world_child.py grain <index> <processes> <port> <out_dir> <steps>
 
 train: ONE learner over every process's devices runs `steps` inner steps of the tiny model
 (configs/model/tiny.yaml) against a K = 1 syncer that only the leader runs; the merges reach the
@@ -10,6 +11,9 @@ followers through world.mirror_frames. Each process writes p<index>.npz (losses,
 gathered params, every contribution frame) and p<index>.json (the broadcast check, timings).
 spin: a jitted all-reduce over the world in a loop, `nap_s` between steps, each step appended to
 p<index>.steps, until a peer's death ends the process (the kill test).
+grain: each process reads its own part of learner 1's data=grain stream (tests/test_data_grain_world.py),
+places its rows with world.global_batch, saves its position half-way (world.all_gather) and resumes
+a fresh stream from it; p<index>.json has its record ids, p0.npz the gathered batches.
 """
 
 from __future__ import annotations
@@ -176,6 +180,41 @@ def spin(index: int, processes: int, port: int, out: Path, nap: float) -> None:
     spin_steps(f"127.0.0.1:{port}", processes, index, out / f"p{index}.steps", nap, 0)
 
 
+def grain(index: int, processes: int, port: int, out: Path, steps: int) -> None:
+    from diloco.runtime import world
+
+    world.join_world(f"127.0.0.1:{port}", processes, index, timeout_s=60, heartbeat_s=5, cpu_devices=8 // processes)
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from test_data_grain import grain_cfg
+
+    from diloco.data import load_corpus
+    from diloco.data.stream import for_process, restore_position, saved_position
+
+    cfg = grain_cfg(out.parent, ["d.jsonl", "d.parquet"], too_long="split", batch_size=8)
+    stream = lambda: for_process(load_corpus(cfg).train, jax.process_index(), jax.process_count())  # noqa: E731
+    train, cut = stream(), steps // 2
+    sharding = dict.fromkeys(("tokens", "segments", "positions", "targets"),
+                             NamedSharding(world.learner_mesh_global(8, 8), P(("data", "fsdp"))))
+    records, gathered, meta = [], {}, None
+    for s in range(steps):
+        local = train.batch_at(learner=1, num_learners=2, step=s, batch_size=8)
+        back = world.gather_to_leader(world.global_batch(local, sharding, 8))
+        records.append(train.records(learner=1, num_learners=2, step=s).tolist())
+        gathered.update({f"{k}{s}": v for k, v in (back or {}).items()})
+        if s + 1 == cut:  # a checkpoint at step `cut`: every process's position, on every process
+            meta = saved_position(train, 1, 2, cut, world.all_gather)
+    again = stream()
+    restore_position(again, 1, 2, cut, meta)
+    resumed = [again.records(learner=1, num_learners=2, step=s).tolist() for s in range(cut, steps)]
+    if gathered:
+        np.savez(out / f"p{index}.npz", **gathered)
+    (out / f"p{index}.json").write_text(json.dumps({
+        "records": records, "resumed": resumed, "meta": meta, "rows": len(local["tokens"]),
+        "taken_up": min(again._feeds[(1, 2, index)].made) == cut}))
+    world.leave_world()
+
+
 def member(out: str, learner: int, incarnation: int, steps: int, nap: float, spec) -> None:
     """A member of learner `learner`'s world (world_group.WorldGroup's target): its steps go to
     l<learner>-i<incarnation>-p<index>.steps under `out`."""
@@ -188,5 +227,5 @@ if __name__ == "__main__":
     mode, index, processes, port, out, arg = sys.argv[1:7]
     sys.path.insert(0, str(ROOT))
     os.chdir(ROOT)
-    (train if mode == "train" else spin)(int(index), int(processes), int(port), Path(out),
-                                         (int if mode == "train" else float)(arg))
+    {"train": train, "spin": spin, "grain": grain}[mode](int(index), int(processes), int(port), Path(out),
+                                                         (float if mode == "spin" else int)(arg))

@@ -3,8 +3,8 @@
 Reference: docs/design.md#data (the data position is a pure function of learner and step).
 """
 
-from diloco.data.batches import (assistant_tokens, batch_at, eval_batches, held_out, shard_bounds, target_tokens,
-                                 train_batch, trained_tokens)
+from diloco.data.batches import (assistant_tokens, batch_at, batch_share, eval_batches, held_out, shard_bounds,
+                                 target_tokens, train_batch, trained_tokens)
 from diloco.data.corpus import Corpus, load_corpus, unigram_loss
 from diloco.data.errors import DataError
 from diloco.data.tokenizer import Tokenizer, byte_tokenizer
@@ -15,6 +15,7 @@ __all__ = [
     "Tokenizer",
     "assistant_tokens",
     "batch_at",
+    "batch_share",
     "byte_tokenizer",
     "eval_batches",
     "held_out",

@@ -104,6 +104,13 @@ def train_batch(train, *, seed: int, learner: int, num_learners: int, step: int,
                     batch_size=batch_size, seq_len=seq_len, shard_block=shard_block)
 
 
+def batch_share(train) -> int:
+    """How many processes' rows make one learner batch of train_batch's: P for a process of a
+    learner's world of P reading its own part of data=grain's stream (docs/data.md#sharding),
+    which places its rows with world.global_batch; 1 when every process makes the whole batch."""
+    return train.share if isinstance(train, GrainTrain) else 1
+
+
 def trained_tokens(batch) -> int:
     """Tokens a batch trains on: the positions the step computes, B x L, of windows and of packed
     rows alike (prompt and padding included: the FLOPs are spent on every one). What the records,

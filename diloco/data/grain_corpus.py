@@ -16,9 +16,10 @@ import numpy as np
 
 from diloco.data import remote, sft, sources
 from diloco.data.errors import DataError
+from diloco.data.pipeline import Recipe, document, pieces
 from diloco.data.records import FileSet
 from diloco.data.store import build_atomically
-from diloco.data.stream import GrainTrain, Recipe, document, pieces
+from diloco.data.stream import GrainTrain
 from diloco.data.tokenizer import byte_tokenizer, load_bpe, save_bpe, train_bpe
 
 log = logging.getLogger(__name__)

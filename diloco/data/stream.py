@@ -1,330 +1,197 @@
-"""data=grain: records read by index, tokenised on the fly, packed into rows with segment ids,
-through a Grain pipeline per learner; a learner's batch at a step is still a pure function of
-(seed, learner, step), and Grain's iterator state makes reaching it cheap.
+"""data=grain's learner streams: a Grain pipeline per learner (pipeline.py), or per process of a
+learner's world, each reading its own part; a learner's batch at a step is still a pure function
+of (seed, learner, step), and Grain's iterator states, saved in checkpoints, make reaching it cheap.
 
-Reference: docs/data.md (formats, sharding, shuffling, packing, resume).
+Reference: docs/data.md (sharding, resume), docs/multihost.md.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
-from typing import Any, Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 
-from diloco.data import sft
 from diloco.data.errors import DataError
-from diloco.data.records import FileSet
+from diloco.data.pipeline import Feed, Recipe, shard_size
 
 log = logging.getLogger(__name__)
 
-SHUFFLE_BLOCK = 1024  # records of a learner's shard shuffled together: reads stay near each other
-EPOCHS = 1 << 20  # the stream repeats its shard, reshuffled each pass; enough passes for any run
-KEEP_STATES = 8  # iterator states a feed keeps of the steps it made last (besides restored ones)
-
-
-class Recipe(NamedTuple):
-    """Everything a learner's stream is made of; pickled into Grain's worker processes."""
-
-    files: FileSet
-    n_train: int  # records [0, n_train) train; the rest are held out
-    encode: Callable[[str], np.ndarray] | None  # text -> int32 ids; None: records are ids already
-    chat: Any  # the checkpoint's tokenizer when records are conversations (data.chat_field), else None
-    text_field: str
-    chat_field: str
-    width: int  # seq_len + 1 tokens a row
-    too_long: str  # truncate | drop | split
-    on_bad: str  # error | skip
-    vocab_size: int
-    seed: int
-    batch_size: int
-    workers: int
-
-
-def document(r: Recipe, i: int) -> sft.Example | None:
-    """Record i as token ids and the mask of the tokens the loss counts (all of a text; the
-    assistant's of a conversation); None for one with nothing to train on, or a bad one skipped."""
-    try:
-        rec = r.files.read(i)
-        if isinstance(rec, np.ndarray):
-            ids, mask = rec.astype(np.int32), None
-        elif r.chat is not None:
-            messages = rec.get(r.chat_field) if isinstance(rec, dict) else None
-            if not isinstance(messages, list):
-                raise DataError(f"{r.files.describe(i)}: field {r.chat_field!r} is "
-                                f"{type(messages).__name__}, not a list of messages; set data.chat_field")
-            ex = sft.render(r.chat, sft._conversation({"messages": messages}, r.files.describe(i)))
-            ids, mask = ex.ids, ex.mask
-        else:
-            text = rec if isinstance(rec, str) else rec.get(r.text_field)
-            if not isinstance(text, str):
-                found = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-                raise DataError(f"{r.files.describe(i)}: no string field {r.text_field!r} (found {found}); "
-                                "set data.text_field")
-            ids, mask = r.encode(text), None
-        if len(ids) and (ids.min() < 0 or ids.max() >= r.vocab_size):
-            raise DataError(f"{r.files.describe(i)}: token ids span [{ids.min()}, {ids.max()}], outside "
-                            f"the vocabulary of {r.vocab_size}; set data.vocab_size")
-    except DataError:
-        if r.on_bad == "error":
-            raise
-        return None
-    return sft.Example(ids, np.ones(len(ids), bool) if mask is None else mask)
-
-
-def pieces(r: Recipe, ex: sft.Example) -> list[sft.Example]:
-    """A document as the segments it becomes: cut to a row (truncate), left out (drop) or cut
-    into row-long pieces (split) when longer than one; a piece with nothing to predict is left out."""
-    w = r.width
-    if len(ex.ids) <= w:
-        out = [ex]
-    elif r.too_long == "truncate":
-        out = [sft.Example(ex.ids[:w], ex.mask[:w])]
-    elif r.too_long == "drop":
-        out = []
-    else:
-        out = [sft.Example(ex.ids[k:k + w], ex.mask[k:k + w]) for k in range(0, len(ex.ids), w)]
-    return [e for e in out if len(e.ids) > 1 and e.mask[1:].any()]
-
-
-def shard_size(n_train: int, learner: int, num_learners: int) -> int:
-    """Records of learner's shard: record j is learner (j mod M)'s, so shards are disjoint."""
-    return max(0, (n_train - learner + num_learners - 1) // num_learners)
-
-
-class Order:
-    """The k-th record of learner m's stream: its shard in a seeded order per pass, shuffled
-    in blocks of SHUFFLE_BLOCK consecutive records (the blocks' order, then the records'
-    within each), so a pass reads each region of the files once (docs/data.md#shuffling)."""
-
-    def __init__(self, seed: int, learner: int, num_learners: int, n_train: int):
-        self.seed, self.m, self.M = seed, learner, num_learners
-        self.n = shard_size(n_train, learner, num_learners)
-        self._cache: dict = {}
-
-    def _perm(self, epoch: int, block: int):
-        """block -1: the pass's block order with each block's size and end; else block's order."""
-        key = (epoch, block)
-        if key not in self._cache:
-            if len(self._cache) > 64:
-                self._cache.clear()
-            if block < 0:
-                blocks = np.random.default_rng([self.seed, self.m, epoch]).permutation(-(-self.n // SHUFFLE_BLOCK))
-                sizes = np.minimum(SHUFFLE_BLOCK, self.n - blocks * SHUFFLE_BLOCK)
-                self._cache[key] = (blocks, sizes, np.cumsum(sizes))
-            else:
-                size = min(SHUFFLE_BLOCK, self.n - block * SHUFFLE_BLOCK)
-                self._cache[key] = np.random.default_rng([self.seed, self.m, epoch, block]).permutation(size)
-        return self._cache[key]
-
-    def __call__(self, k: int) -> int:
-        epoch, r = divmod(int(k), self.n)
-        blocks, sizes, ends = self._perm(epoch, -1)
-        j = int(np.searchsorted(ends, r, side="right"))
-        b = int(blocks[j])
-        local = b * SHUFFLE_BLOCK + int(self._perm(epoch, b)[r - (ends[j] - sizes[j])])
-        return self.m + local * self.M
-
-
-class _Read:
-    """index in the stream -> (record id, example) or None; picklable for Grain's workers."""
-
-    def __init__(self, recipe: Recipe, order: Order):
-        self.recipe, self.order = recipe, order
-
-    def __call__(self, k):
-        i = self.order(k)
-        ex = document(self.recipe, i)
-        return None if ex is None else (i, ex)
-
-
-def _split_transform(recipe: Recipe):
-    import grain.experimental as ge
-
-    class Split(ge.FlatMapTransform):
-        max_fan_out = 1  # not read by the iterator form of flat_map
-
-        def flat_map(self, element):
-            i, ex = element
-            return [{"tokens": e.ids, "mask": e.mask, "doc": np.full(len(e.ids), i, np.int64)}
-                    for e in pieces(recipe, ex)]
-
-    return Split()
-
-
-def dataset(recipe: Recipe, learner: int, num_learners: int):
-    """Learner m's Grain pipeline: ordered records read and tokenised, cut to rows, packed first
-    fit into rows of `width` tokens (segment ids and positions per document), batched; with
-    data.workers > 0, made by that many worker processes."""
-    import grain
-    import grain.experimental as ge
-
-    order = Order(recipe.seed, learner, num_learners, recipe.n_train)
-    ds = grain.MapDataset.range(order.n * EPOCHS).map(_Read(recipe, order))
-    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=64))
-    ds = ge.FlatMapIterDataset(ds, _split_transform(recipe))
-    w = recipe.width
-    ds = ge.FirstFitPackIterDataset(ds, length_struct={"tokens": w, "mask": w, "doc": w},
-                                    num_packing_bins=max(recipe.batch_size, 8), seed=recipe.seed + learner)
-    ds = ds.batch(recipe.batch_size, drop_remainder=True)
-    if recipe.workers > 0:
-        _grain_flags()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=recipe.workers))
-    return ds
-
-
-def _grain_flags() -> None:
-    """Grain's worker processes read absl flags, which a program that never ran absl.app has not
-    parsed: take their defaults."""
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
-
-
-def as_batch(packed: dict) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Grain's packed batch as the train step's (diloco/data/sft.py Rows' fields) and the record
-    id of every token (-1 on padding)."""
-    seg = packed["tokens_segment_ids"].astype(np.int32)
-    targets = packed["mask"][:, 1:].astype(bool) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
-    batch = {"tokens": packed["tokens"].astype(np.int32), "segments": seg,
-             "positions": packed["tokens_positions"].astype(np.int32), "targets": targets}
-    return batch, np.where(seg > 0, packed["doc"], -1)
-
-
-class Feed:
-    """One learner's stream, positioned: the batch at a step comes from the live iterator when
-    asked in order, else from the newest iterator state at or before it (restored from a
-    checkpoint, or kept) played forward, else from the start. Not thread-safe (GrainTrain locks)."""
-
-    def __init__(self, recipe: Recipe, learner: int, num_learners: int):
-        self.recipe, self.learner, self.M = recipe, learner, num_learners
-        self.ds = dataset(recipe, learner, num_learners)
-        self.it, self.at = None, 0  # the iterator yields the batch of step `at` next
-        self.states: dict[int, str] = {}  # step -> JSON state of an iterator about to yield it
-        self.pinned: set[int] = set()  # restored states, kept
-        self.made: dict[int, tuple[dict, np.ndarray]] = {}  # the last steps' batches and record ids
-
-    def get(self, step: int) -> tuple[dict, np.ndarray]:
-        if step not in self.made:
-            ahead = any(self.at < s <= step for s in self.states)  # a state nearer than the iterator
-            if self.it is None or not self.at <= step or ahead:
-                self._seek(step)
-            while self.at <= step:
-                self.made[self.at] = as_batch(next(self.it))
-                self.at += 1
-                self.states[self.at] = json.dumps(self.it.get_state())
-                self._trim()
-        return self.made[step]
-
-    def _trim(self) -> None:
-        for d, keep in ((self.made, 4), (self.states, KEEP_STATES)):  # the latest made, by insertion
-            for s in [k for k in d if k not in self.pinned][:-keep]:
-                del d[s]
-
-    def _seek(self, step: int) -> None:
-        self.close()
-        self.it, self.at = iter(self.ds), 0
-        best = max((s for s in self.states if s <= step), default=None)
-        if best is not None:
-            try:
-                self.it.set_state(json.loads(self.states[best]))
-                self.at = best
-            except Exception as e:  # noqa: BLE001 - a state of another pipeline: replay instead
-                log.warning("learner %d: its data position at step %d does not fit this pipeline (%s: %s); "
-                            "reading its stream from the start to step %d", self.learner, best,
-                            type(e).__name__, e, step)
-                self.close()
-                self.it, self.at = iter(self.ds), 0
-
-    def close(self) -> None:
-        if self.it is not None and hasattr(self.it, "close"):
-            self.it.close()
-        self.it = None
-
 
 class GrainTrain:
-    """Corpus.train of data=grain: every learner's stream (a Feed each, made on first use)."""
+    """Corpus.train of data=grain: every learner's stream (a Feed each, made on first use). In a
+    learner's world of P processes (recipe.processes) each process reads its own part of the
+    stream and packs its own rows (docs/data.md#sharding): a GrainTrain for one process
+    (recipe.process >= 0) makes that process's rows of each batch, one for none (-1) the learner's
+    whole batch, every process's rows in process order, as world.global_batch lays them out."""
 
     def __init__(self, recipe: Recipe, learner_batch: tuple[int, ...] = ()):
         self.recipe = recipe
         self.learner_batch = tuple(learner_batch)  # rows per step of each learner (runtime.learner_batch)
-        self._feeds: dict[tuple[int, int], Feed] = {}
-        self._locks: dict[tuple[int, int], threading.Lock] = {}
+        self._feeds: dict[tuple[int, int, int], Feed] = {}  # (learner, num_learners, part)
+        self._locks: dict[tuple[int, int, int], threading.Lock] = {}
         self._lock = threading.Lock()
 
-    def check_learners(self, num_learners: int) -> None:
-        """Every learner's shard holds records; else the error says how many there are."""
-        n = self.recipe.n_train
-        if shard_size(n, num_learners - 1, num_learners) == 0:
+    @property
+    def parts(self) -> tuple[int, ...]:
+        """The processes whose rows this makes: one's, or (process -1) every one's."""
+        r = self.recipe
+        return tuple(range(r.processes)) if r.process < 0 else (r.process,)
+
+    @property
+    def share(self) -> int:
+        """How many processes' rows make one learner batch of batch_at's: P for one process's
+        part of a world of P (the rest are the other processes'), else 1."""
+        return 1 if self.recipe.process < 0 else self.recipe.processes
+
+    def in_world(self, processes: int, process: int = -1) -> GrainTrain:
+        """This stream as a learner world of `processes` processes reads it: process `process`'s
+        part, or (-1) the whole batch of them all. A world of one is the stream itself."""
+        if (processes, process) == (self.recipe.processes, self.recipe.process):
+            return self
+        if not (processes >= 1 and -1 <= process < processes):
+            raise ValueError(f"process {process} of a world of {processes}")
+        if self.recipe.batch_size % processes:
+            raise DataError(f"data.batch_size={self.recipe.batch_size} is not divisible by the {processes} processes "
+                            "of a learner's world (runtime.world.processes_per_learner): each process packs an "
+                            "equal share of the learner's rows")
+        return GrainTrain(self.recipe._replace(processes=processes, process=process), self.learner_batch)
+
+    def check_learners(self, num_learners: int, processes: int | None = None) -> None:
+        """Every learner's shard holds records, at least one for each process of its world
+        (`processes`, else the recipe's); else the error says how many there are."""
+        n, P = self.recipe.n_train, self.recipe.processes if processes is None else processes
+        smallest = shard_size(n, num_learners - 1, num_learners)
+        if smallest == 0:
             total = len(self.recipe.files)
             raise DataError(f"data.paths holds {n} training records ({total} in all, the last {total - n} "
                             f"held out), fewer than the {num_learners} learners: learner "
                             f"{n} would read nothing; use at most {n} learners or more records")
+        if smallest < P:
+            raise DataError(f"learner {num_learners - 1}'s shard of data.paths holds {smallest} training records, "
+                            f"fewer than the {P} processes of its world (runtime.world.processes_per_learner), "
+                            "each of which reads records of its own; use more records, fewer learners or "
+                            "fewer processes per learner")
 
     def rows(self, learner: int) -> int:
         """A step's rows of learner: its runtime.learner_batch, else (or a later learner) data.batch_size."""
         return self.learner_batch[learner] if learner < len(self.learner_batch) else self.recipe.batch_size
 
-    def _feed(self, learner: int, num_learners: int) -> tuple[Feed, threading.Lock]:
-        key = (learner, num_learners)
+    def _feed(self, learner: int, num_learners: int, part: int) -> tuple[Feed, threading.Lock]:
+        key = (learner, num_learners, part)
         with self._lock:
             if key not in self._feeds:
                 self.check_learners(num_learners)
-                self._feeds[key] = Feed(self.recipe._replace(batch_size=self.rows(learner)), learner, num_learners)
+                recipe = self.recipe._replace(batch_size=self.rows(learner))
+                self._feeds[key] = Feed(recipe, learner, num_learners, part)
                 self._locks[key] = threading.Lock()
             return self._feeds[key], self._locks[key]
 
+    def _made(self, learner: int, num_learners: int, step: int) -> list[tuple[dict, np.ndarray]]:
+        """(batch, record id of every token) of each of this stream's parts at step."""
+        out = []
+        for part in self.parts:
+            feed, lock = self._feed(learner, num_learners, part)
+            with lock:
+                out.append(feed.get(step))
+        return out
+
     def batch_at(self, *, learner: int, num_learners: int, step: int, batch_size: int) -> dict:
-        """The first batch_size rows of learner's batch at step (fewer: a learner that lost slices)."""
+        """The first batch_size rows of learner's batch at step (fewer: a learner that lost
+        slices): in a world of P, the first batch_size / P of each process's rows, this process's
+        alone when the stream is one process's part."""
+        P = self.recipe.processes
         if batch_size > self.rows(learner):
             raise DataError(f"batch_size={batch_size} is more than the {self.rows(learner)} rows a step of "
                             f"learner {learner} makes (data.batch_size or runtime.learner_batch) with data=grain")
-        feed, lock = self._feed(learner, num_learners)
-        with lock:
-            batch, _ = feed.get(step)
-        return {k: v[:batch_size] for k, v in batch.items()}
+        if batch_size % P:
+            raise DataError(f"a batch of {batch_size} rows of learner {learner} does not split over the {P} "
+                            "processes of its world (runtime.world.processes_per_learner), each of which packs "
+                            "its own share; give every learner rows that P divides")
+        made = self._made(learner, num_learners, step)
+        got = [{k: v[:batch_size // P] for k, v in batch.items()} for batch, _ in made]
+        return got[0] if len(got) == 1 else {k: np.concatenate([g[k] for g in got]) for k in got[0]}
 
     def records(self, *, learner: int, num_learners: int, step: int) -> np.ndarray:
-        """The record ids whose tokens learner's batch at step holds (sorted, once each)."""
-        feed, lock = self._feed(learner, num_learners)
-        with lock:
-            _, docs = feed.get(step)
+        """The record ids whose tokens learner's batch at step holds (sorted, once each): of every
+        process's rows, or of this process's alone when the stream is one process's part."""
+        docs = np.concatenate([d.ravel() for _, d in self._made(learner, num_learners, step)])
         return np.unique(docs[docs >= 0])
 
-    def position(self, learner: int, num_learners: int, step: int) -> str | None:
-        """The iterator state that yields learner's batch at `step` next (JSON), if known: what a
-        checkpoint at that step saves."""
-        feed, lock = self._feed(learner, num_learners)
-        with lock:
-            return feed.states.get(step)
+    def positions(self, learner: int, num_learners: int, step: int) -> list[str | None]:
+        """The iterator state of each part that yields learner's batch at `step` next (JSON), or
+        None where unknown: what a checkpoint at that step saves."""
+        out = []
+        for part in self.parts:
+            feed, lock = self._feed(learner, num_learners, part)
+            with lock:
+                out.append(feed.states.get(step))
+        return out
 
-    def restore(self, learner: int, num_learners: int, step: int, state: str) -> None:
-        """A checkpoint's position: the batch at `step` is read from it, not replayed from the start."""
-        feed, lock = self._feed(learner, num_learners)
-        with lock:
-            feed.states[step] = state
-            feed.pinned.add(step)
+    def position(self, learner: int, num_learners: int, step: int) -> str | None:
+        """positions' one state, of a stream of one part."""
+        (state,) = self.positions(learner, num_learners, step)
+        return state
+
+    def restore(self, learner: int, num_learners: int, step: int, states: str | list[str]) -> None:
+        """A checkpoint's positions, one per process of the world (a world of one's state alone,
+        as its checkpoints hold it): the batch at `step` is read from them, not replayed."""
+        states = [states] if isinstance(states, str) else list(states)
+        if len(states) != self.recipe.processes:
+            raise ValueError(f"{len(states)} positions for a world of {self.recipe.processes} processes")
+        for part in self.parts:
+            feed, lock = self._feed(learner, num_learners, part)
+            with lock:
+                feed.states[step] = states[part]
+                feed.pinned.add(step)
 
     def close(self) -> None:
         for feed in self._feeds.values():
             feed.close()
 
 
-def saved_position(train, learner: int, num_learners: int, step: int) -> dict:
+def for_process(train, index: int, processes: int):
+    """What process `index` of a learner's world of `processes` trains on: its own part of
+    data=grain's stream. Every other source, and a world of one, makes each batch whole (a pure
+    function of the step, alike on every process) and each process places its rows of it."""
+    if not isinstance(train, GrainTrain) or processes == 1:
+        return train
+    return train.in_world(processes, index)
+
+
+def saved_position(train, learner: int, num_learners: int, step: int,
+                   gather: Callable[[bytes], list[bytes]] | None = None) -> dict:
     """What a checkpoint at `step` adds to its meta: {"data": the iterator state that yields the
-    batch at `step` next} for data=grain, else {} (every other source is a pure function of the
-    step alone)."""
+    batch at `step` next} for data=grain (a list of one per process in a learner's world, in
+    process order), else {} (every other source is a pure function of the step alone). A process
+    of a world gathers every process's with `gather` (world.all_gather: a collective, which every
+    process makes, as each saves the checkpoint), so every process holds the same meta."""
     if not isinstance(train, GrainTrain):
         return {}
-    state = train.position(learner, num_learners, step)
-    return {} if state is None else {"data": state}
+    states = train.positions(learner, num_learners, step)
+    if train.share > 1:
+        if gather is None:
+            raise ValueError("a process of a learner's world saves its data position with a gather")
+        states = [b.decode() or None for b in gather((states[0] or "").encode())]
+    if not all(states):
+        return {}
+    return {"data": states[0] if len(states) == 1 else states}
 
 
 def restore_position(train, learner: int, num_learners: int, step: int, meta: dict) -> None:
-    """Hand a checkpoint's data=grain position back to the stream; a meta without one (an older
-    checkpoint) leaves the stream to replay from its start."""
-    if isinstance(train, GrainTrain) and isinstance(meta.get("data"), str):
-        train.restore(learner, num_learners, step, meta["data"])
+    """Hand a checkpoint's data=grain positions back to the stream. A meta without one (an older
+    checkpoint) leaves the stream to replay from its start; so, with a warning, does one written
+    by a world of another number of processes, whose parts split the stream otherwise."""
+    if not isinstance(train, GrainTrain) or meta.get("data") is None:
+        return
+    saved = meta["data"]
+    states = [saved] if isinstance(saved, str) else saved
+    P = train.recipe.processes
+    if isinstance(states, list) and len(states) == P and all(isinstance(s, str) for s in states):
+        train.restore(learner, num_learners, step, states)
+        return
+    had = f"{len(states)} process(es)" if isinstance(states, list) else f"a {type(saved).__name__}"
+    log.warning("learner %d: its checkpoint at step %d holds the data positions of a world of %s, and this "
+                "world has %d process(es), which read other parts of the stream; reading its stream from "
+                "the start to the step it resumes at", learner, step, had, P)

@@ -34,6 +34,7 @@ import jax
 from diloco import checkpoint
 from diloco.algo import syncer as sync
 from diloco.data.stream import restore_position, saved_position
+from diloco.runtime import world
 from diloco.runtime.build import Setup, new_unit
 from diloco.runtime.unit import LearnerUnit
 
@@ -88,7 +89,8 @@ class LearnerCheckpoints:
             return False
         meta = {"learner": unit.learner, "incarnation": unit.ls.incarnation, "step": step,
                 "versions": list(unit.ls.versions)}
-        meta.update(saved_position(unit.spec.train, unit.learner, unit.spec.num_learners, step))
+        # in a learner's world every process's data=grain position, gathered (all save, in step)
+        meta.update(saved_position(unit.spec.train, unit.learner, unit.spec.num_learners, step, world.all_gather))
         self._manager(unit.learner)
         if self._lock is None:
             return self._saves[unit.learner].save(step, unit.state, meta)

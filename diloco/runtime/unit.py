@@ -22,7 +22,8 @@ from diloco.algo import messages, payloads
 from diloco.algo.codecs import Codec, ErrorFeedbackState
 from diloco.algo.fragments import Fragment, Path, Schedule, assemble, get_path, set_path
 from diloco.algo.merge import pseudo_gradient
-from diloco.data import train_batch, trained_tokens
+from diloco.data import batch_share, train_batch, trained_tokens
+from diloco.runtime import world
 from diloco.runtime.transfer import DeviceValues, FrameJob, host_copy
 from diloco.train.trainer import Compiled
 
@@ -192,7 +193,7 @@ class LearnerUnit:
             state = jax.device_put(self.state, c.state_sharding, may_alias=False)
             batch = train_batch(s.train, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
                                 step=0, batch_size=rows, seq_len=s.seq_len, shard_block=s.shard_block)
-            jax.block_until_ready(c.train_step(state, jax.device_put(batch, c.batch_sharding)))
+            jax.block_until_ready(c.train_step(state, self.place(batch)))
         if self.device_codec is None:
             return
         states = dict(self.codec_states)
@@ -219,9 +220,16 @@ class LearnerUnit:
         books and the merge weighs. `defer`: return at once, without frames or loss; `finish`
         hands them out later, framed after the next step is dispatched."""
         batch = self.batch(rows)
-        self.state, metrics = self.compiled.train_step(
-            self.state, jax.device_put(batch, self.compiled.batch_sharding))
+        self.state, metrics = self.compiled.train_step(self.state, self.place(batch))
         return self.stepped(batch, metrics, fetch_loss, defer)
+
+    def place(self, batch):
+        """The batch on the learner's devices. A batch of this process's rows alone (data=grain in
+        a learner's world, docs/data.md#sharding) becomes the global array of every process's rows."""
+        share = batch_share(self.spec.train)
+        if share == 1:
+            return jax.device_put(batch, self.compiled.batch_sharding)
+        return world.global_batch(batch, self.compiled.batch_sharding, len(jax.tree.leaves(batch)[0]) * share)
 
     def batch(self, rows: int | None):
         s = self.spec
@@ -231,7 +239,7 @@ class LearnerUnit:
 
     def stepped(self, batch, metrics, fetch_loss: bool, defer: bool) -> StepResult:
         """What follows a step once it is dispatched: the counters, the sends and their frames."""
-        tokens = trained_tokens(batch)
+        tokens = trained_tokens(batch) * batch_share(self.spec.train)  # a world's process: of every process's rows
         self.ls, sends = lsm.after_step(self.ls, self.spec.schedule, tokens)
         tickets = tuple(self._start(send, copy=defer) for send in sends)
         if defer:

@@ -12,7 +12,9 @@ store's broadcasts, writes contributions and events, decides at the wall clock w
 a blocked fragment or stop). The followers run the same LearnerUnit on the same global mesh and
 mirror the leader's decisions, which reach them through `agree` and `mirror_frames` at each step
 boundary. Every process computes the same batches (the data position is a pure function of
-(learner, step), docs/design.md#checkpoints), so nothing but those decisions has to travel.
+(learner, step), docs/design.md#checkpoints), so nothing but those decisions has to travel; with
+data=grain each process reads and packs only its own rows of them (docs/data.md#sharding), and a
+checkpoint gathers every process's stream position (`all_gather`).
 
 Failure. If any process of a world dies, the others fail fast rather than hang, as measured in
 docs/multihost.md#what-a-dead-peer-does-to-the-others: a survivor in a collective aborts as soon
@@ -30,7 +32,7 @@ distributed collective mismatch in your code?"). These LearnerUnit (diloco/runti
 run jitted programs over the global mesh and must run on every process in the same order:
 `LearnerUnit(...)` (the state's init), `warm_up`, `step` (the inner step: its gradient all-reduce
 crosses processes); so must this module's `global_batch`, `host_batch`, `gather_to_leader`,
-`broadcast_from_leader`, `agree`, `mirror_frames` and `leave_world` (a barrier). A program on one
+`broadcast_from_leader`, `all_gather`, `agree`, `mirror_frames` and `leave_world` (a barrier). A program on one
 local device (the leader's own syncer merges in tests/world_child.py, a jnp op on a host array)
 involves no other process and may run on one alone. The unit's host-side work (`apply_due`, `_encode` inside
 `step`/`finish`/`flush`, `receive`, `give_up`, `blocking`) runs no cross-process program as long as
@@ -234,6 +236,22 @@ def broadcast_from_leader(payload: bytes | None) -> bytes:
     if leader:
         buf[:n] = np.frombuffer(data, np.uint8)
     return multihost_utils.broadcast_one_to_all(buf)[:n].tobytes()
+
+
+def all_gather(payload: bytes) -> list[bytes]:
+    """Every process's `payload`, in process order, on every process (each process's data=grain
+    position for the checkpoint's meta, docs/data.md#resume). Two all-gathers, as in
+    broadcast_from_leader: the lengths, then the bytes padded to the longest's power of two. A
+    world of one returns [payload]."""
+    if jax.process_count() == 1:
+        return [bytes(payload)]
+    data = np.frombuffer(bytes(payload), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.asarray([len(data)], _LEN))).reshape(-1)
+    size = max(256, 1 << (int(lengths.max()) - 1).bit_length())
+    buf = np.zeros(size, np.uint8)
+    buf[:len(data)] = data
+    rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(lengths), size)
+    return [rows[i, :int(n)].tobytes() for i, n in enumerate(lengths)]
 
 
 def agree(decision: dict | None) -> dict:

@@ -8,6 +8,7 @@ Reference: docs/design.md#procs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -21,6 +22,7 @@ from diloco import store as bs
 from diloco.algo import messages
 from diloco.algo import syncer as sync
 from diloco.config import TrainConfig
+from diloco.data.stream import for_process
 from diloco.inputs import load_inputs
 from diloco.runtime import build as build_setup
 from diloco.runtime.build import Setup
@@ -87,6 +89,8 @@ def child_setup(cfg: TrainConfig, store: bs.BlobStore) -> Setup:
     the frozen checkpoint of a LoRA run. Steps compile lazily, so building every learner's (as
     setup.build does) costs little."""
     _, corpus, model, _ = load_inputs(cfg, weights=False)
+    # a process of a learner's world reads only its own rows of data=grain's batches (docs/data.md#sharding)
+    corpus = dataclasses.replace(corpus, train=for_process(corpus.train, jax.process_index(), jax.process_count()))
     setup = build_setup.build(cfg, corpus, model)
     # sealed under the runtime's key: a forger cannot name another Theta_0 for it to accept
     run = bs.read_trusted(store, "run", setup.policy.auth, {}, {"theta0": str})
