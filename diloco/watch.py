@@ -36,6 +36,8 @@ def live_output(enabled: bool) -> bool:
 
 # A merge record's series (diloco/runtime/summary.py merge_record), as TensorBoard's syncer/<key>.
 MERGE_SERIES = ("merges", "quorum", "grace_s", "bytes_up", "bytes_down", "stalls", "quarantined", "goodput")
+# Its outer statistics, per fragment (summary.OUTER_STATS), as syncer/<key>/fragment<p>.
+FRAGMENT_SERIES = ("delta_norm", "update_cos", "agreement", "momentum")
 
 
 def _num(x: Any) -> bool:
@@ -137,10 +139,14 @@ class RunWatch:
                 self._scalar(key, value)
 
     def _merge(self, r: dict) -> None:
-        """The syncer's series, one point per merge (docs/design.md#metrics-series)."""
+        """The syncer's series, one point per merge (docs/design.md#metrics-series), and the merged
+        fragment's outer statistics as syncer/<key>/fragment<p>."""
         for key in MERGE_SERIES:
             if _num(r.get(key)):
                 self._scalar(f"syncer/{key}", r[key])
+        for key in FRAGMENT_SERIES:
+            if _num(r.get(key)):
+                self._scalar(f"syncer/{key}/fragment{r['fragment']}", r[key])
 
     def _scalar(self, tag: str, value: float) -> None:
         if self.tb is not None:

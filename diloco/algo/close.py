@@ -10,6 +10,9 @@ pool's threads. Pieces that fit in a core's cache make the pass several times ch
 pass over 155 MB arrays, and the pieces are fixed, so the result never depends on the thread count.
 Any other optimizer gets one call over the whole fragment.
 
+The pass also hands back the merged delta and its dot product with the previous round's (`last`),
+which the outer statistics keep (diloco/algo/outer_auto.py): one more read and write of the fragment.
+
 A unit-direction merge (per "tensor" or "fragment") needs each group's norm of the sums before any
 piece can scale it: one float64 pass over the sums, in the same pieces, comes first.
 """
@@ -40,12 +43,17 @@ class Closed(NamedTuple):
     finite: bool  # the merged delta, Theta', the state and diff are all finite
     delta_norm: float  # ||merged delta|| over the fragment (float64 from float32 partial sums)
     theta_norm: float  # ||Theta'||
+    delta: Values  # the merged delta per path (the outer step's gradient)
+    dot: float  # <delta, last> over the fragment (float64 from float32 partial sums)
 
 
 def close(opt: optax.GradientTransformation, per: str | None, sums: Values, gains: Values, theta: Values,
-          outer_state: Any, prev: Values) -> Closed:
+          outer_state: Any, prev: Values, last: Values | None = None) -> Closed:
     """Close one round of a fragment: `sums` are the running sums by path, `gains` its merge
-    rule's float32 gain per path (merge.MergeRule), `prev` the newest ref."""
+    rule's float32 gain per path (merge.MergeRule), `prev` the newest ref, `last` the previous
+    round's merged delta (None: zeros, a fragment's first round)."""
+    if last is None:
+        last = {p: np.zeros(x.shape, np.float32) for p, x in theta.items()}
     paths = sorted(theta)
     leaves, state_def = jax.tree.flatten(outer_state)
     plan = _plan(opt, len(paths))
@@ -55,30 +63,31 @@ def close(opt: optax.GradientTransformation, per: str | None, sums: Values, gain
     if not (plan.split and outer.elementwise(opt)):  # one call, every array as it is
         U = _units(per, [np.asarray(sums[p], np.float32).reshape(-1) for p in paths])
         tdef = _tuple_state_def(opt, tuple(theta[p].shape for p in paths))
-        new_T, new_L, new_D, finite, (dss, df), (tss, tf) = _close_leaves(
+        new_T, new_L, new_D, new_P, finite, (dss, df), (tss, tf), dot = _close_leaves(
             opt, per, tdef, tuple(sums[p] for p in paths), tuple(G), tuple(U), tuple(theta[p] for p in paths),
-            tuple(prev[p] for p in paths), tuple(leaves))
-        new_T, new_D = [np.asarray(x) for x in new_T], [np.asarray(x) for x in new_D]
-        results = [(bool(finite), _square(dss, df), _square(tss, tf))]
+            tuple(prev[p] for p in paths), tuple(last[p] for p in paths), tuple(leaves))
+        new_T, new_D, new_P = ([np.asarray(x) for x in xs] for xs in (new_T, new_D, new_P))
+        results = [(bool(finite), _square(dss, df), _square(tss, tf), float(dot))]
         new_leaves = [np.asarray(x) for x in new_L]
     else:
-        new_T, new_D, new_leaves, results = _pieces(opt, per, paths, G, sums, theta, prev, leaves, plan)
+        new_T, new_D, new_P, new_leaves, results = _pieces(opt, per, paths, G, sums, theta, prev, last, leaves, plan)
     shaped = lambda arrs: {p: a.reshape(theta[p].shape) for p, a in zip(paths, arrs)}
     return Closed(shaped(new_T), jax.tree.unflatten(state_def, new_leaves), shaped(new_D),
                   all(r[0] for r in results), math.sqrt(math.fsum(r[1] for r in results)),
-                  math.sqrt(math.fsum(r[2] for r in results)))
+                  math.sqrt(math.fsum(r[2] for r in results)), shaped(new_P), math.fsum(r[3] for r in results))
 
 
-def _pieces(opt, per, paths, G, sums, theta, prev, leaves, plan):
-    """The close of an element-wise optimizer in pieces on the host pool: (Theta', diff, the state's
-    leaves, each call's (finite, delta norm^2, Theta' norm^2))."""
+def _pieces(opt, per, paths, G, sums, theta, prev, last, leaves, plan):
+    """The close of an element-wise optimizer in pieces on the host pool: (Theta', diff, delta, the
+    state's leaves, each call's (finite, delta norm^2, Theta' norm^2, <delta, last>))."""
     flat = lambda tree: [np.asarray(tree[p], np.float32).reshape(-1) for p in paths]  # views
-    S, T, R = flat(sums), flat(theta), flat(prev)
+    S, T, R, P = flat(sums), flat(theta), flat(prev), flat(last)
     sizes = [x.size for x in T]
     L = [np.asarray(x, np.float32).reshape(-1) if o is not None else x for x, o in zip(leaves, plan.owners)]
     U = _units(per, S)
     bulk, rest = _slices(sizes, hostpool.CHUNK)
     new_T, new_D = [hostpool.aligned_empty(n) for n in sizes], [hostpool.aligned_empty(n) for n in sizes]
+    new_P = [hostpool.aligned_empty(n) for n in sizes]
     new_L = [hostpool.aligned_empty(sizes[o]) if o is not None else None for o in plan.owners]
 
     def call(group: list[Slice]):
@@ -86,26 +95,27 @@ def _pieces(opt, per, paths, G, sums, theta, prev, leaves, plan):
         cut = lambda arrs: tuple(arrs[t][lo:hi] for t, lo, hi in group)
         state_in = tuple(L[i] if o is None else L[i][group[o][1]:group[o][2]] for i, o in where)
         tdef = _tuple_state_def(opt, tuple((hi - lo,) for _, lo, hi in group))
-        theta_k, leaves_k, diff_k, finite, (dss, df), (tss, tf) = _close_leaves(
+        theta_k, leaves_k, diff_k, delta_k, finite, (dss, df), (tss, tf), dot = _close_leaves(
             opt, per, tdef, cut(S), tuple(G[t] for t, _, _ in group), tuple(U[t] for t, _, _ in group),
-            cut(T), cut(R), state_in)
+            cut(T), cut(R), cut(P), state_in)
         for j, (t, lo, hi) in enumerate(group):
             np.copyto(new_T[t][lo:hi], np.asarray(theta_k[j]))
             np.copyto(new_D[t][lo:hi], np.asarray(diff_k[j]))
+            np.copyto(new_P[t][lo:hi], np.asarray(delta_k[j]))
         scalars = []
         for (i, o), x in zip(where, leaves_k):
             if o is None:
                 scalars.append((i, np.asarray(x)))
             else:
                 np.copyto(new_L[i][group[o][1]:group[o][2]], np.asarray(x))
-        return (bool(finite), _square(dss, df), _square(tss, tf)), scalars
+        return (bool(finite), _square(dss, df), _square(tss, tf), float(dot)), scalars
 
     groups = [[s] for s in bulk] + ([rest] if rest else [])
     out = hostpool.run([partial(call, g) for g in groups], parallel=len(groups) > 1)
     for i, x in out[0][1] if out else ():
         new_L[i] = x  # every call steps the scalars (a step count) alike: the first call's are the state's
     new_leaves = [x.reshape(leaves[i].shape) if plan.owners[i] is not None else x for i, x in enumerate(new_L)]
-    return new_T, new_D, new_leaves, [r for r, _ in out]
+    return new_T, new_D, new_P, new_leaves, [r for r, _ in out]
 
 
 def _square(ss, f) -> float:
@@ -173,12 +183,14 @@ def _tuple_state_def(opt: optax.GradientTransformation, shapes: tuple[tuple[int,
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2))
-def _close_leaves(opt, per, state_def, sums, gains, units, theta, prev, state_leaves):
+def _close_leaves(opt, per, state_def, sums, gains, units, theta, prev, last, state_leaves):
     outer_state = jax.tree.unflatten(state_def, state_leaves)
     delta = merging.merge_sums(sums, gains, per, units)
     new_theta, new_state = outer.outer_step(opt, theta, outer_state, delta)
     diff = tuple(t - r for t, r in zip(new_theta, prev))
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
                                 for x in jax.tree.leaves((delta, new_theta, new_state, diff))]))
-    return (new_theta, tuple(jax.tree.leaves(new_state)), diff, finite,
-            merging._scaled_sumsq(jax.tree.leaves(delta)), merging._scaled_sumsq(jax.tree.leaves(new_theta)))
+    # float32 partial sums (a non-finite one makes the cosine unmeasured, never the merge refused)
+    dot = sum(jnp.vdot(d, p) for d, p in zip(delta, last))
+    return (new_theta, tuple(jax.tree.leaves(new_state)), diff, tuple(delta), finite,
+            merging._scaled_sumsq(jax.tree.leaves(delta)), merging._scaled_sumsq(jax.tree.leaves(new_theta)), dot)

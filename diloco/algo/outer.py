@@ -3,6 +3,9 @@
 Reference: DiLoCo (Douillard et al., arXiv 2311.08105) for outer Nesterov SGD; Async Local-SGD
 (Liu et al., arXiv 2401.09135, Algorithm 3) for Delayed Nesterov.
 
+`momentum="auto"` builds the same optimizer with its momentum a value of its state, which the syncer
+sets per fragment before each step from the run's measured statistics (diloco/algo/outer_auto.py).
+
 The syncer keeps one optimizer state per fragment (`opt.init(Theta_p)`) and calls `outer_step` once
 per merged round. All state is float32.
 """
@@ -17,6 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 Tree = Any
@@ -92,24 +96,63 @@ ELEMENTWISE = frozenset({"nesterov", "sgd", "average", "delayed_nesterov"})
 _MADE_ELEMENTWISE: set = set()  # what make_outer built from ELEMENTWISE entries (cached, so kept alive)
 
 
+# The entries outer.momentum="auto" serves, and the arguments of each that stay out of its state
+# (a buffer size, and a coefficient its factory checks with a Python comparison).
+AUTO_STATIC: dict[str, tuple[str, ...]] = {"nesterov": (), "sgd": (), "delayed_nesterov": ("N", "activation")}
+AUTO = "auto"
+
+
+def _sgd(lr: float, momentum: float, nesterov: bool = False) -> optax.GradientTransformation:
+    """optax.sgd with a momentum buffer whatever the momentum (sgd_momentum drops it at 0, which a
+    momentum set at run time cannot do)."""
+    return optax.sgd(lr, momentum=momentum, nesterov=nesterov)
+
+
+_AUTO_FACTORIES = {"nesterov": functools.partial(_sgd, nesterov=True), "sgd": _sgd,
+                   "delayed_nesterov": delayed_nesterov}
+
+
 def make_outer(name: str, **options: Any) -> optax.GradientTransformation:
     """The outer optimizer `name` from OUTER, given those of `options` its factory takes (as
-    make_codec does), so one config section (lr, momentum, N) serves every entry.
+    make_codec does), so one config section (lr, momentum, N) serves every entry. With
+    momentum="auto" the momentum is a value of the optimizer's state (optax.inject_hyperparams),
+    starting at 0, that `with_momentum` sets between steps.
 
     Equal arguments give the same object: the syncer's jitted close takes the optimizer as a
     static argument, hashed by identity, so an equal optimizer built again would compile again."""
     if name not in OUTER:
         raise ValueError(f"unknown outer optimizer {name!r}; choose from {sorted(OUTER)}")
+    if options.get("momentum") == AUTO and name not in AUTO_STATIC:
+        raise ValueError(f"outer momentum {AUTO!r} needs an optimizer with momentum: one of "
+                         f"{sorted(AUTO_STATIC)}, not {name!r}")
     params = inspect.signature(OUTER[name]).parameters
     return _make(name, tuple(sorted((k, v) for k, v in options.items() if k in params)))
 
 
 @functools.lru_cache(maxsize=256)
 def _make(name: str, options: tuple) -> optax.GradientTransformation:
-    opt = OUTER[name](**dict(options))
+    kwargs = dict(options)
+    if kwargs.get("momentum") == AUTO:
+        # every argument not static is a state value: a scalar leaf the close passes through
+        opt = optax.inject_hyperparams(_AUTO_FACTORIES[name], static_args=AUTO_STATIC[name])(
+            **{**kwargs, "momentum": 0.0})
+    else:
+        opt = OUTER[name](**kwargs)
     if name in ELEMENTWISE:
         _MADE_ELEMENTWISE.add(opt)
     return opt
+
+
+def with_momentum(opt_state: Any, momentum: float) -> Any:
+    """The state of a momentum="auto" optimizer with the momentum its next step uses set."""
+    hyper = {**opt_state.hyperparams, "momentum": np.asarray(momentum, np.float32)}
+    return opt_state._replace(hyperparams=hyper)
+
+
+def momentum_of(opt_state: Any) -> float | None:
+    """The momentum a momentum="auto" state holds; None for any other optimizer's state."""
+    hyper = getattr(opt_state, "hyperparams", None)
+    return None if hyper is None or "momentum" not in hyper else float(hyper["momentum"])
 
 
 def elementwise(opt: optax.GradientTransformation) -> bool:

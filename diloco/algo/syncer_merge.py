@@ -14,7 +14,7 @@ import numpy as np
 
 from diloco.algo import close as closing
 from diloco.algo import merge as merging
-from diloco.algo import claims, drift, messages, quorum, roundsum
+from diloco.algo import claims, drift, messages, outer, outer_auto, quorum, roundsum
 from diloco.algo import syncer_publish as publishing
 from diloco.algo.codecs import NonFiniteError
 from diloco.algo.syncer_state import (
@@ -81,14 +81,17 @@ def merge_round(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
         st, quarantined = quarantine(st, "overflow", c.key, now, f"merging it into fragment {p} "
                                       f"version {fs.version + 1} would make Theta non-finite")
         dropped += quarantined
-    st, publish, delta_norm = stepped
+    st, publish, delta_norm, update_cos, momentum = stepped
     record = {
         **decision_record("merge", decision, None), "version": fs.version + 1, "method": rule.name,
         "learners": [c.key[0] for c in inside], "weights": weights,
         "staleness": [fs.version - c.base_version for c in inside],
         "delta_norm": delta_norm, "clipped": [c.key[0] for c in inside if c.key in clipped],
         "cosine": cosine,  # the drift monitor's agreement of this round's pseudo-gradients (algo/drift.py)
+        "update_cos": update_cos,  # with the fragment's previous merged pseudo-gradient (algo/outer_auto.py)
     }
+    if momentum is not None:  # outer.momentum=auto: the momentum this step used
+        record["momentum"] = momentum
     st = st._replace(merges=st.merges + 1, decisions=st.decisions.add(record),
                      claims=claims.merged(st.claims, [(*c.key[:2], p) for c in inside]))
     return st, dropped + (publish,) + tuple(Outcome(c.key, "merged") for c in inside)
@@ -115,9 +118,11 @@ def _clipped(cfg: Policy, fs: FragmentState, inside: list[Contribution],
 
 def _step(cfg: Policy, st: SyncerState, fs: FragmentState, p: int, rs: roundsum.RoundSum,
           weights: list[float], scales: list[float], rule: merging.MergeRule,
-          keys: tuple[tuple[int, int, int], ...]) -> tuple[SyncerState, Publish, float] | None:
-    """Merge, take the outer step and publish; None if anything published or kept would be
-    non-finite (an encoder would refuse it, and a non-finite Theta never recovers)."""
+          keys: tuple[tuple[int, int, int], ...]) -> tuple[SyncerState, Publish, float, float | None,
+                                                          float | None] | None:
+    """Merge, take the outer step and publish: (state, publish, ||merged delta||, its cosine with the
+    previous one, the momentum set by outer.momentum=auto or None); None if anything published or
+    kept would be non-finite (an encoder would refuse it, and a non-finite Theta never recovers)."""
     if not all(math.isfinite(part.norm) for part in rs.parts):  # a delta overflowed float32 itself
         return None
     live = len(keys) / len(st.live) if cfg.scale == "live" and len(keys) < len(st.live) else 1.0
@@ -126,13 +131,19 @@ def _step(cfg: Policy, st: SyncerState, fs: FragmentState, p: int, rs: roundsum.
             for (path, x), s in zip(fs.theta.items(), rs.sums)}
     with np.errstate(over="ignore"):  # a gain past float32 is inf: non-finite, refused below
         gains = {path: np.float32(g) for path, g in zip(fs.theta, gains)}
-    done = closing.close(cfg.outer, rule.per, sums, gains, fs.theta, fs.outer_state, fs.refs[-1][1])
+    momentum, state = None, fs.outer_state
+    if cfg.auto is not None:
+        momentum = outer_auto.momentum(cfg.auto, fs.stats)
+        state = outer.with_momentum(state, momentum)
+    done = closing.close(cfg.outer, rule.per, sums, gains, fs.theta, state, fs.refs[-1][1], fs.stats.last)
     if not done.finite:
         return None
+    stats, update_cos = outer_auto.observe(cfg.auto or outer_auto.Rule(), fs.stats, done.delta, done.delta_norm,
+                                           done.dot)
     fs = fs._replace(theta=done.theta, outer_state=jax.tree.map(np.asarray, done.outer_state),
-                     version=fs.version + 1, theta_norm=done.theta_norm)
+                     version=fs.version + 1, theta_norm=done.theta_norm, stats=stats)
     try:
         st, publish = publishing.publish(cfg, st, fs, p, keys, done.diff)
     except (NonFiniteError, messages.MessageError):  # the broadcast codec's rounding overflowed
         return None
-    return st, publish, done.delta_norm
+    return st, publish, done.delta_norm, update_cos, momentum

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 
 from diloco.algo import merge as merging
-from diloco.algo import auth, quorum, roundsum
+from diloco.algo import auth, outer_auto, quorum, roundsum
 from diloco.algo.claims import Claims
 from diloco.algo.codecs import Codec
 from diloco.algo.eventlog import Records, Refusals, refuse
@@ -84,6 +84,9 @@ class Policy(NamedTuple):
     # of a learner whose sends are answered spans; a learner whose frames were withheld or refused
     # may truly claim more, but moves Theta no further than that (None = its c_steps).
     clip_span: int | None = None
+    # outer.momentum=auto (docs/algorithm.md#outer-statistics-and-automatic-momentum): each fragment's
+    # momentum set before each outer step from its measured statistics by this rule; None = `outer`'s own.
+    auto: outer_auto.Rule | None = None
 
 
 class Contribution(NamedTuple):
@@ -110,6 +113,7 @@ class FragmentState(NamedTuple):
     # e.g. after a checkpoint restore, which saves the contributions, not the sums).
     sums: roundsum.RoundSum | None = None
     theta_norm: float | None = None  # ||Theta||, kept with Theta (None: computed when needed)
+    stats: outer_auto.Stats = outer_auto.Stats()  # its merged pseudo-gradients' statistics
 
 
 class SyncerState(NamedTuple):

@@ -14,7 +14,7 @@ from pathlib import Path
 from diloco.algo.codecs import BLOCK_FORMATS, CODECS
 from diloco.algo.fragments import FRAGMENTERS
 from diloco.algo.merge import MERGES
-from diloco.algo.outer import OUTER
+from diloco.algo.outer import AUTO, AUTO_STATIC, OUTER
 from diloco.config.schema import (AuthConfig, ChaosConfig, DataConfig, FinetuneConfig, InnerConfig, MeshConfig,
                                   ModelConfig, RunConfig, RuntimeConfig, StoreConfig, TrainConfig)
 from diloco.store import network
@@ -232,7 +232,13 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     # Choices are checked against the registries themselves, so a new entry needs no second list.
     check(e, f.strategy in FRAGMENTERS, f"fragments.strategy={f.strategy!r} not in {'|'.join(FRAGMENTERS)}")
     check(e, o.name in OUTER, f"outer.name={o.name!r} not in {'|'.join(OUTER)}")
-    check(e, o.lr > 0 and 0 <= o.momentum < 1, f"outer.lr={o.lr} must be > 0 and outer.momentum={o.momentum} in [0, 1)")
+    check(e, o.lr > 0, f"outer.lr={o.lr} must be > 0")
+    if isinstance(o.momentum, str):
+        check(e, o.momentum == AUTO, f"outer.momentum={o.momentum!r} must be a number in [0, 1) or {AUTO}")
+        check(e, o.momentum != AUTO or o.name in AUTO_STATIC,
+              f"outer.momentum={AUTO} needs outer.name in {'|'.join(AUTO_STATIC)}, not {o.name!r} (it has no momentum)")
+    else:
+        check(e, 0 <= o.momentum < 1, f"outer.momentum={o.momentum} must be in [0, 1) or {AUTO}")
     check(e, c.up in CODECS, f"codec.up={c.up!r} not in {'|'.join(CODECS)}")
     check(e, c.down in CODECS, f"codec.down={c.down!r} not in {'|'.join(CODECS)}")
     check(e, 0 <= c.zstd_level <= 22, f"codec.zstd_level={c.zstd_level} must be in [0, 22]")

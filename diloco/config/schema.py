@@ -194,7 +194,10 @@ class OuterConfig:
 
     name: str = "nesterov"  # nesterov | sgd | average | delayed_nesterov
     lr: float = 0.7  # outer learning rate, on each fragment's merged pseudo-gradient
-    momentum: float = 0.9  # Nesterov momentum of the outer step (nesterov, delayed_nesterov)
+    # Nesterov momentum of the outer step (nesterov, delayed_nesterov); auto = each fragment's own, set
+    # from its merged pseudo-gradients' measured autocorrelation
+    # (docs/algorithm.md#outer-statistics-and-automatic-momentum)
+    momentum: float | str = 0.9
     delay: int = 4  # N of delayed_nesterov
 
 

@@ -14,13 +14,13 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from diloco.algo import quorum
+from diloco.algo import outer_auto, quorum
 from diloco.algo.auth import MIN_SECRET_BYTES, Secret
 from diloco.algo import syncer as sync
 from diloco.algo.codecs import Codec, make_codec
 from diloco.algo.fragments import Fragment, extract, make_fragments, make_schedule
 from diloco.algo.codec_specs import codec_spec
-from diloco.algo.outer import make_outer
+from diloco.algo.outer import AUTO, make_outer
 from diloco.config import ConfigError, MeshConfig, TrainConfig
 from diloco.data import Corpus
 from diloco.model import Model, is_embedding
@@ -117,7 +117,8 @@ def policy(cfg: TrainConfig, wire: Codecs | None = None) -> sync.Policy:
                        norm_window=s.norm_window, up_spec=wire.up_spec, max_steps=cfg.run.steps,
                        step_tokens=cfg.data.batch_size * cfg.data.seq_len, theta_norm_bound=s.theta_norm_bound,
                        auth=auth_secret(cfg), clip=s.clip, claim_slack=None if s.claim_slack < 0 else s.claim_slack,
-                       clip_span=cfg.fragments.H + cfg.fragments.tau + max(s.claim_slack, 0))
+                       clip_span=cfg.fragments.H + cfg.fragments.tau + max(s.claim_slack, 0),
+                       auto=outer_auto.Rule() if cfg.outer.momentum == AUTO else None)
 
 
 # Runtimes whose every learner is a process of its own: such a process may see only its own

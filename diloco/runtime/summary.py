@@ -30,7 +30,29 @@ def merge_record(st: sync.SyncerState, decision: dict, merges: int, tokens: ledg
               "quarantined": sum(st.quarantined.values()), "goodput": timeline.goodput(time)}
     if decision["grace"] is not None:
         record["grace_s"] = decision["grace"]
+    # the fragment's outer statistics (docs/algorithm.md#outer-statistics-and-automatic-momentum):
+    # its merged pseudo-gradient's norm, cosine with the previous one, the learners' agreement, and
+    # the momentum outer.momentum=auto set; each only where measured
+    for key, name in OUTER_STATS:
+        if decision.get(name) is not None:
+            record[key] = decision[name]
     return record
+
+
+# merge_record's outer statistics: (its key, the syncer's merge record's)
+OUTER_STATS = (("delta_norm", "delta_norm"), ("update_cos", "update_cos"), ("agreement", "cosine"),
+               ("momentum", "momentum"))
+
+
+def _mean(xs: list) -> float | None:
+    return float(np.mean(xs)) if xs else None
+
+
+def outer_summary(merges: list[dict]) -> dict:
+    """The summary's means of the merges' outer statistics (each over the merges that measured it)."""
+    got = lambda name: [r[name] for r in merges if r.get(name) is not None]
+    return {"delta_norm_mean": _mean(got("delta_norm")), "update_cos_mean": _mean(got("update_cos")),
+            "update_cos_rounds": len(got("update_cos")), "outer_momentum_mean": _mean(got("momentum"))}
 
 
 def run_summary(st: sync.SyncerState, tokens: ledger.TokenLedger, bytes_: traffic.ByteLedger,
@@ -76,6 +98,7 @@ def run_summary(st: sync.SyncerState, tokens: ledger.TokenLedger, bytes_: traffi
         # the drift monitor's agreement of learners (algo/drift.py): the mean round cosine
         "pseudograd_cos_mean": float(np.mean(cosines)) if cosines else None,
         "pseudograd_cos_rounds": len(cosines),
+        **outer_summary(merges),
         # incarnations that ended before the run did: chip failures, kills, and a resumed run's stop
         "learner_deaths": len(tokens.dead),
         "quarantined": sum(st.quarantined.values()),

@@ -2,8 +2,11 @@
 every fragment, the broadcast references learners decode against, open rounds with the
 contributions admitted into them, versions, live incarnations, sequence numbers, step-time
 estimates, quarantine counts, the decision records of admissions and merges, the refusals
-bounded (counts per reason and learner, the latest eventlog.RING records), and the steps each
-learner reported that its claims are checked against (diloco/algo/claims.py).
+bounded (counts per reason and learner, the latest eventlog.RING records), the steps each
+learner reported that its claims are checked against (diloco/algo/claims.py), and each fragment's
+outer statistics with its last merged pseudo-gradient (diloco/algo/outer_auto.py: saved, not
+recomputed, since nothing else holds it, so a restarted syncer's next cosine and momentum are the
+ones it would have had).
 
 Arrays go through Orbax (async, written to a temporary directory and renamed, so a torn
 checkpoint is never listed); everything else is a JSON document saved in the same step, and both
@@ -21,7 +24,7 @@ import jax
 import numpy as np
 
 from diloco import checkpoint
-from diloco.algo import claims, quorum
+from diloco.algo import claims, outer_auto, quorum
 from diloco.algo import syncer as sync
 from diloco.algo.eventlog import Records, Refusals
 from diloco.algo.fragments import Fragment
@@ -63,9 +66,12 @@ def to_checkpoint(st: sync.SyncerState) -> tuple[dict, dict]:
             "refs": {f"r{i}": _values(paths, v) for i, (_, v) in enumerate(fs.refs)},
             "contributions": {f"c{i}": _values(paths, c.local) for i, c in enumerate(fs.contributions)},
         }
+        if fs.stats.last is not None:
+            arrays[f"f{p}"]["last_delta"] = _values(paths, fs.stats.last)
         frags.append({
             "version": fs.version, "refs": [ver for ver, _ in fs.refs], "round": _round_json(fs.round),
             "norms": list(fs.norms),
+            "stats": {"last_norm": fs.stats.last_norm, "seen": fs.stats.seen, "mean": fs.stats.mean},
             "contributions": [{"key": list(c.key), "base_version": c.base_version, "c_steps": c.c_steps,
                                "c_tokens": c.c_tokens, "arrived": c.arrived} for c in fs.contributions],
         })
@@ -106,8 +112,12 @@ def from_checkpoint(arrays: dict, meta: dict, policy: sync.Policy,
             sync.Contribution(tuple(c["key"]), c["base_version"], c["c_steps"], c["c_tokens"],
                               _unvalues(paths, a["contributions"][f"c{i}"]), c["arrived"])
             for i, c in enumerate(fm["contributions"]))
+        stats = fm.get("stats", {})  # none before they were saved: measured afresh
+        last = _unvalues(paths, a["last_delta"]) if "last_delta" in a else None
         frags.append(sync.FragmentState(spec, theta, outer_state, fm["version"], refs,
-                                        _round(fm["round"]), contributions, tuple(fm.get("norms", ()))))
+                                        _round(fm["round"]), contributions, tuple(fm.get("norms", ())),
+                                        stats=outer_auto.Stats(last, stats.get("last_norm", 0.0),
+                                                               stats.get("seen", 0), stats.get("mean", 0.0))))
     st_times = quorum.StepTimes(meta["step_times"]["decay"],
                                 tuple((int(m), s) for m, s in meta["step_times"]["estimates"]))
     refused = meta.get("refusals", {"counts": [], "latest": [], "total": 0})  # none before they were bounded
