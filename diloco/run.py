@@ -19,6 +19,7 @@ from diloco.algo.fragments import get_path
 from diloco.bandwidth.analytic import dp_bytes_per_step
 from diloco.config import ConfigError, TrainConfig, legacy, to_dict
 from diloco.config.convert import options_by_path
+from diloco.config.learner_batch import learner_batches
 from diloco.data import Corpus, assistant_tokens, held_out
 from diloco.data.corpus import val_bytes_per_token
 from diloco.evaluation import bits_per_byte, during_run
@@ -209,7 +210,9 @@ def _assistant_tokens(cfg: TrainConfig, corpus: Corpus, run_dir: Path) -> int:
     for r in report.read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []:
         if r.get("kind") == "train" and isinstance(r.get("learner"), int) and r["learner"] < len(steps):
             steps[r["learner"]] = max(steps[r["learner"]], int(r.get("step", 0)))
-    return assistant_tokens(corpus.train, seed=cfg.run.seed, steps=steps, batch_size=cfg.data.batch_size)
+    rows = learner_batches(cfg)
+    return assistant_tokens(build_setup.per_learner(corpus.train, rows), seed=cfg.run.seed, steps=steps,
+                            batch_size=rows)
 
 
 def check_memory(cfg: TrainConfig, corpus: Corpus, model: Model, pre) -> None:

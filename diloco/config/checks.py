@@ -15,6 +15,7 @@ from diloco.algo.codecs import BLOCK_FORMATS, CODECS
 from diloco.algo.fragments import FRAGMENTERS
 from diloco.algo.merge import MERGES
 from diloco.algo.outer import AUTO, AUTO_STATIC, OUTER
+from diloco.config.learner_batch import learner_batch_errors
 from diloco.config.schema import (AuthConfig, ChaosConfig, DataConfig, FinetuneConfig, InnerConfig, MeshConfig,
                                   ModelConfig, RunConfig, RuntimeConfig, StoreConfig, TrainConfig)
 from diloco.store import network
@@ -312,6 +313,7 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
         check(e, cfg.data.batch_size % r.devices_per_learner == 0,
                f"data.batch_size={cfg.data.batch_size} is not divisible by "
                f"runtime.devices_per_learner={r.devices_per_learner}")
+        e += learner_batch_errors(cfg)
     return e
 
 

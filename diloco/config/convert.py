@@ -42,6 +42,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if str in inner and isinstance(value, str):  # a word beside a list (runtime.learner_batch=auto)
+            return value
         return _coerce(inner[0], value, path)
     if origin is tuple:
         if isinstance(value, str):

@@ -320,6 +320,11 @@ class RuntimeConfig:
     devices_per_learner: int = 2  # devices each learner's mesh spans
     step_time: float = 1.0  # modelled seconds per inner step at speed 1 (sim)
     speeds: tuple[float, ...] = ()  # per learner step-time factor; () = all 1.0
+    # Rows per step of each learner (docs/algorithm.md#unequal-hardware): () = data.batch_size each;
+    # [b_0, ..., b_{M-1}]; auto = M x data.batch_size shared in proportion to 1 / speed (runtime.speeds,
+    # or chaos.speeds under a tape), so every learner's step takes about as long. sim models a step
+    # of b rows as taking b / data.batch_size of one at data.batch_size
+    learner_batch: tuple[int, ...] | str = ()
     jitter: float = 0.0  # relative std of each step time
     # sim: learners whose steps fall within one step of each other take them as one vmapped step
     # over a learner axis (docs/design.md#sim). auto: on an accelerator; off on the CPU, where

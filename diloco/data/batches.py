@@ -128,12 +128,14 @@ def target_tokens(batch) -> int:
     return int(batch[:, 1:].size)
 
 
-def assistant_tokens(train, *, seed: int, steps: list[int], batch_size: int) -> int:
+def assistant_tokens(train, *, seed: int, steps: list[int], batch_size: int | tuple[int, ...]) -> int:
     """The assistant tokens (target_tokens) in the batches of learner m's first steps[m] steps,
-    for every learner m of len(steps): what a fine-tuning run's loss was taken over, a pure
-    function of the data and the step counts, so a resumed or replayed run reports it alike."""
+    for every learner m of len(steps), of batch_size rows (or batch_size[m]: runtime.learner_batch):
+    what a fine-tuning run's loss was taken over, a pure function of the data and the step
+    counts, so a resumed or replayed run reports it alike."""
+    rows = (batch_size,) * len(steps) if isinstance(batch_size, int) else batch_size
     return sum(target_tokens(train_batch(train, seed=seed, learner=m, num_learners=len(steps), step=s,
-                                         batch_size=batch_size, seq_len=0))
+                                         batch_size=rows[m], seq_len=0))
                for m, n in enumerate(steps) for s in range(n))
 
 

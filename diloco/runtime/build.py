@@ -22,7 +22,9 @@ from diloco.algo.fragments import Fragment, extract, make_fragments, make_schedu
 from diloco.algo.codec_specs import codec_spec
 from diloco.algo.outer import AUTO, make_outer
 from diloco.config import ConfigError, MeshConfig, TrainConfig
+from diloco.config.learner_batch import learner_batches
 from diloco.data import Corpus
+from diloco.data.stream import GrainTrain
 from diloco.model import Model, is_embedding
 from diloco.runtime import placement, world
 from diloco.runtime.unit import LearnerUnit, UnitSpec
@@ -115,7 +117,7 @@ def policy(cfg: TrainConfig, wire: Codecs | None = None) -> sync.Policy:
                        None if s.max_staleness < 0 else s.max_staleness, s.history, wire.down, wire.down_spec,
                        grace_budget=s.grace_budget, anchor=s.anchor, scale=s.scale, norm_bound=s.norm_bound,
                        norm_window=s.norm_window, up_spec=wire.up_spec, max_steps=cfg.run.steps,
-                       step_tokens=cfg.data.batch_size * cfg.data.seq_len, theta_norm_bound=s.theta_norm_bound,
+                       step_tokens=max(learner_batches(cfg)) * cfg.data.seq_len, theta_norm_bound=s.theta_norm_bound,
                        auth=auth_secret(cfg), clip=s.clip, claim_slack=None if s.claim_slack < 0 else s.claim_slack,
                        clip_span=cfg.fragments.H + cfg.fragments.tau + max(s.claim_slack, 0),
                        auto=outer_auto.Rule() if cfg.outer.momentum == AUTO else None)
@@ -170,6 +172,15 @@ def is_abstract(params) -> bool:
     return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(params))
 
 
+def per_learner(train, rows: tuple[int, ...]):
+    """The corpus's train stream for learners of these batch rows: data=grain batches in its
+    pipeline, so unequal rows need a stream that builds each learner's at its own size; every
+    other source cuts any rows from the same pure function."""
+    if isinstance(train, GrainTrain) and any(b != train.recipe.batch_size for b in rows):
+        return GrainTrain(train.recipe, rows)
+    return train
+
+
 def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
     f = cfg.fragments
     # One fragment holds everything: there is nothing to separate embeddings from.
@@ -180,8 +191,10 @@ def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
         raise ConfigError(f"fragments.count={f.count} does not fit this model: {e}") from None
     schedule = make_schedule(f.count, f.H, f.tau, f.alpha, f.keep_overlap, f.others)
     wire = run_codecs(cfg)
-    spec = UnitSpec(corpus.train, cfg.run.seed, cfg.runtime.learners, cfg.data.batch_size, cfg.data.seq_len,
-                    fragments, schedule, wire.up, wire.up_spec, cfg.data.shard_block, down_spec=wire.down_spec)
+    rows = learner_batches(cfg)
+    spec = UnitSpec(per_learner(corpus.train, rows), cfg.run.seed, cfg.runtime.learners, cfg.data.batch_size,
+                    cfg.data.seq_len, fragments, schedule, wire.up, wire.up_spec, cfg.data.shard_block,
+                    down_spec=wire.down_spec, learner_batch=rows)
     compiled = tuple(compile_steps(model, cfg, mesh) for mesh in learner_meshes(cfg))
     if is_abstract(model.params):  # a procs child: Theta_0 comes from the store (procs/theta0.py)
         theta0 = tuple({p: jax.ShapeDtypeStruct(v.shape, np.float32) for p, v in extract(model.params, frag).items()}

@@ -152,7 +152,7 @@ class SyncerHost:
         """A step of `tokens` over `rows` batch rows (0: all): fewer rows mean slices were down, and
         that share of the step's chip time is booked "degraded", not compute (goodput counts live
         chips)."""
-        full = self.setup.spec.batch_size
+        full = self.setup.spec.rows_of(m)
         share = min(rows, full) / full if rows else 1.0
         split = timeline.step_split(start, end, share)
         self.book_time(m, "compute", start, split)
@@ -208,7 +208,7 @@ class SyncerHost:
             tokens = steps * e.tokens
         elif isinstance(e, (ev.Flushed, ev.Done)):
             steps = max(gap["final_step"] - gap["after_step"], 0)
-            tokens = steps * self.setup.spec.batch_size * self.setup.spec.seq_len
+            tokens = steps * self.setup.spec.rows_of(e.learner) * self.setup.spec.seq_len
         if tokens:
             self.tokens = ledger.lose(self.tokens, e.learner, e.incarnation, tokens)
         if steps and self.incarnations.get(e.learner) == e.incarnation and e.learner in self.alive:

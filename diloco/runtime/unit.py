@@ -75,6 +75,13 @@ class UnitSpec(NamedTuple):
     # False: on the host, from a copy of the fragment's params (benchmarks compare the two).
     device_encode: bool = True
     down_spec: str = "fp32"  # the broadcasts' delta codec (syncer.Policy.down_spec): warm_up compiles its decoder
+    # rows per step of each learner (runtime.learner_batch, diloco/config/learner_batch.py); () or a
+    # learner beyond it (one a tape adds): batch_size
+    learner_batch: tuple[int, ...] = ()
+
+    def rows_of(self, learner: int) -> int:
+        """Learner's batch rows with every slice up: its own step's shape, compiled for it alone."""
+        return self.learner_batch[learner] if learner < len(self.learner_batch) else self.batch_size
 
 
 class LearnerUnit:
@@ -113,7 +120,7 @@ class LearnerUnit:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.spec.batch_size * self.spec.seq_len
+        return self.spec.rows_of(self.learner) * self.spec.seq_len
 
     def blocking(self) -> lsm.InFlight | None:
         return lsm.blocking(self.ls, self.spec.schedule)
@@ -189,7 +196,7 @@ class LearnerUnit:
         donates its input), so step times, speed factors and the time ledger measure steps, not XLA.
         `smaller`: batch sizes a failure tape will ask for (each batch shape compiles once)."""
         c, s = self.compiled, self.spec
-        for rows in (s.batch_size, *smaller):
+        for rows in (s.rows_of(self.learner), *smaller):
             state = jax.device_put(self.state, c.state_sharding, may_alias=False)
             batch = train_batch(s.train, seed=s.seed, learner=self.learner, num_learners=s.num_learners,
                                 step=0, batch_size=rows, seq_len=s.seq_len, shard_block=s.shard_block)
@@ -234,7 +241,7 @@ class LearnerUnit:
     def batch(self, rows: int | None):
         s = self.spec
         return train_batch(s.train, seed=s.seed, learner=self.learner, num_learners=s.num_learners, step=self.ls.step,
-                           batch_size=s.batch_size if rows is None else rows, seq_len=s.seq_len,
+                           batch_size=s.rows_of(self.learner) if rows is None else rows, seq_len=s.seq_len,
                            shard_block=s.shard_block)
 
     def stepped(self, batch, metrics, fetch_loss: bool, defer: bool) -> StepResult:

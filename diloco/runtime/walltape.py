@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from diloco.chaos import tapes
 from diloco.config import TrainConfig
+from diloco.config.learner_batch import learner_batches
 
 
 def chaos_tape(cfg: TrainConfig) -> tapes.Tape | None:
@@ -34,26 +35,26 @@ def run_tape(cfg: TrainConfig, run_dir: Path | None) -> tapes.Tape | None:
 class WallTape(NamedTuple):
     tape: tapes.Tape
     scale: float  # wall seconds per tape second (chaos.wall_scale)
-    batch_size: int  # a learner's rows with every slice up
+    batches: tuple[int, ...]  # each learner's rows with every slice up (runtime.learner_batch)
     devices: int  # rows stay a multiple of the learner's devices
 
     @classmethod
     def of(cls, cfg: TrainConfig, tape: tapes.Tape | None) -> WallTape | None:
         if tape is None:
             return None
-        return cls(tape, cfg.chaos.wall_scale, cfg.data.batch_size, cfg.runtime.devices_per_learner)
+        return cls(tape, cfg.chaos.wall_scale, learner_batches(cfg), cfg.runtime.devices_per_learner)
 
     def alive(self, m: int, wall: float) -> bool:
         return tapes.is_alive(self.tape, m, wall / self.scale)
 
     def rows(self, m: int, wall: float) -> int:
-        return tapes.batch_rows(self.tape, m, wall / self.scale, self.batch_size, self.devices)
+        return tapes.batch_rows(self.tape, m, wall / self.scale, self.batches[m], self.devices)
 
     def back_at(self, m: int, wall: float) -> float:
         """Wall time at which learner m, dead at `wall`, has a slice again (inf: never)."""
         return tapes.back_at(self.tape, m, wall / self.scale) * self.scale
 
-    def smaller_batches(self) -> tuple[int, ...]:
-        """Every batch a learner short of slices computes: compile them before the clock starts."""
-        options = tapes.rows_options(self.tape, self.batch_size, self.devices)
-        return tuple(sorted(set(options) - {self.batch_size}))
+    def smaller_batches(self, m: int) -> tuple[int, ...]:
+        """Every batch learner m short of slices computes: compile them before the clock starts."""
+        options = tapes.rows_options(self.tape, self.batches[m], self.devices)
+        return tuple(sorted(set(options) - {self.batches[m]}))

@@ -15,6 +15,7 @@ import math
 from typing import NamedTuple
 
 from diloco.config import ModelConfig, TrainConfig
+from diloco.config.learner_batch import learner_batches
 from diloco.model.attention import cudnn_fits
 
 GIB = 1 << 30
@@ -100,16 +101,18 @@ def describe(cfg: TrainConfig, platform: str = "gpu") -> list[str]:
 
 
 def estimate(cfg: TrainConfig, params: int, vocab: int, trained: int | None = None,
-             platform: str = "gpu") -> Footprint:
+             platform: str = "gpu", rows: int | None = None) -> Footprint:
     """One device's memory for cfg's trainer (algo=dp, over cfg.mesh.devices or 1) or one of its
     learners (runtime.devices_per_learner) on `platform`, with `params` parameters of which
-    `trained` are stepped (all by default), parameters in float32 sharded over mesh.fsdp."""
+    `trained` are stepped (all by default), parameters in float32 sharded over mesh.fsdp. A
+    learner's batch is `rows`, by default the largest of runtime.learner_batch (the device peak)."""
     m = cfg.model
     learner = cfg.algo == "diloco"
     devices = max(cfg.runtime.devices_per_learner if learner else cfg.mesh.devices, 1)
     fsdp = max(min(cfg.mesh.fsdp, devices), 1)
     data = max(devices // fsdp, 1)
-    batch = max(math.ceil(cfg.data.batch_size / devices), 1) if data > 1 or fsdp > 1 else cfg.data.batch_size
+    rows = rows or (max(learner_batches(cfg)) if learner else cfg.data.batch_size)
+    batch = max(math.ceil(rows / devices), 1) if data > 1 or fsdp > 1 else rows
     trained = params if trained is None else trained
     # Adam's two moments; plain SGD keeps none; Muon one momentum on matrices (an upper bound of
     # 2 here: the embeddings and vectors it leaves to AdamW keep two).
@@ -172,6 +175,10 @@ def host_estimate(cfg: TrainConfig, params: int, vocab: int, trained: int | None
         if "frozen weights" in per.parts:
             parts["frozen weights"] = meshes * per.devices * per.parts["frozen weights"]
         parts["a step"] = meshes * per.devices * sum(per.parts[k] for k in step)
+        if diloco and meshes > 1 and len(set(learner_batches(cfg))) > 1:  # at once, each at its own rows
+            parts["a step"] = per.devices * sum(
+                sum(estimate(cfg, params, vocab, trained, platform, rows=b).parts[k] for k in step)
+                for b in learner_batches(cfg))
     parts["model on host"] = 4.0 * params  # the loaded (or initial) parameters, kept for the export
     if diloco:
         trained_ = per.trained

@@ -162,7 +162,7 @@ class ProcLearner:
         s, m = self.setup, self.m
         unit = new_unit(s, m, self.inc, sync.init(s.policy, s.fragments, s.theta0, {m: 0}, self.merges))
         # on Theta_0: compiling costs the same whatever the values
-        unit.warm_up(*(() if self.tape is None else self.tape.smaller_batches()))
+        unit.warm_up(*(() if self.tape is None else self.tape.smaller_batches(m)))
         plan = self._begin() if self.leader else None
         if self.world is not None:
             plan = learner_world.agree(plan if self.leader else None)

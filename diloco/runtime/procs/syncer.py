@@ -210,7 +210,7 @@ class ProcSyncer(HostedRuntime):
             try:
                 if self.setup.policy.auth is not None:  # forged, moved or damaged: skipped like malformed
                     raw = auth.unseal(self.setup.policy.auth, m, event_key(m, inc, n), raw)
-                data = parse_event(raw, m, inc, len(self.setup.fragments), self.setup.spec.batch_size
+                data = parse_event(raw, m, inc, len(self.setup.fragments), self.setup.spec.rows_of(m)
                                    * self.setup.spec.seq_len, self.delivered.get((m, inc), -1))
             except ValueError as e:
                 self.skipped += 1

@@ -4,8 +4,9 @@ another. Deterministic given the config's seeds, so experiments and tests replay
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428); docs/design.md#sim.
 
 Each event is (time, order, kind, data) on a heap. A learner's step takes its modelled time
-(step_time x speed x jitter); a message takes latency + bytes / bandwidth on its learner's link,
-one message at a time per direction. The syncer merges in zero virtual time.
+(step_time x speed x jitter; x rows / data.batch_size for a learner of its own runtime.learner_batch);
+a message takes latency + bytes / bandwidth on its learner's link, one message at a time per
+direction. The syncer merges in zero virtual time.
 
 With `chaos.enabled`, a failure tape (diloco/chaos/tapes.py) drives the learners in virtual time:
 a learner with some slices down steps with a proportionally smaller batch; one with none left (or
@@ -149,7 +150,7 @@ class Sim(HostedRuntime):
     def rows_at(self, m: int, t: float | None = None) -> int:
         """Batch rows for learner m's live slices at t (default now; rows of dead slices are
         simply not computed)."""
-        b = self.setup.spec.batch_size
+        b = self.setup.spec.rows_of(m)
         if self.tape is None:
             return b
         return tapes.batch_rows(self.tape, m, self.now if t is None else t, b, self.cfg.runtime.devices_per_learner)
@@ -222,7 +223,7 @@ class Sim(HostedRuntime):
                 self.stalled_since[m] = self.now
             if self.stall_armed.get(m) != blocked.seq:  # one limit per blocking send
                 self.stall_armed[m] = blocked.seq
-                limit = r.stall_limit_steps * r.step_time * self.speeds[m % len(self.speeds)]
+                limit = r.stall_limit_steps * r.step_time * self.speeds[m % len(self.speeds)] * self.row_scale(m)
                 self.push(self.now + limit, "stall_limit", m, blocked.fragment, blocked.seq)
             return
         if m in self.stalled_since:
@@ -250,9 +251,16 @@ class Sim(HostedRuntime):
     def log_due(self, m: int) -> bool:
         return report.due(self.units[m].ls.step + 1, self.cfg.run.log_every, self.cfg.run.steps)
 
+    def row_scale(self, m: int) -> float:
+        """Learner m's step time over that of a step of data.batch_size rows: its rows over those
+        (runtime.learner_batch; docs/algorithm.md#unequal-hardware), 1.0 with equal batches."""
+        s = self.setup.spec
+        return s.rows_of(m) / s.batch_size
+
     def duration(self, m: int) -> float:
         r = self.cfg.runtime
-        return r.step_time * self.speeds[m % len(self.speeds)] * max(0.1, 1.0 + self.jitter * self.rng.standard_normal())
+        return (r.step_time * self.speeds[m % len(self.speeds)] * self.row_scale(m)
+                * max(0.1, 1.0 + self.jitter * self.rng.standard_normal()))
 
     def _stepped(self, m: int, result, rows: int, log: bool, duration: float) -> None:
         """Book learner m's step that began at self.now and send what it sent."""

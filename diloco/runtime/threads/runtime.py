@@ -196,7 +196,7 @@ class Threads(StopAndResume, HostedRuntime):
                                    fail_s=self.cfg.run.checkpoint_fail_s)
         plan = self.comeback.get(m)
         unit = self.units[m] = new_unit(self.setup, m, 0 if plan is None else plan.incarnation, self.initial)
-        unit.warm_up(*(() if self.tape is None else self.tape.smaller_batches()))
+        unit.warm_up(*(() if self.tape is None else self.tape.smaller_batches(m)))
         self.ready.wait()
         try:
             if plan is not None:  # no runtime.restart_s: the real restart happened off the clock
