@@ -188,3 +188,68 @@ def test_a_two_process_world_reads_disjoint_parts_builds_the_batch_and_resumes_e
     for g in got:
         assert g["taken_up"] and g["resumed"] == g["records"][steps // 2:]
     whole.close()
+
+
+@pytest.mark.slow
+def test_a_procs_learner_world_checkpoints_every_process_position_and_rejoins_from_them(tmp_path):
+    """procs, one learner of 2 processes x 4 CPU devices reading data=grain: every step books the
+    learner's whole batch (both processes' rows), each checkpoint's meta holds both processes'
+    positions, a kill -9 of the follower brings the world back as incarnation 1, which rejoins from
+    them, and the run finishes with the ledger balanced."""
+    import os
+    import signal
+    from dataclasses import replace
+
+    from conftest import alongside, diloco_world, tiny_cfg
+
+    from diloco import store as bs
+    from diloco.config import WorldConfig, validate
+    from diloco.runtime import procs
+
+    write_sets(tmp_path, n=300)
+    steps = 12
+    cfg = tiny_cfg(tmp_path, "procs", run=dict(steps=steps, eval_every=steps),
+                   data=dict(source="grain", paths=(str(tmp_path / "d.jsonl"),), too_long="split", batch_size=8),
+                   runtime=dict(learners=1, devices_per_learner=8, learner_checkpoint_every=4, restart_s=0.5,
+                                step_period_s=0.25, max_rejoin_staleness=1000))
+    cfg = validate(replace(cfg, runtime=replace(cfg.runtime, world=WorldConfig(processes_per_learner=2,
+                                                                               heartbeat_s=3.0))))
+    _, _, setup, _, _ = diloco_world(cfg)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    killed = []
+
+    def killer(stop):
+        store, saved = bs.BlobStore(f"file://{run_dir}/store"), run_dir / "learners" / "learner-0"
+        while not stop.is_set() and not killed:
+            if saved.is_dir() and any(d.name.isdigit() for d in saved.iterdir()):
+                learner = bs.read_control(store, "procs")["learners"]["0"]
+                os.kill(learner["pids"][1], signal.SIGKILL)
+                killed.append(learner["incarnation"])
+            stop.wait(0.01)
+
+    rt, summary = alongside(killer, lambda: procs.run(cfg, setup, run_dir, None))
+    assert killed == [0] and [(r["learner"], r["incarnation"]) for r in rt.rejoins] == [(0, 1)]
+    assert rt.rejoins[0]["restored_from"] is not None  # from a checkpoint, and so from its positions
+    assert rt.finished["complete"] and rt.finished["steps"] == {"0": steps}
+    assert summary["token_ledger_imbalance"] == 0
+    # each booked step is the learner's 8 rows, though each process packed 4 of them
+    per_step = cfg.data.batch_size * cfg.data.seq_len
+    processed = rt.finished["tokens"]["processed"]
+    assert processed == cfg.fragments.count * steps * per_step, (processed, per_step)
+    metas = {}
+    for d in (run_dir / "learners" / "learner-0").iterdir():
+        for f in d.rglob("*") if d.name.isdigit() else []:
+            if f.is_file() and f.suffix in ("", ".json") and b'"versions"' in f.read_bytes()[:100_000]:
+                metas[int(d.name)] = json.loads(f.read_text())
+    assert metas and all(isinstance(m.get("data"), list) and len(m["data"]) == 2 for m in metas.values()), metas
+    step, meta = max(metas.items())
+    # the saved positions give each process's own part of the learner's stream at that step
+    whole = load_corpus(cfg.data).train.in_world(2)
+    restored = load_corpus(cfg.data).train.in_world(2)
+    restore_position(restored, 0, 1, step, meta)
+    assert np.array_equal(restored.records(learner=0, num_learners=1, step=step),
+                          whole.records(learner=0, num_learners=1, step=step))
+    assert all(min(restored._feeds[(0, 1, p)].made) == step for p in range(2))
+    whole.close()
+    restored.close()
