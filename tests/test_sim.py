@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import SGD, override, tiny_cfg, tiny_model
 
-from diloco.algo import ledger, messages, timeline
+from diloco.algo import eager, ledger, messages, timeline
 from diloco.algo import syncer as sync
 from diloco.algo.outer import make_outer
 from diloco.config import TrainConfig
@@ -410,3 +410,60 @@ def test_sim_learners_share_one_sub_mesh_and_one_compiled_step(tmp_path, corpus,
     setup_mod.check_devices(wide)  # 8 learners of 8 devices: only 8 devices needed in sim
     with pytest.raises(setup_mod.ConfigError, match="devices_per_learner=16, but only 8 devices"):
         setup_mod.check_devices(replace(cfg, runtime=replace(cfg.runtime, devices_per_learner=16)))
+
+
+# --- eager outer steps (docs/algorithm.md#eager-outer-steps; tests/test_eager.py has the rest) ---
+
+
+def test_one_learner_lossless_is_plain_training_and_every_correction_is_zero(tmp_path, build, corpus, model):
+    """M = 1, outer average (s = 1), fp32, tau = 3 > H = 2: the stand-in is the whole pseudo-gradient, so a
+    send leaves the learner where it is and every merge corrects it by zero (to rounding). The learner
+    trains as if alone and uninterrupted, and Theta ends where plain training does."""
+    cfg = make_cfg(tmp_path, steps=12, runtime=dict(learners=1), fragments=dict(H=2, tau=3, eager=True),
+                   syncer=dict(quorum=1, anchor="base"))
+    setup = build(cfg)
+    sim, summary = run_sim(cfg, setup)
+    assert summary["merges"] == 6 and summary["stalls"] == 0 and summary["tokens_merged_share"] == 1.0
+    compiled = setup.compiled[0]
+    state = compiled.init(jax.device_put(model.params, compiled.state_sharding.params))
+    for step in range(12):
+        batch = batch_at(corpus.train, seed=cfg.run.seed, learner=0, num_learners=1, step=step,
+                         batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len)
+        state, _ = compiled.train_step(state, jax.device_put(batch, compiled.batch_sharding))
+    plain = dict(_leaves(jax.device_get(state.params)))
+    theta, local = sync.theta(sim.syncer), host(sim.units[0])
+    for path in plain:
+        np.testing.assert_allclose(theta[path], plain[path], rtol=1e-5, atol=1e-6, err_msg=str(path))
+        np.testing.assert_allclose(local[path], plain[path], rtol=1e-5, atol=1e-6, err_msg=str(path))
+    assert max(float(np.abs(theta[p] - setup.theta0[0][p]).max()) for p in theta) > 1e-3  # it trained
+    assert sim.units[0].ls.versions[0] >= 3  # merges were applied while later rounds were in flight
+
+
+def test_tau_zero_is_todays_synchronous_rule_bit_for_bit(tmp_path, build):
+    """tau = 0: the learner stalls right after each send, so the correction lands on the stand-in
+    with no progress in between and the learner holds the merged Theta exactly, as when overwritten."""
+    runs = []
+    for frag in (dict(), dict(eager=True)):
+        cfg = make_cfg(tmp_path / str(len(runs)), steps=6, fragments=frag, syncer=dict(anchor="base"))
+        sim, summary = run_sim(cfg, build(cfg))
+        runs.append((sync.theta(sim.syncer), [host(u) for u in sim.units], summary["merges"]))
+    (theta_a, units_a, merges_a), (theta_b, units_b, merges_b) = runs
+    assert merges_a == merges_b == 3
+    assert all(theta_a[p].tobytes() == theta_b[p].tobytes() for p in theta_a)
+    for a, b in zip(units_a, units_b):
+        assert all(a[p].tobytes() == b[p].tobytes() for p in a)
+
+
+def test_two_learners_overlapping_a_whole_round_balance_their_tokens(tmp_path, build):
+    """M = 2, tau = 3 > H = 2 with eager steps: every contribution is merged, nothing overwritten, and the
+    learners' own progress since their last send survives each merge (they differ from Theta)."""
+    cfg = make_cfg(tmp_path, steps=8, fragments=dict(H=2, tau=3, eager=True), syncer=dict(anchor="base"),
+                   outer=dict(name="sgd", lr=0.8))
+    sim, summary = run_sim(cfg, build(cfg))
+    assert summary["merges"] == 4 and summary["tokens_merged_share"] == 1.0
+    for u in sim.units:  # the anchor is the held version less the stand-ins of the sends in flight
+        flying = [f.seq for f in u.ls.in_flight]
+        assert u.ls.versions[0] >= 2 and len(flying) >= 1 and sorted(u.stand_ins) == flying
+        a = eager.anchor(u.anchors[0][1], [u.stand_ins[seq] for seq in flying])
+        assert all(a[p].tobytes() == u.eager_anchor[0][p].tobytes() for p in a)
+        assert any(not np.array_equal(a[p], u.anchors[0][1][p]) for p in a)

@@ -293,27 +293,40 @@ class Schedule(NamedTuple):
     # (overwriting the unsent progress of that fragment); "defer" holds it until the learner's own
     # send of the fragment is answered (merges are cumulative), or until it gives up waiting [unsure].
     others: str = "now"
+    # Eager outer steps (arXiv 2502.12996, docs/algorithm.md#eager-outer-steps): each send moves the
+    # learner at once by its stand-in, `stand_in` times its own pseudo-gradient, and the answering
+    # merge later adds the correction (merged change minus stand-in); tau may then reach H and beyond.
+    eager: bool = False
+    stand_in: float = 0.0
 
 
 OTHERS = ("now", "defer")
 
 
 def make_schedule(P: int, H: int, tau: int = 2, alpha: float = 0.0, keep: bool = False,
-                  others: str = "now") -> Schedule:
-    """Offsets spread evenly over 0..H-1 (t_p = p*H // P, so t_p = p when P = H)."""
+                  others: str = "now", eager: bool = False, stand_in: float = 0.0) -> Schedule:
+    """Offsets spread evenly over 0..H-1 (t_p = p*H // P, so t_p = p when P = H). `eager` allows
+    tau >= H: a send's stand-in step keeps the learner's next pseudo-gradient its own."""
     if not isinstance(P, int) or P < 1:
         raise ValueError(f"number of fragments P must be a positive integer, got {P!r}")
     if not isinstance(H, int) or H < 1:
         raise ValueError(f"sync period H must be a positive integer, got {H!r}")
     if P > H:
         raise ValueError(f"P={P} fragments cannot each be sent once per H={H} steps; need P <= H")
-    if not isinstance(tau, int) or not 0 <= tau < H:
-        raise ValueError(f"overlap tau={tau!r} must be an integer with 0 <= tau < H={H}")
+    if not isinstance(tau, int) or tau < 0 or (tau >= H and not eager):
+        raise ValueError(f"overlap tau={tau!r} must be an integer with 0 <= tau < H={H}"
+                         " (tau >= H needs eager outer steps)")
+    if eager and (keep or alpha != 0.0):
+        raise ValueError(f"eager outer steps keep the progress since a send by their own rule;"
+                         f" keep={keep} and alpha={alpha} must be False and 0")
+    if not 0.0 <= stand_in < math.inf:
+        raise ValueError(f"stand-in scale {stand_in!r} must be a finite number >= 0")
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"learner mix alpha={alpha!r} must lie in [0, 1]")
     if others not in OTHERS:
         raise ValueError(f"others={others!r} not in {'|'.join(OTHERS)}")
-    return Schedule(H, tuple(p * H // P for p in range(P)), tau, float(alpha), bool(keep), others)
+    return Schedule(H, tuple(p * H // P for p in range(P)), tau, float(alpha), bool(keep), others,
+                    bool(eager), float(stand_in))
 
 
 def due(schedule: Schedule, step: int) -> tuple[int, ...]:

@@ -78,17 +78,22 @@ def after_step(st: LearnerState, schedule: Schedule, tokens: int) -> tuple[Learn
         seq += 1
         sends.append(Send(p, seq, st.versions[p], c_steps[p], c_tokens[p], step))
         in_flight.append(InFlight(p, seq, step, c_steps[p], c_tokens[p]))
+    if schedule.eager:  # the stand-in step moved the learner to its new anchor: the next send counts from here
+        gone = {send.fragment for send in sends}
+        c_steps = tuple(0 if p in gone else c for p, c in enumerate(c_steps))
+        c_tokens = tuple(0 if p in gone else c for p, c in enumerate(c_tokens))
     st = st._replace(step=step, seq=seq, c_steps=c_steps, c_tokens=c_tokens, in_flight=tuple(in_flight))
     return st, tuple(sends)
 
 
-def flush(st: LearnerState) -> tuple[LearnerState, tuple[Send, ...]]:
+def flush(st: LearnerState, eager: bool = False) -> tuple[LearnerState, tuple[Send, ...]]:
     """The end of training: send every fragment with progress not yet sent or in flight.
 
     Without it the global model would miss up to H steps of each learner's last progress
-    (DiLoCo ends with a final outer step over everything the workers did).
+    (DiLoCo ends with a final outer step over everything the workers did). With eager outer steps
+    a fragment in flight is sent too: its counters hold only the progress since that send.
     """
-    sending = {f.fragment for f in st.in_flight}
+    sending = set() if eager else {f.fragment for f in st.in_flight}
     sends, in_flight, seq = [], list(st.in_flight), st.seq
     for p, steps in enumerate(st.c_steps):
         if steps > 0 and p not in sending:
@@ -141,6 +146,10 @@ def to_apply(st: LearnerState, schedule: Schedule) -> tuple[LearnerState, tuple[
     c_steps, c_tokens, versions, out = list(st.c_steps), list(st.c_tokens), list(st.versions), []
     for q in ready:
         p, f = q.fragment, sent.get((q.fragment, answered.get(q.fragment)))
+        if schedule.eager:  # the counters already count from the last send (after_step)
+            versions[p] = q.version
+            out.append(q._replace(kept=True))
+            continue
         if not q.answers:  # another learner's merge: kept = the unsent progress is rebased onto it
             kept = schedule.keep
         else:

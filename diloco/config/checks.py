@@ -228,7 +228,15 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     f, o, c, s, r = cfg.fragments, cfg.outer, cfg.codec, cfg.syncer, cfg.runtime
     check(e, cfg.algo in ("dp", "diloco"), f"algo={cfg.algo!r} not in dp|diloco")
     check(e, 1 <= f.count <= f.H, f"fragments.count={f.count} must be in [1, fragments.H={f.H}]")
-    check(e, 0 <= f.tau < f.H, f"fragments.tau={f.tau} must be in [0, fragments.H={f.H})")
+    check(e, 0 <= f.tau and (f.tau < f.H or f.eager),
+          f"fragments.tau={f.tau} must be in [0, fragments.H={f.H}) (tau >= H needs fragments.eager=true)")
+    check(e, not f.eager or (not f.keep_overlap and f.alpha == 0.0),
+          f"fragments.eager=true keeps the progress since a send by its own rule:"
+          f" fragments.keep_overlap={f.keep_overlap} and fragments.alpha={f.alpha} must be false and 0")
+    # An eager contribution is a pseudo-gradient against the learner's own anchor, which the syncer
+    # must take as sent; against `current` it would undo the merges the learner has not applied yet.
+    check(e, not f.eager or s.anchor == "base",
+          f"fragments.eager=true needs syncer.anchor=base (got syncer.anchor={s.anchor})")
     check(e, 0.0 <= f.alpha <= 1.0, f"fragments.alpha={f.alpha} must be in [0, 1]")
     # Choices are checked against the registries themselves, so a new entry needs no second list.
     check(e, f.strategy in FRAGMENTERS, f"fragments.strategy={f.strategy!r} not in {'|'.join(FRAGMENTERS)}")

@@ -186,6 +186,9 @@ class FragmentsConfig:
     # A merge another learner triggered: now (apply before the next step) | defer (hold it until
     # this learner's own send of the fragment is answered) [unsure].
     others: str = "now"
+    # Eager outer steps (arXiv 2502.12996): a send moves the learner at once by its own share of the
+    # outer step, the merge later by the rest; allows tau >= H (docs/algorithm.md#eager-outer-steps).
+    eager: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from diloco.algo import outer_auto, quorum
 from diloco.algo.auth import MIN_SECRET_BYTES, Secret
 from diloco.algo import syncer as sync
 from diloco.algo.codecs import Codec, make_codec
+from diloco.algo.eager import stand_in_scale
 from diloco.algo.fragments import Fragment, extract, make_fragments, make_schedule
 from diloco.algo.codec_specs import codec_spec
 from diloco.algo.outer import AUTO, make_outer
@@ -189,7 +190,8 @@ def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
         fragments = make_fragments(model.params, f.count, f.strategy, flag)
     except ValueError as e:  # the count suits the model only once it is built (a LoRA's adapters)
         raise ConfigError(f"fragments.count={f.count} does not fit this model: {e}") from None
-    schedule = make_schedule(f.count, f.H, f.tau, f.alpha, f.keep_overlap, f.others)
+    stand_in = stand_in_scale(outer_optimizer(cfg), cfg.runtime.learners) if f.eager else 0.0
+    schedule = make_schedule(f.count, f.H, f.tau, f.alpha, f.keep_overlap, f.others, f.eager, stand_in)
     wire = run_codecs(cfg)
     rows = learner_batches(cfg)
     spec = UnitSpec(per_learner(corpus.train, rows), cfg.run.seed, cfg.runtime.learners, cfg.data.batch_size,

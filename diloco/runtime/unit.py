@@ -24,6 +24,7 @@ from diloco.algo.fragments import Fragment, Path, Schedule, assemble, get_path, 
 from diloco.algo.merge import pseudo_gradient
 from diloco.data import batch_share, train_batch, trained_tokens
 from diloco.runtime import world
+from diloco.runtime import unit_eager
 from diloco.runtime.transfer import DeviceValues, FrameJob, host_copy
 from diloco.train.trainer import Compiled
 
@@ -44,6 +45,7 @@ class _Ticket(NamedTuple):
     # device encode: () -> (frame, bytes copied to the host), run at once or on its own thread (job)
     work: Callable[[], tuple[bytes, int]] | None = None
     job: FrameJob | None = None
+    anchor: dict[Path, np.ndarray] | None = None  # host encode against this, not the held version (eager)
 
 
 class _Deferred(NamedTuple):
@@ -108,8 +110,13 @@ class LearnerUnit:
         self._deferred: list[_Deferred] = []  # step(defer=True) results awaiting finish()
         # The device encoder of the up codec, if it has one. keep_overlap needs each send's local
         # values on the host (sent_local) anyway, so it encodes there.
-        self.device_codec = (device_codecs.for_spec(spec.up_spec)
-                             if spec.device_encode and not spec.schedule.keep else None)
+        # So do eager outer steps: each send's stand-in is made from its exact pseudo-gradient.
+        self.device_codec = (device_codecs.for_spec(spec.up_spec) if spec.device_encode
+                             and not spec.schedule.keep and not spec.schedule.eager else None)
+        # Eager outer steps (diloco/runtime/unit_eager.py): per fragment the anchor A, per send in
+        # flight (by seq) its stand-in u.
+        self.eager_anchor = {p: dict(v) for p, (_, v) in anchors.items()} if spec.schedule.eager else {}
+        self.stand_ins: dict[int, dict[Path, np.ndarray]] = {}
         # Broadcasts are decoded on the devices too, unless they span processes (a learner world):
         # there receive stays host work, as the leader takes broadcasts alone (docs/multihost.md).
         self.device_decode = self.device_codec is not None and all(
@@ -138,6 +145,8 @@ class LearnerUnit:
         if any(t.snapshot is not None and t.send.fragment == q.fragment
                for d in self._deferred for t in d.tickets for q in ready):
             self._settle()  # encode against the anchor the send was made from, before it moves
+        if self.spec.schedule.eager:
+            return unit_eager.apply(self, ready)
         alpha = self.spec.schedule.alpha
         params = self.state.params
         for q in ready:
@@ -248,7 +257,8 @@ class LearnerUnit:
         """What follows a step once it is dispatched: the counters, the sends and their frames."""
         tokens = trained_tokens(batch) * batch_share(self.spec.train)  # a world's process: of every process's rows
         self.ls, sends = lsm.after_step(self.ls, self.spec.schedule, tokens)
-        tickets = tuple(self._start(send, copy=defer) for send in sends)
+        tickets = tuple(self._eager_start(send) if self.spec.schedule.eager else self._start(send, copy=defer)
+                        for send in sends)
         if defer:
             self._deferred.append(_Deferred(tickets, metrics if fetch_loss else None))
             return StepResult(tokens, None, sends, ())
@@ -344,14 +354,21 @@ class LearnerUnit:
     def flush(self) -> StepResult:
         """Final contributions of every fragment with unsent progress (see learner.flush)."""
         self._settle()
-        self.ls, sends = lsm.flush(self.ls)
-        return StepResult(0, None, sends, tuple(self._frame(self._start(send, copy=False)) for send in sends))
+        eager = self.spec.schedule.eager
+        self.ls, sends = lsm.flush(self.ls, eager)
+        return StepResult(0, None, sends, tuple(self._frame(self._eager_start(send) if eager else
+                                                            self._start(send, copy=False)) for send in sends))
+
+    def _eager_start(self, send: lsm.Send) -> _Ticket:
+        """An eager send: its stand-in step now (unit_eager.send), its frame from the values it returns."""
+        local, before = unit_eager.send(self, send)
+        return _Ticket(send, snapshot=local, anchor=before)
 
     def _frame(self, ticket: _Ticket) -> bytes:
         """The frame of a started send: made on its thread, made now from its device payload,
         or its params encoded on the host."""
         if ticket.job is None and ticket.work is None:
-            tensors, payload = self._encode_host(ticket.send, ticket.snapshot)
+            tensors, payload = self._encode_host(ticket.send, ticket.snapshot, ticket.anchor)
             return self._framed(ticket.send, tensors, payload)
         frame, nbytes = ticket.job.result() if ticket.job is not None else ticket.work()
         self.host_bytes += nbytes
@@ -373,11 +390,13 @@ class LearnerUnit:
                   "codec": self.spec.up_spec, "delta_against": None, "tensors": tensors}
         return messages.encode(header, payload, self._key)
 
-    def _encode_host(self, send: lsm.Send, snapshot: dict[Path, jax.Array]) -> tuple[list, bytes]:
+    def _encode_host(self, send: lsm.Send, snapshot: dict[Path, jax.Array],
+                     anchor: dict[Path, np.ndarray] | None = None) -> tuple[list, bytes]:
         """Quantize anchor - local (a pseudo-gradient against a version the syncer holds) on the
-        host; the local values are `snapshot`, the fragment's params right after the sending step."""
+        host; the local values are `snapshot`, the fragment's params right after the sending step.
+        `anchor`: the eager anchor the send was made from (default: the held version's values)."""
         frag = self.spec.fragments[send.fragment]
-        _, anchor = self.anchors[send.fragment]
+        anchor = self.anchors[send.fragment][1] if anchor is None else anchor
         local = jax.device_get(snapshot)  # one transfer for the fragment
         local = {path: np.asarray(local[path], np.float32) for path in frag.paths}
         self.host_bytes += sum(x.nbytes for x in local.values())

@@ -1,0 +1,95 @@
+"""Eager outer steps (docs/algorithm.md#eager-outer-steps): the math by hand, the learner state
+machine with tau >= H, a threads run, and the config rules. The sim runs (M = 1 lossless, tau = 0,
+two learners) are at the end of tests/test_sim.py, which compiles the tiny steps once for all."""
+
+import numpy as np
+import pytest
+from conftest import diloco_world, override, tiny_cfg
+
+from diloco.algo import eager
+from diloco.algo import learner as lsm
+from diloco.algo.fragments import make_schedule
+from diloco.algo.outer import make_outer
+from diloco.config import ConfigError
+from diloco.runtime import threads
+
+EAGER = dict(eager=True)
+BASE = dict(anchor="base")
+
+
+def test_two_learners_by_hand():
+    """Theta = 10, outer SGD lr 0.5, M = 2, so s = 0.25. Learner 0 reaches 9 (Delta 1), learner 1
+    reaches 7 (Delta 3). Their stand-ins 0.25 and 0.75 put them at 9.75 and 9.25; they move on by
+    -0.5 and -1. The merge (mean Delta 2) gives Theta = 9; the corrections are merged change (-1)
+    minus stand-in: -0.75 and -0.25, so they hold 8.5 and 8.0."""
+    s = eager.stand_in_scale(make_outer("sgd", lr=0.5, momentum=0.0), 2)
+    assert s == 0.25
+    theta = {("w",): np.float32(10.0)}
+    out = []
+    for local, later in ((9.0, -0.5), (7.0, -1.0)):
+        u = eager.stand_in({("w",): theta[("w",)] - np.float32(local)}, s)
+        a = eager.anchor(theta, (u,))
+        out.append((float(a[("w",)]), a, float(a[("w",)]) + later))
+    assert [o[0] for o in out] == [9.75, 9.25]
+    merged = {("w",): np.float32(10.0 - 0.5 * (1.0 + 3.0) / 2)}
+    after = eager.anchor(merged, ())
+    held = [float(eager.moved(np.float32(x), a[("w",)], after[("w",)])) for _, a, x in out]
+    assert held == [8.5, 8.0]
+    assert [h - x for h, (_, _, x) in zip(held, out)] == [-0.75, -0.25]
+
+
+def test_the_gain_is_read_off_each_outer_optimizer():
+    assert eager.gain(make_outer("average")) == 1.0
+    assert eager.gain(make_outer("sgd", lr=0.5, momentum=0.9)) == pytest.approx(0.5)
+    assert eager.gain(make_outer("nesterov", lr=0.7, momentum=0.9)) == pytest.approx(0.7 * 1.9)
+    assert eager.gain(make_outer("delayed_nesterov", lr=0.7, momentum=0.9, N=4)) == pytest.approx(0.7 / 4)
+    assert eager.stand_in_scale(make_outer("average"), 4) == 0.25
+
+
+def test_the_state_machine_overlaps_rounds_of_one_fragment():
+    """P = 1, H = 2, tau = 4: round 2 leaves before round 1's merge is applied; counters count from
+    the last send; the merge is applied tau steps after the send it answers and both sends older than
+    the merge leave flight; nothing is overwritten."""
+    with pytest.raises(ValueError, match="tau >= H needs eager"):
+        make_schedule(1, 2, tau=4)
+    sch = make_schedule(1, 2, tau=4, eager=True, stand_in=0.5)
+    st = lsm.init(0, 0, (0,))
+    for _ in range(2):
+        st, sends = lsm.after_step(st, sch, tokens=10)
+    assert [s.seq for s in sends] == [1] and sends[0].c_steps == 2 and st.c_steps == (0,)
+    st = lsm.on_fragment(st, sch, 0, 1, frozenset({(0, 0, 1)}))  # round 1 merged, due at step 2 + 4
+    for _ in range(2):
+        st, sends = lsm.after_step(st, sch, tokens=10)
+    assert [s.seq for s in sends] == [2] and sends[0].c_steps == 2 and sends[0].c_tokens == 20
+    assert lsm.to_apply(st, sch)[1] == () and lsm.blocking(st, sch) is None
+    st, _ = lsm.after_step(st, sch, tokens=10)
+    st, _ = lsm.after_step(st, sch, tokens=10)  # step 6: round 3 left
+    st, ready = lsm.to_apply(st, sch)
+    assert [(q.version, q.answers, q.kept) for q in ready] == [(1, (1,), True)]
+    assert [f.seq for f in st.in_flight] == [2, 3] and st.versions == (1,) and st.c_steps == (0,)
+    # flush sends the progress since the last send although the fragment is in flight
+    st, _ = lsm.after_step(st, sch, tokens=10)
+    assert [s.c_steps for s in lsm.flush(st, eager=True)[1]] == [1] and lsm.flush(st)[1] == ()
+
+
+@pytest.mark.slow  # 35 s, most of it compiling; the sim's eager tests are in tests/test_sim.py
+def test_threads_runs_eager_steps(tmp_path):
+    """The threads runtime drives the same unit: an eager run with tau = 2H trains and balances."""
+    cfg = tiny_cfg(tmp_path, "threads", run=dict(steps=16, eval_every=16),
+                   fragments=dict(tau=8, **EAGER), syncer=BASE)
+    _, _, setup, evaluate_global, initial = diloco_world(cfg)
+    rt, summary = threads.run(cfg, setup, tmp_path, evaluate_global)
+    assert [u.ls.step for u in rt.units] == [16, 16]
+    assert summary["token_ledger_imbalance"] == 0 and summary["merges"] > 0
+    assert summary["eval_loss"] < initial
+
+
+@pytest.mark.parametrize("groups, message", [
+    (dict(fragments=dict(tau=4)), r"fragments.tau=4 must be in \[0, fragments.H=4\) \(tau >= H needs fragments.eager=true\)"),
+    (dict(fragments=dict(tau=8, eager=True)), "fragments.eager=true needs syncer.anchor=base"),
+    (dict(fragments=dict(eager=True, keep_overlap=True), syncer=BASE), "fragments.keep_overlap=True"),
+])
+def test_config_refuses_with_the_values(tmp_path, groups, message):
+    with pytest.raises(ConfigError, match=message):
+        override(tiny_cfg(tmp_path), **groups)
+    assert override(tiny_cfg(tmp_path), fragments=dict(tau=8, eager=True), syncer=BASE).fragments.tau == 8
