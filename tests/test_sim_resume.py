@@ -15,9 +15,11 @@ from diloco.runtime.summary import replayable
 from test_sim import build, corpus, make_cfg, model  # noqa: F401  (fixtures)
 
 
-def cfg_for(tmp, name, resume=False):
+def cfg_for(tmp, name, resume=False, eager=False):
     """K = 1 with grace, P = 2, int4 with error feedback up, int8 down, Nesterov, a chaos tape with
-    failures and a scavenged learner: every kind of state a snapshot must carry."""
+    failures and a scavenged learner: every kind of state a snapshot must carry. `eager`: eager outer
+    steps with tau = 5 > H = 4 (their anchors and stand-ins in flight too)."""
+    eager_groups = dict(fragments=dict(tau=5, eager=True), syncer=dict(anchor="base")) if eager else {}
     cfg = make_cfg(tmp, steps=24, fragments=dict(count=2, H=4, tau=1), syncer=dict(quorum=1),
                    outer=dict(name="nesterov", lr=0.7, momentum=0.9),
                    codec=dict(up="int4", down="int8", error_feedback=True),
@@ -25,19 +27,24 @@ def cfg_for(tmp, name, resume=False):
     chaos = ChaosConfig(enabled=True, slices_per_learner=2, chips_per_slice=1, mtbi_s=60.0, repair="fixed",
                         repair_mean_s=3.0, scavenge=((5.0, 15.0),), seed=1)
     run = replace(cfg.run, out_dir=str(tmp / name), checkpoint_every=3, keep_checkpoints=2, resume=resume)
-    return validate(replace(cfg, chaos=chaos, run=run))
+    cfg = replace(cfg, chaos=chaos, run=run)
+    if eager:
+        cfg = replace(cfg, fragments=replace(cfg.fragments, **eager_groups["fragments"]),
+                      syncer=replace(cfg.syncer, **eager_groups["syncer"]))
+    return validate(cfg)
 
 
-def test_resume_from_a_snapshot_equals_the_uninterrupted_run(tmp_path, build):
-    whole = cfg_for(tmp_path, "whole")
+@pytest.mark.parametrize("eager", [False, pytest.param(True, marks=pytest.mark.slow)])  # eager: 25-50 s
+def test_resume_from_a_snapshot_equals_the_uninterrupted_run(tmp_path, build, eager):
+    whole = cfg_for(tmp_path, "whole", eager=eager)
     setup = build(whole)
     a, summary_a = sim_mod.run(whole, setup, tmp_path / "whole", None)
     assert a.rejoins and summary_a["token_ledger_imbalance"] == 0
 
-    cut = cfg_for(tmp_path, "cut")
+    cut = cfg_for(tmp_path, "cut", eager=eager)
     b, none = sim_mod.run(cut, setup, tmp_path / "cut", None, stop=lambda s: s.steps_done >= 31)
     assert none is None and b.steps_done == 31
-    c, summary_c = sim_mod.run(cfg_for(tmp_path, "cut", resume=True), setup, tmp_path / "cut", None)
+    c, summary_c = sim_mod.run(cfg_for(tmp_path, "cut", resume=True, eager=eager), setup, tmp_path / "cut", None)
 
     assert replayable(summary_c) == replayable(summary_a)  # real seconds aside
     for x, y in zip(sync.theta(a.syncer).values(), sync.theta(c.syncer).values()):

@@ -46,6 +46,11 @@ def _unit_out(unit: LearnerUnit) -> tuple[dict, dict]:
                   for i, path in enumerate(codec_paths)},
         "sent": {str(p): {str(i): np.asarray(v[path]) for i, path in enumerate(sorted(v))}
                  for p, v in unit.sent_local.items()},
+        # eager outer steps: per fragment the anchor, per send in flight its stand-in (unit_eager.py)
+        "eager": {str(p): {str(i): np.asarray(v[path]) for i, path in enumerate(sorted(v))}
+                  for p, v in unit.eager_anchor.items()},
+        "stand_ins": {str(seq): {str(i): np.asarray(v[path]) for i, path in enumerate(sorted(v))}
+                      for seq, v in unit.stand_ins.items()},
     }
     ls = unit.ls
     meta = {
@@ -57,6 +62,8 @@ def _unit_out(unit: LearnerUnit) -> tuple[dict, dict]:
         "latest_versions": {str(p): v for p, (v, _) in unit.latest.items()},
         "codec_paths": [list(p) for p in codec_paths], "sent": sorted(unit.sent_local),
         "dropped_frames": unit.dropped_frames,
+        "stand_ins": {str(seq): next(f.fragment for f in ls.in_flight if f.seq == seq) for seq in unit.stand_ins
+                      if any(f.seq == seq for f in ls.in_flight)},
     }
     return arrays, meta
 
@@ -82,6 +89,9 @@ def _unit_in(setup, syncer_state, arrays: dict, meta: dict) -> LearnerUnit:
         leaves = [np.asarray(saved[str(j)]) for j in range(len(jax.tree_util.tree_leaves(init)))]
         unit.codec_states[path] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(init), leaves)
     unit.sent_local = {p: values(arrays["sent"][str(p)], p) for p in meta["sent"]}
+    if unit.spec.schedule.eager:
+        unit.eager_anchor = {int(p): values(v, int(p)) for p, v in arrays["eager"].items()}
+        unit.stand_ins = {int(seq): values(arrays["stand_ins"][seq], p) for seq, p in meta["stand_ins"].items()}
     unit.dropped_frames = meta["dropped_frames"]
     unit.ls = lsm.LearnerState(
         m, meta["incarnation"], meta["step"], meta["seq"], tuple(meta["c_steps"]), tuple(meta["c_tokens"]),
