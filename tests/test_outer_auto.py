@@ -215,3 +215,36 @@ def test_a_sim_run_sets_momentum_and_a_restored_syncer_keeps_it(recorded):
                 for p in a.theta:
                     np.testing.assert_array_equal(a.theta[p], b.theta[p])
     assert resumed is not None
+
+
+@pytest.mark.slow  # a threads run: 86 s at load 24 on the shared 2-core machine
+def test_a_threads_run_sets_momentum_and_writes_the_series(tmp_path_factory):
+    """The wall-clock runtime shares the syncer: its merges carry the statistics and the momentum
+    into metrics.jsonl, TensorBoard and the summary, and its input log replays to the same decisions."""
+    from dataclasses import replace
+
+    from conftest import diloco_world
+    from test_conformance import make_cfg as conformance_cfg
+    from test_watch import event_files
+
+    from diloco import report
+    from diloco.runtime import threads
+    from diloco.runtime.runlog import read_decisions, read_inputs
+
+    root = tmp_path_factory.mktemp("threads_auto")
+    cfg = conformance_cfg(root, "threads")
+    cfg = replace(cfg, outer=replace(cfg.outer, momentum="auto"), run=replace(cfg.run, tensorboard=True))
+    _, _, setup, evaluate_global, _ = diloco_world(cfg)
+    run_dir = root / "threads"
+    run_dir.mkdir(exist_ok=True)
+    _, summary = threads.run(cfg, setup, run_dir, evaluate_global)
+    records = [r for r in report.read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "merge"]
+    assert records and all(0.0 <= r["momentum"] <= RULE.ceiling and r["delta_norm"] > 0 for r in records)
+    cosines = [r["update_cos"] for r in records if "update_cos" in r]
+    assert len(cosines) == summary["update_cos_rounds"] > 0 and all(-1.0 <= c <= 1.0 for c in cosines)
+    assert summary["outer_momentum_mean"] == pytest.approx(np.mean([r["momentum"] for r in records]))
+    (scalars,) = event_files(run_dir / "tensorboard")
+    assert {"syncer/delta_norm/fragment0", "syncer/update_cos/fragment0", "syncer/momentum/fragment1"} <= set(scalars)
+    again = replay(setup.policy, sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0, 1: 0}),
+                   list(read_inputs(run_dir / "syncer_inputs.bin")))
+    assert json.loads(json.dumps(list(again.decisions))) == read_decisions(run_dir / "decisions.jsonl")

@@ -183,8 +183,9 @@ def host_estimate(cfg: TrainConfig, params: int, vocab: int, trained: int | None
     if diloco:
         trained_ = per.trained
         versions = min(cfg.syncer.history, learners + 1)
-        # Theta, the outer state, a round's sums, the references, and Theta_0 (the setup's copy)
-        parts["syncer"] = 4.0 * trained_ * (1 + outer_slots(cfg.outer.name) + 1 + versions + 1)
+        # Theta, the outer state, a round's sums, the references, Theta_0 (the setup's copy) and the
+        # last merged pseudo-gradient (the outer statistics, diloco/algo/outer_auto.py)
+        parts["syncer"] = 4.0 * trained_ * (1 + outer_slots(cfg.outer.name) + 1 + versions + 1 + 1)
         if cfg.runtime.kind in ("procs", "ray") and cfg.runtime.launch != "external":
             parts.update(_process_parts(learners, per, platform))
     return Footprint(params, per.trained, per.devices, per.batch, parts)
