@@ -10,6 +10,7 @@ from diloco.algo import eager
 from diloco.algo import learner as lsm
 from diloco.algo.fragments import make_schedule
 from diloco.algo.outer import make_outer
+from diloco.bandwidth.utilisation import Method, Workload, by_depth, utilisation
 from diloco.config import ConfigError
 from diloco.runtime import threads
 
@@ -93,3 +94,24 @@ def test_config_refuses_with_the_values(tmp_path, groups, message):
     with pytest.raises(ConfigError, match=message):
         override(tiny_cfg(tmp_path), **groups)
     assert override(tiny_cfg(tmp_path), fragments=dict(tau=8, eager=True), syncer=BASE).fragments.tau == 8
+
+
+@pytest.mark.parametrize("tau", [0, 2, 3, 4, 5, 6, 8, 9, 10, 12])
+def test_utilisation_of_an_overlap_deeper_than_H(tau):
+    """One layer, one fragment each H = 4 steps of 1 s, a free link with a 10 s round trip D. A sync
+    stalls the step tau + 1 after it for what the overlap does not hide; with tau >= H the stalls of
+    the q = tau // H syncs sent in between also count, so each period stalls x = (D - tau) / (q + 1)
+    and utilisation = H / (H + x): 1 once tau covers the round trip (tau = 10)."""
+    w = Workload(params=1.0, step_time=1.0, layers=1, datacenters=2, latency=5.0)
+    m = Method("eager", H=4, P=1, tau=tau, bits=1)
+    stall = max(0.0, (10.0 - tau) / (tau // 4 + 1))
+    for periods in (4, 12):
+        assert utilisation(w, m, 1e6, periods) == pytest.approx(4 / (4 + stall), rel=1e-12)
+
+
+def test_eager_rows_gain_on_a_slow_link():
+    """10B parameters over 8 sites, 0.8 s steps, P = H = 24, int4: at 2 Gbit/s and a 0.5 s hop latency
+    (7 s round trip, about 9 steps) tau = 2 stalls; tau = 12 hides it all, and deeper overlaps keep it."""
+    w = Workload(params=1e10, step_time=0.8, layers=48, datacenters=8, latency=0.5)
+    rows = by_depth(w, 2.0, (2, 12, 24, 48))
+    assert rows[2] < rows[12] <= rows[24] <= rows[48]

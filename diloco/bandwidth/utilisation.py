@@ -12,7 +12,9 @@ The model, one learner (one site) seen through its inter-site link:
   first in first out, 2 (M-1)/M * (N/L) * b bits each (ring all-reduce over M sites), and the
   result arrives 2 (M-1) hop latencies after its last bit left;
 * the forward of that layer in step s + 1 + tau cannot start before the result arrived: tau = 0
-  is blocking (data parallel, vanilla DiLoCo), tau >= 1 overlaps the sync with tau whole steps.
+  is blocking (data parallel, vanilla DiLoCo), tau >= 1 overlaps the sync with tau whole steps,
+  and tau >= H, which only eager outer steps allow (docs/algorithm.md#eager-outer-steps), lets a
+  sync take longer than the H steps until the same fragment leaves again.
 Data parallel is H = P = 1 (every layer every step), vanilla DiLoCo P = 1 and H = 100.
 Utilisation = compute time / wall time over the last sync period, once the schedule is periodic.
 """
@@ -93,12 +95,28 @@ def decoupled_diloco(H: int = 24, P: int = 24, tau: int = 2, bits: float = 4.5) 
     return Method("Decoupled DiLoCo", H=H, P=P, tau=tau, bits=bits)
 
 
+def eager_diloco(H: int = 24, P: int = 24, tau: int = 48, bits: float = 4.5) -> Method:
+    """Decoupled DiLoCo with eager outer steps: as decoupled_diloco, each merge applied tau steps late."""
+    return Method(f"eager, tau = {tau}", H=H, P=P, tau=tau, bits=bits)
+
+
+def by_depth(w: Workload, gbps: float, depths: tuple[int, ...], H: int = 24, P: int = 24,
+             bits: float = 4.5) -> dict[int, float]:
+    """Utilisation of Decoupled DiLoCo's schedule at each overlap depth tau (the overlapped rows of
+    docs/experiments.md#t11-eager-outer-steps): tau < H is today's overlap, tau >= H needs eager steps.
+    """
+    return {tau: utilisation(w, eager_diloco(H, P, tau, bits), gbps) for tau in depths}
+
+
 def utilisation(w: Workload, m: Method, gbps: float, periods: int = 4) -> float:
     """Compute time / wall time of `m` on `w` over a link of `gbps` Gbit/s, in steady state.
 
     Simulates `periods` sync periods of H steps and measures the last: the schedule repeats every
     H steps and a backlog cannot outgrow tau + 1 steps (each forward waits for its own layer), so
     a few periods reach the periodic regime (4 and 12 agree to machine precision in the tests).
+    With tau >= H (eager steps) a stall can shift the next period's sends past their own gates, so
+    the regime may repeat only every q + 1 periods (q = tau // H): the last lcm(1..q+1) periods are
+    measured, after q + 3 periods to settle.
     """
     L, H = w.layers, m.H
     if m.P > L:
@@ -116,9 +134,11 @@ def utilisation(w: Workload, m: Method, gbps: float, periods: int = 4) -> float:
     layer = np.arange(L)
     gates: dict[int, np.ndarray] = {}  # step -> per layer, when its forward may start
     t = link = measured_from = 0.0
-    steps = periods * H
+    q = m.tau // H
+    window = math.lcm(*range(1, q + 2)) * H
+    steps = periods * H if q == 0 else max(periods * H, (q + 3) * H + window)
     for s in range(1, steps + 1):
-        if s == steps - H + 1:
+        if s == steps - window + 1:
             measured_from = t
         gate = gates.pop(s, None)
         # Forward of layer l starts at max(end of layer l - 1, gate[l]); unrolled, the pass ends
@@ -130,7 +150,7 @@ def utilisation(w: Workload, m: Method, gbps: float, periods: int = 4) -> float:
             due = gates.setdefault(s + 1 + m.tau, np.full(L, -np.inf))
             due[l] = max(due[l], link + delay)
         t = fwd_end + L * bwd
-    return H * w.step_time / (t - measured_from)
+    return window * w.step_time / (t - measured_from)
 
 
 def required_bandwidth(w: Workload, m: Method, target: float, lo: float = 1e-4, hi: float = 1e7,
