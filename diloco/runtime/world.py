@@ -32,9 +32,11 @@ distributed collective mismatch in your code?"). These LearnerUnit (diloco/runti
 run jitted programs over the global mesh and must run on every process in the same order:
 `LearnerUnit(...)` (the state's init), `warm_up`, `step` (the inner step: its gradient all-reduce
 crosses processes); so must this module's `global_batch`, `host_batch`, `gather_to_leader`,
-`broadcast_from_leader`, `all_gather`, `agree`, `mirror_frames` and `leave_world` (a barrier). A program on one
-local device (the leader's own syncer merges in tests/world_child.py, a jnp op on a host array)
-involves no other process and may run on one alone. The unit's host-side work (`apply_due`, `_encode` inside
+`broadcast_from_leader`, `all_gather`, `agree`, `mirror_frames` and `leave_world` (a barrier),
+and so must rejoin.LearnerCheckpoints.maybe_save (an Orbax save, and with data=grain the gather of
+every process's stream position into its meta). A program on one local device (the leader's own
+syncer merges in tests/world_child.py, a jnp op on a host array) involves no other process and may
+run on one alone. The unit's host-side work (`apply_due`, `_encode` inside
 `step`/`finish`/`flush`, `receive`, `give_up`, `blocking`) runs no cross-process program as long as
 each process holds whole copies of the params, which `learner_mesh_global` guarantees (its fsdp
 axis stays inside a process), so `jax.device_get` of a param is local. It must still run on every
