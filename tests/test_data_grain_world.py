@@ -253,3 +253,26 @@ def test_a_procs_learner_world_checkpoints_every_process_position_and_rejoins_fr
     assert all(min(restored._feeds[(0, 1, p)].made) == step for p in range(2))
     whole.close()
     restored.close()
+
+
+def test_the_run_reads_the_stream_as_its_worlds_do_and_checks_the_shards_at_start_up(tmp_path):
+    """load_inputs: with runtime.world.processes_per_learner = P the run's stream is the worlds'
+    (every process's rows of each batch), and a shard with fewer records than P is an error there."""
+    from dataclasses import replace
+
+    from conftest import tiny_cfg
+
+    from diloco.config import WorldConfig, validate
+    from diloco.inputs import load_inputs
+
+    write_sets(tmp_path, n=10)  # 9 training records
+
+    def cfg(learners):
+        c = tiny_cfg(tmp_path, "procs", data=dict(source="grain", paths=(str(tmp_path / "d.jsonl"),), batch_size=8),
+                     runtime=dict(learners=learners, devices_per_learner=2))
+        return validate(replace(c, runtime=replace(c.runtime, world=WorldConfig(processes_per_learner=2))))
+
+    train = load_inputs(cfg(2), weights=False).corpus.train
+    assert (train.recipe.processes, train.recipe.process, train.share) == (2, -1, 1)
+    with pytest.raises(DataError, match="learner 4's shard of data.paths holds 1 training records, fewer than the 2"):
+        load_inputs(cfg(5), weights=False)
