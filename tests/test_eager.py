@@ -19,11 +19,11 @@ BASE = dict(anchor="base")
 
 
 def test_two_learners_by_hand():
-    """Theta = 10, outer SGD lr 0.5, M = 2, so s = 0.25. Learner 0 reaches 9 (Delta 1), learner 1
+    """Theta = 10, outer SGD lr 0.5, M = 2, eager_share 1/2 (the paper's rule), so s = 0.25. Learner 0 reaches 9 (Delta 1), learner 1
     reaches 7 (Delta 3). Their stand-ins 0.25 and 0.75 put them at 9.75 and 9.25; they move on by
     -0.5 and -1. The merge (mean Delta 2) gives Theta = 9; the corrections are merged change (-1)
     minus stand-in: -0.75 and -0.25, so they hold 8.5 and 8.0."""
-    s = eager.stand_in_scale(make_outer("sgd", lr=0.5, momentum=0.0), 2)
+    s = eager.stand_in_scale(make_outer("sgd", lr=0.5, momentum=0.0), 1 / 2)
     assert s == 0.25
     theta = {("w",): np.float32(10.0)}
     out = []
@@ -44,7 +44,7 @@ def test_the_gain_is_read_off_each_outer_optimizer():
     assert eager.gain(make_outer("sgd", lr=0.5, momentum=0.9)) == pytest.approx(0.5)
     assert eager.gain(make_outer("nesterov", lr=0.7, momentum=0.9)) == pytest.approx(0.7 * 1.9)
     assert eager.gain(make_outer("delayed_nesterov", lr=0.7, momentum=0.9, N=4)) == pytest.approx(0.7 / 4)
-    assert eager.stand_in_scale(make_outer("average"), 4) == 0.25
+    assert eager.stand_in_scale(make_outer("average"), 1 / 4) == 0.25
 
 
 def test_the_state_machine_overlaps_rounds_of_one_fragment():
@@ -89,6 +89,7 @@ def test_threads_runs_eager_steps(tmp_path):
     (dict(fragments=dict(tau=4)), r"fragments.tau=4 must be in \[0, fragments.H=4\) \(tau >= H needs fragments.eager=true\)"),
     (dict(fragments=dict(tau=8, eager=True)), "fragments.eager=true needs syncer.anchor=base"),
     (dict(fragments=dict(eager=True, keep_overlap=True), syncer=BASE), "fragments.keep_overlap=True"),
+    (dict(fragments=dict(eager=True, eager_share=0.0), syncer=BASE), r"fragments.eager_share=0.0 must be in \(0, 1\]"),
 ])
 def test_config_refuses_with_the_values(tmp_path, groups, message):
     with pytest.raises(ConfigError, match=message):

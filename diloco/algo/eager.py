@@ -30,12 +30,13 @@ def gain(opt: optax.GradientTransformation) -> float:
     return float(-np.asarray(updates))
 
 
-def stand_in_scale(opt: optax.GradientTransformation, learners: int) -> float:
-    """s in u = s Delta_m: the outer step's gain on this learner's nominal share 1/M of the merge
-    (the paper's (1/M) Delta_m^(t) in place of the round's average)."""
-    if learners < 1:
-        raise ValueError(f"learners={learners} must be >= 1")
-    return gain(opt) / learners
+def stand_in_scale(opt: optax.GradientTransformation, share: float) -> float:
+    """s in u = s Delta_m: the outer step's gain times the share of the merged pseudo-gradient the
+    learner's own stands in for (fragments.eager_share): 1, its own for the whole merge; 1/M, its
+    own part only (the paper's (1/M) Delta_m^(t), the others' part coming with the correction)."""
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"eager share {share!r} must lie in (0, 1]")
+    return gain(opt) * share
 
 
 def stand_in(delta: Values, scale: float) -> dict:

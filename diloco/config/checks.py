@@ -237,6 +237,7 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
     # must take as sent; against `current` it would undo the merges the learner has not applied yet.
     check(e, not f.eager or s.anchor == "base",
           f"fragments.eager=true needs syncer.anchor=base (got syncer.anchor={s.anchor})")
+    check(e, 0.0 < f.eager_share <= 1.0, f"fragments.eager_share={f.eager_share} must be in (0, 1]")
     check(e, 0.0 <= f.alpha <= 1.0, f"fragments.alpha={f.alpha} must be in [0, 1]")
     # Choices are checked against the registries themselves, so a new entry needs no second list.
     check(e, f.strategy in FRAGMENTERS, f"fragments.strategy={f.strategy!r} not in {'|'.join(FRAGMENTERS)}")

@@ -189,6 +189,9 @@ class FragmentsConfig:
     # Eager outer steps (arXiv 2502.12996): a send moves the learner at once by its own share of the
     # outer step, the merge later by the rest; allows tau >= H (docs/algorithm.md#eager-outer-steps).
     eager: bool = False
+    # The share of the merged pseudo-gradient a learner's own stands in for until the merge comes:
+    # 1 = all of it; 1/M = its own part, the paper's rule (docs/algorithm.md#eager-outer-steps).
+    eager_share: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,7 @@ def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
         fragments = make_fragments(model.params, f.count, f.strategy, flag)
     except ValueError as e:  # the count suits the model only once it is built (a LoRA's adapters)
         raise ConfigError(f"fragments.count={f.count} does not fit this model: {e}") from None
-    stand_in = stand_in_scale(outer_optimizer(cfg), cfg.runtime.learners) if f.eager else 0.0
+    stand_in = stand_in_scale(outer_optimizer(cfg), f.eager_share) if f.eager else 0.0
     schedule = make_schedule(f.count, f.H, f.tau, f.alpha, f.keep_overlap, f.others, f.eager, stand_in)
     wire = run_codecs(cfg)
     rows = learner_batches(cfg)
