@@ -48,20 +48,23 @@ class Closed(NamedTuple):
 
 
 def close(opt: optax.GradientTransformation, per: str | None, sums: Values, gains: Values, theta: Values,
-          outer_state: Any, prev: Values, last: Values | None = None) -> Closed:
+          outer_state: Any, prev: Values, last: Values | None = None,
+          squares: dict[Path, float] | None = None) -> Closed:
     """Close one round of a fragment: `sums` are the running sums by path, `gains` its merge
     rule's float32 gain per path (merge.MergeRule), `prev` the newest ref, `last` the previous
-    round's merged delta (None: zeros, a fragment's first round)."""
+    round's merged delta (None: zeros, a fragment's first round), `squares` the sums'
+    sum_squares by path (None: taken here when the merge needs them)."""
     if last is None:
         last = {p: np.zeros(x.shape, np.float32) for p, x in theta.items()}
     paths = sorted(theta)
+    squares = None if squares is None else [squares[p] for p in paths]
     leaves, state_def = jax.tree.flatten(outer_state)
     plan = _plan(opt, len(paths))
     if len(plan.owners) != len(leaves):
         raise ValueError(f"outer state of {len(leaves)} leaves, {len(plan.owners)} expected")
     G = [np.float32(gains[p]) for p in paths]
     if not (plan.split and outer.elementwise(opt)):  # one call, every array as it is
-        U = _units(per, [np.asarray(sums[p], np.float32).reshape(-1) for p in paths])
+        U = _units(per, [np.asarray(sums[p], np.float32).reshape(-1) for p in paths], squares)
         tdef = _tuple_state_def(opt, tuple(theta[p].shape for p in paths))
         new_T, new_L, new_D, new_P, finite, (dss, df), (tss, tf), dot = _close_leaves(
             opt, per, tdef, tuple(sums[p] for p in paths), tuple(G), tuple(U), tuple(theta[p] for p in paths),
@@ -70,21 +73,22 @@ def close(opt: optax.GradientTransformation, per: str | None, sums: Values, gain
         results = [(bool(finite), _square(dss, df), _square(tss, tf), float(dot))]
         new_leaves = [np.asarray(x) for x in new_L]
     else:
-        new_T, new_D, new_P, new_leaves, results = _pieces(opt, per, paths, G, sums, theta, prev, last, leaves, plan)
+        new_T, new_D, new_P, new_leaves, results = _pieces(opt, per, paths, G, sums, theta, prev, last, leaves, plan,
+                                                           squares)
     shaped = lambda arrs: {p: a.reshape(theta[p].shape) for p, a in zip(paths, arrs)}
     return Closed(shaped(new_T), jax.tree.unflatten(state_def, new_leaves), shaped(new_D),
                   all(r[0] for r in results), math.sqrt(math.fsum(r[1] for r in results)),
                   math.sqrt(math.fsum(r[2] for r in results)), shaped(new_P), math.fsum(r[3] for r in results))
 
 
-def _pieces(opt, per, paths, G, sums, theta, prev, last, leaves, plan):
+def _pieces(opt, per, paths, G, sums, theta, prev, last, leaves, plan, squares):
     """The close of an element-wise optimizer in pieces on the host pool: (Theta', diff, delta, the
     state's leaves, each call's (finite, delta norm^2, Theta' norm^2, <delta, last>))."""
     flat = lambda tree: [np.asarray(tree[p], np.float32).reshape(-1) for p in paths]  # views
     S, T, R, P = flat(sums), flat(theta), flat(prev), flat(last)
     sizes = [x.size for x in T]
     L = [np.asarray(x, np.float32).reshape(-1) if o is not None else x for x, o in zip(leaves, plan.owners)]
-    U = _units(per, S)
+    U = _units(per, S, squares)
     bulk, rest = _slices(sizes, hostpool.CHUNK)
     new_T, new_D = [hostpool.aligned_empty(n) for n in sizes], [hostpool.aligned_empty(n) for n in sizes]
     new_P = [hostpool.aligned_empty(n) for n in sizes]
@@ -130,11 +134,10 @@ def _slices(sizes: list[int], chunk: int) -> tuple[list[Slice], list[Slice]]:
     return bulk, rest
 
 
-def _units(per: str | None, S: list[np.ndarray]) -> list[tuple[np.float32, np.float32]]:
-    """Each tensor's (f, safe) for merge.merge_sums: from the float64 norm of its sum (per
-    "tensor") or of the fragment's (per "fragment"); unused without a unit merge."""
-    if per is None:
-        return [(np.float32(1.0), np.float32(1.0))] * len(S)
+def sum_squares(S: list[np.ndarray]) -> list[float]:
+    """Each array's float64 sum of squares, in pieces on the host pool. The syncer takes them once
+    per round, for the unit merge's norms and the drift monitor's agreement (diloco/algo/drift.py)."""
+    S = [np.asarray(x, np.float32).reshape(-1) for x in S]
     tasks = [(t, lo, hi) for t, x in enumerate(S) for lo, hi in hostpool.pieces(x.size)]
     # a fragment under one piece in all is summed on this thread (the pool's start-up would cost more)
     parts = hostpool.run([lambda t=t, lo=lo, hi=hi: codec_kernels.sumsq(S[t][lo:hi]) for t, lo, hi in tasks],
@@ -142,6 +145,17 @@ def _units(per: str | None, S: list[np.ndarray]) -> list[tuple[np.float32, np.fl
     squares = [0.0] * len(S)
     for (t, _, _), ss in zip(tasks, parts):  # in piece order: the same sum whatever the threads
         squares[t] += ss
+    return squares
+
+
+def _units(per: str | None, S: list[np.ndarray],
+           squares: list[float] | None = None) -> list[tuple[np.float32, np.float32]]:
+    """Each tensor's (f, safe) for merge.merge_sums: from the float64 norm of its sum (per
+    "tensor") or of the fragment's (per "fragment"); unused without a unit merge. `squares`: the
+    sums' sum_squares when the caller has them."""
+    if per is None:
+        return [(np.float32(1.0), np.float32(1.0))] * len(S)
+    squares = sum_squares(S) if squares is None else squares
     if per == "fragment":
         return [merging.unit_scale(math.sqrt(sum(squares)))] * len(S)
     return [merging.unit_scale(math.sqrt(ss)) for ss in squares]

@@ -15,7 +15,8 @@ from diloco.algo import roundsum
 from diloco.algo.merge import MergeRule
 
 
-def agreement(rs: roundsum.RoundSum, rule: MergeRule, clips: Sequence[float]) -> float | None:
+def agreement(rs: roundsum.RoundSum, rule: MergeRule, clips: Sequence[float],
+              squares: Sequence[float] | None = None) -> float | None:
     """The mean cosine between the vectors a round folds into its sum, v_m = k_m delta_m (per
     tensor k_mt from the merge rule, times the clip factor where the rule folds it in):
 
@@ -26,7 +27,9 @@ def agreement(rs: roundsum.RoundSum, rule: MergeRule, clips: Sequence[float]) ->
     ||v_m|| are equal (RDA at equal token weights) and the cosine itself for two learners. Under
     `average` and `rda_fragment` v_m is a multiple of delta_m, so these are the pseudo-gradients'
     cosines; under per-tensor `rda` the cosines of their per-tensor directions. None with fewer
-    than two contributions (or a zero one). One norm pass over the sums, nothing else."""
+    than two contributions (or a zero one). One norm pass over the sums, nothing else, and none
+    when the caller has their `squares` (sum of squares per tensor, None for a None sum): the
+    syncer takes them once for this and the close's unit merge."""
     if len(rs.parts) < 2:
         return None
     lengths = []
@@ -36,7 +39,9 @@ def agreement(rs: roundsum.RoundSum, rule: MergeRule, clips: Sequence[float]) ->
         lengths.append(math.sqrt(math.fsum((kt * c * n) ** 2 for kt, n in zip(k, part.norms))))
     if not all(0.0 < x < math.inf for x in lengths):
         return None
-    total = math.fsum((z * roundsum.norm(s)) ** 2 for s, z in zip(rs.sums, rs.scales) if s is not None)
+    if squares is None:
+        squares = [roundsum.norm(s) ** 2 if s is not None else 0.0 for s in rs.sums]
+    total = math.fsum(z * z * sq for s, z, sq in zip(rs.sums, rs.scales, squares) if s is not None)
     own = math.fsum(x * x for x in lengths)
     # sum over m < m' of 2 ||v_m|| ||v_m'||, summed pair by pair: (sum ||v||)^2 - own cancels to 0
     # when one vector dwarfs the rest (a fuzzed 1e19 against 0.07 divided by zero)

@@ -68,8 +68,11 @@ def merge_round(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
         weights = [merging.token_weight(c.c_tokens, c.c_steps) for c in inside]
         if not inside or sum(weights) <= 0:  # nothing with weight: no step, nothing published
             return st, dropped + tuple(Outcome(c.key, "excluded") for c in inside)
-        cosine = drift.agreement(rs, rule, scales)  # before the close, which may reuse the sums' buffers
-        stepped = _step(cfg, st, fs, p, rs, weights, scales, rule, tuple(c.key for c in inside))
+        # the sums' squares, once for the agreement and the unit merge (only where either needs them)
+        squares = (closing.sum_squares([s if s is not None else np.zeros(0, np.float32) for s in rs.sums])
+                   if rule.per is not None or len(rs.parts) > 1 else None)
+        cosine = drift.agreement(rs, rule, scales, squares)  # before the close, which may reuse the sums' buffers
+        stepped = _step(cfg, st, fs, p, rs, weights, scales, rule, tuple(c.key for c in inside), squares)
         if stepped is not None:
             break
         # Non-finite: drop the largest pseudo-gradient (every one was finite, so only size can
@@ -118,8 +121,8 @@ def _clipped(cfg: Policy, fs: FragmentState, inside: list[Contribution],
 
 def _step(cfg: Policy, st: SyncerState, fs: FragmentState, p: int, rs: roundsum.RoundSum,
           weights: list[float], scales: list[float], rule: merging.MergeRule,
-          keys: tuple[tuple[int, int, int], ...]) -> tuple[SyncerState, Publish, float, float | None,
-                                                          float | None] | None:
+          keys: tuple[tuple[int, int, int], ...], squares: list[float] | None = None
+          ) -> tuple[SyncerState, Publish, float, float | None, float | None] | None:
     """Merge, take the outer step and publish: (state, publish, ||merged delta||, its cosine with the
     previous one, the momentum set by outer.momentum=auto or None); None if anything published or
     kept would be non-finite (an encoder would refuse it, and a non-finite Theta never recovers)."""
@@ -135,7 +138,8 @@ def _step(cfg: Policy, st: SyncerState, fs: FragmentState, p: int, rs: roundsum.
     if cfg.auto is not None:
         momentum = outer_auto.momentum(cfg.auto, fs.stats)
         state = outer.with_momentum(state, momentum)
-    done = closing.close(cfg.outer, rule.per, sums, gains, fs.theta, state, fs.refs[-1][1], fs.stats.last)
+    squares = None if squares is None else dict(zip(fs.theta, squares))  # rs.sums' order is fs.theta's
+    done = closing.close(cfg.outer, rule.per, sums, gains, fs.theta, state, fs.refs[-1][1], fs.stats.last, squares)
     if not done.finite:
         return None
     stats, update_cos = outer_auto.observe(cfg.auto or outer_auto.Rule(), fs.stats, done.delta, done.delta_norm,
