@@ -102,7 +102,7 @@ def test_the_close_returns_the_merged_delta_and_its_dot_with_the_last(n):
 def test_the_syncer_sets_momentum_from_the_measured_cosines():
     """One learner sends the same pseudo-gradient d each round (lr 1, merge average): the consecutive
     cosine is 1 from the 2nd merge, so the momentum is 0, 0, 0 and then the ceiling, and Theta follows
-    optax's Nesterov step fed those momenta."""
+    optax's Nesterov step fed those momenta at lr (1 - mu)."""
     pol = policy(outer=make_outer("nesterov", lr=1.0, momentum="auto"), auto=RULE)
     st = start(pol, M=1)
     d = {p: np.float32(0.01) * (1 + np.arange(x.size, dtype=np.float32).reshape(x.shape))
@@ -119,7 +119,7 @@ def test_the_syncer_sets_momentum_from_the_measured_cosines():
     ref = {p: np.asarray(x, np.float32) for p, x in THETA0[0].items()}
     state = None
     for mu in [r["momentum"] for r in records]:
-        sgd = optax.sgd(1.0, momentum=mu, nesterov=True)
+        sgd = optax.sgd(1.0 - mu, momentum=mu, nesterov=True)
         state = sgd.init(ref) if state is None else state
         step, state = sgd.update(d, state)
         ref = optax.apply_updates(ref, step)
@@ -137,6 +137,21 @@ def test_a_fixed_momentum_run_records_the_statistics_but_no_momentum():
                                                     base_version=fs.version), float(seq))
     records = [r for r in merges(st) if r["fragment"] == 0]
     assert "momentum" not in records[0] and records[1]["update_cos"] is not None
+
+
+def test_auto_momentum_averages_and_keeps_the_step_along_a_steady_direction():
+    """At a fixed mu the auto optimizer's step tends to lr x delta along a constant delta (the
+    buffer's 1 / (1 - mu) taken back by the lr), where plain Nesterov's tends to lr x delta / (1 - mu)."""
+    theta = {PATH: np.zeros(3, np.float32)}
+    d = {PATH: np.ones(3, np.float32)}
+    for name in ("nesterov", "sgd"):
+        auto, plain = make_outer(name, lr=0.5, momentum="auto"), make_outer(name, lr=0.5, momentum=0.8)
+        sa, sp = outer.with_momentum(auto.init(theta), 0.8), plain.init(theta)
+        for _ in range(60):
+            ua, sa = auto.update(d, sa)
+            up, sp = plain.update(d, sp)
+        assert np.asarray(ua[PATH]) == pytest.approx(-0.5, rel=1e-4)
+        assert np.asarray(up[PATH]) == pytest.approx(-0.5 / 0.2, rel=1e-4)
 
 
 def test_the_config_takes_auto_and_refuses_the_rest(tmp_path):

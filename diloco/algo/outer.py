@@ -4,7 +4,9 @@ Reference: DiLoCo (Douillard et al., arXiv 2311.08105) for outer Nesterov SGD; A
 (Liu et al., arXiv 2401.09135, Algorithm 3) for Delayed Nesterov.
 
 `momentum="auto"` builds the same optimizer with its momentum a value of its state, which the syncer
-sets per fragment before each step from the run's measured statistics (diloco/algo/outer_auto.py).
+sets per fragment before each step from the run's measured statistics (diloco/algo/outer_auto.py),
+and its learning rate lr (1 - mu): momentum then averages the merged deltas over about 1 / (1 - mu)
+rounds without making the step along a steady direction 1 / (1 - mu) times larger.
 
 The syncer keeps one optimizer state per fragment (`opt.init(Theta_p)`) and calls `outer_step` once
 per merged round. All state is float32.
@@ -103,20 +105,25 @@ AUTO = "auto"
 
 
 def _sgd(lr: float, momentum: float, nesterov: bool = False) -> optax.GradientTransformation:
-    """optax.sgd with a momentum buffer whatever the momentum (sgd_momentum drops it at 0, which a
-    momentum set at run time cannot do)."""
-    return optax.sgd(lr, momentum=momentum, nesterov=nesterov)
+    """optax.sgd at lr (1 - momentum), with a momentum buffer whatever the momentum (sgd_momentum
+    drops it at 0, which a momentum set at run time cannot do). Along a steady delta the buffer
+    grows to delta / (1 - mu), so the step stays lr x delta, heavy ball and Nesterov alike."""
+    return optax.sgd(lr * (1.0 - momentum), momentum=momentum, nesterov=nesterov)
 
 
-_AUTO_FACTORIES = {"nesterov": functools.partial(_sgd, nesterov=True), "sgd": _sgd,
-                   "delayed_nesterov": delayed_nesterov}
+def _delayed(lr: float, momentum: float, N: int = 4, activation: float = 0.0) -> optax.GradientTransformation:
+    """delayed_nesterov at lr (1 - momentum), as _sgd."""
+    return delayed_nesterov(lr * (1.0 - momentum), momentum, N, activation)
+
+
+_AUTO_FACTORIES = {"nesterov": functools.partial(_sgd, nesterov=True), "sgd": _sgd, "delayed_nesterov": _delayed}
 
 
 def make_outer(name: str, **options: Any) -> optax.GradientTransformation:
     """The outer optimizer `name` from OUTER, given those of `options` its factory takes (as
     make_codec does), so one config section (lr, momentum, N) serves every entry. With
     momentum="auto" the momentum is a value of the optimizer's state (optax.inject_hyperparams),
-    starting at 0, that `with_momentum` sets between steps.
+    starting at 0, that `with_momentum` sets between steps, and the step is lr (1 - momentum).
 
     Equal arguments give the same object: the syncer's jitted close takes the optimizer as a
     static argument, hashed by identity, so an equal optimizer built again would compile again."""

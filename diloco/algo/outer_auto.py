@@ -1,5 +1,6 @@
 """The outer optimizer's measured statistics per fragment, and outer.momentum=auto's rule that sets
-the momentum from them (docs/algorithm.md#outer-statistics-and-automatic-momentum).
+the momentum from them (docs/algorithm.md#outer-statistics-and-automatic-momentum); the step is then
+lr (1 - mu) (diloco/algo/outer.py), so the momentum averages rounds and never enlarges the step.
 
 Per merge the syncer's close returns the merged pseudo-gradient Delta_t, its norm and its dot
 product with the previous one, Delta_{t-1}, kept here; so the consecutive cosine
