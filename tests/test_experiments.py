@@ -27,7 +27,7 @@ def _global_batch(cfg: TrainConfig) -> int:
 
 
 # Issue 35's tables (T10 Muon, its small-model run T10s, T14 SparseLoCo) run on their own, not in `all`.
-BEYOND = ["t10", "t10s", "t14"]
+BEYOND = ["t10", "t10s", "t11", "t14"]
 
 
 def test_the_suite_runs_t1_to_t8():
