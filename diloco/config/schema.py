@@ -186,11 +186,11 @@ class FragmentsConfig:
     # A merge another learner triggered: now (apply before the next step) | defer (hold it until
     # this learner's own send of the fragment is answered) [unsure].
     others: str = "now"
-    # Eager outer steps (arXiv 2502.12996): a send moves the learner at once by its own share of the
-    # outer step, the merge later by the rest; allows tau >= H (docs/algorithm.md#eager-outer-steps).
+    # Eager outer steps (arXiv 2502.12996): a send moves the learner at once by the outer step on its
+    # own pseudo-gradient, the merge later by the correction; allows tau >= H (needs syncer.anchor=base).
     eager: bool = False
-    # The share of the merged pseudo-gradient a learner's own stands in for until the merge comes:
-    # 1 = all of it; 1/M = its own part, the paper's rule (docs/algorithm.md#eager-outer-steps).
+    # How much of the merged pseudo-gradient a learner's own stands in for until the merge comes: all
+    # of it at 1, its own part at 1/M, the paper's rule (docs/algorithm.md#eager-outer-steps).
     eager_share: float = 1.0
 
 
