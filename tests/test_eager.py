@@ -115,4 +115,7 @@ def test_eager_rows_gain_on_a_slow_link():
     (7 s round trip, about 9 steps) tau = 2 stalls; tau = 12 hides it all, and deeper overlaps keep it."""
     w = Workload(params=1e10, step_time=0.8, layers=48, datacenters=8, latency=0.5)
     rows = by_depth(w, 2.0, (2, 12, 24, 48))
-    assert rows[2] < rows[12] <= rows[24] <= rows[48]
+    assert rows[2] < rows[12] and rows[12] <= rows[24] + 1e-12 and rows[24] <= rows[48] + 1e-12
+    # Without latency that link is too slow for the bytes: no depth of overlap buys anything.
+    slow = by_depth(Workload(params=1e10, step_time=0.8, layers=48, datacenters=8), 2.0, (2, 48, 96))
+    assert slow[48] == pytest.approx(slow[2], rel=1e-9) and slow[96] == pytest.approx(slow[2], rel=1e-9)
