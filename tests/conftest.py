@@ -81,6 +81,25 @@ def diloco_world(cfg):
     return corpus, model, setup, evaluate_global, initial
 
 
+def kill_after_first_checkpoint(run_dir, learner: int, killed: list, pid=lambda record: record["pid"]):
+    """A background for `alongside`: once learner's first checkpoint directory exists in a procs
+    run at run_dir, SIGKILL its process (`pid` of its record in the run's `procs` control object: a
+    world's follower is record["pids"][1]), once, appending the incarnation killed to `killed`."""
+    import signal
+
+    from diloco import store as bs
+
+    def killer(stop):
+        store, saved = bs.BlobStore(f"file://{run_dir}/store"), run_dir / "learners" / f"learner-{learner}"
+        while not stop.is_set() and not killed:
+            if saved.is_dir() and any(d.name.isdigit() for d in saved.iterdir()):
+                record = bs.read_control(store, "procs")["learners"][str(learner)]
+                os.kill(pid(record), signal.SIGKILL)
+                killed.append(record["incarnation"])
+            stop.wait(0.01)
+    return killer
+
+
 def alongside(background, run):
     """run() while background(stop) runs on a thread of its own (what a test kills, forges or breaks
     during a live run); `stop`, a threading.Event, is set and the thread joined once run() returns

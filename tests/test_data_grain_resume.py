@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import alongside, diloco_world, tiny_cfg
+from conftest import alongside, diloco_world, kill_after_first_checkpoint, tiny_cfg
 from test_data_grain import write_sets
 
 from diloco.runtime import threads
@@ -74,10 +74,6 @@ def test_a_killed_learner_process_saves_and_takes_up_its_stream_position(tmp_pat
     """procs: kill -9 of learner 1's process once it has checkpointed; its checkpoints carry its
     stream's iterator state, which gives the stream's own batch at that step, and the restarted
     incarnation finishes the run with the ledger balanced."""
-    import os
-    import signal
-
-    from diloco import store as bs
     from diloco.runtime import procs
 
     write_sets(tmp_path, n=300)
@@ -88,17 +84,7 @@ def test_a_killed_learner_process_saves_and_takes_up_its_stream_position(tmp_pat
     run_dir = tmp_path / "run"
     run_dir.mkdir(exist_ok=True)
     killed = []
-
-    def killer(stop):
-        store, saved = bs.BlobStore(f"file://{run_dir}/store"), run_dir / "learners" / "learner-1"
-        while not stop.is_set() and not killed:
-            if saved.is_dir() and any(d.name.isdigit() for d in saved.iterdir()):
-                learner = bs.read_control(store, "procs")["learners"]["1"]
-                os.kill(learner["pid"], signal.SIGKILL)
-                killed.append(learner["incarnation"])
-            stop.wait(0.01)
-
-    rt, summary = alongside(killer, lambda: procs.run(cfg, setup, run_dir, None))
+    rt, summary = alongside(kill_after_first_checkpoint(run_dir, 1, killed), lambda: procs.run(cfg, setup, run_dir, None))
     assert killed == [0] and [(r["learner"], r["incarnation"]) for r in rt.rejoins] == [(1, 1)]
     assert rt.finished["complete"] and rt.finished["steps"] == {"0": 20, "1": 20}
     assert summary["token_ledger_imbalance"] == 0

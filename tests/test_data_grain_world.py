@@ -196,13 +196,10 @@ def test_a_procs_learner_world_checkpoints_every_process_position_and_rejoins_fr
     learner's whole batch (both processes' rows), each checkpoint's meta holds both processes'
     positions, a kill -9 of the follower brings the world back as incarnation 1, which rejoins from
     them, and the run finishes with the ledger balanced."""
-    import os
-    import signal
     from dataclasses import replace
 
-    from conftest import alongside, diloco_world, tiny_cfg
+    from conftest import alongside, diloco_world, kill_after_first_checkpoint, tiny_cfg
 
-    from diloco import store as bs
     from diloco.config import WorldConfig, validate
     from diloco.runtime import procs
 
@@ -218,16 +215,7 @@ def test_a_procs_learner_world_checkpoints_every_process_position_and_rejoins_fr
     run_dir = tmp_path / "run"
     run_dir.mkdir(exist_ok=True)
     killed = []
-
-    def killer(stop):
-        store, saved = bs.BlobStore(f"file://{run_dir}/store"), run_dir / "learners" / "learner-0"
-        while not stop.is_set() and not killed:
-            if saved.is_dir() and any(d.name.isdigit() for d in saved.iterdir()):
-                learner = bs.read_control(store, "procs")["learners"]["0"]
-                os.kill(learner["pids"][1], signal.SIGKILL)
-                killed.append(learner["incarnation"])
-            stop.wait(0.01)
-
+    killer = kill_after_first_checkpoint(run_dir, 0, killed, pid=lambda record: record["pids"][1])  # the follower
     rt, summary = alongside(killer, lambda: procs.run(cfg, setup, run_dir, None))
     assert killed == [0] and [(r["learner"], r["incarnation"]) for r in rt.rejoins] == [(0, 1)]
     assert rt.rejoins[0]["restored_from"] is not None  # from a checkpoint, and so from its positions
