@@ -14,13 +14,13 @@ step and copies only its packed payload to the host; `--encode host` copies the 
 and encodes them on the host (docs/design.md#encoding-on-the-device). Either way the frame is
 finished after the next step is dispatched (`--no-defer`: at once, before the next step). Both
 loops are timed alternately in one process, `--repeats` blocks each. Besides tokens/s it times
-the learner's host work per step: on the critical path (apply_due, `LearnerUnit._start`: the
+the learner's host work per step: on the critical path (apply_due, `unit_send.start`: the
 device encode's dispatch or the params' device copy, the schedule's counters) and the frame
-(`_frame`: collecting the payload, zstd, checksum, frame, and on the host path the encode itself),
+(`unit_send.frame`: collecting the payload, zstd, checksum, frame, and on the host path the encode itself),
 which runs while the devices compute (with --no-defer it runs inside step(), on the path, and its
 time includes waiting for the step to end). `host_bytes` counts the contributions' bytes copied
 from the devices to the host. On the CPU backend a dispatch may run its computation inline, so
-there `_start` of the device path counts the encode itself. Goal: >= 0.99x; critical host work
+there `start` of the device path counts the encode itself. Goal: >= 0.99x; critical host work
 <= 0.3% of a step. Writes benchmarks/results/learner_overhead.json.
 
 With --checkpoint the model is that checkpoint (as model.init_from) and, with --sft, the batches
@@ -55,6 +55,7 @@ from diloco.inputs import load_inputs  # noqa: E402
 from diloco.model import build  # noqa: E402
 from diloco.runtime import build as build_setup  # noqa: E402
 from diloco.runtime import unit as unit_mod  # noqa: E402
+from diloco.runtime import unit_send  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -139,9 +140,9 @@ def main() -> None:
                 host[key].append(time.perf_counter() - t0)
         setattr(owner, name, wrapper)
 
-    timed(unit_mod.LearnerUnit, "_start", "start")  # at the step: on the critical path
-    timed(unit_mod.LearnerUnit, "_frame", "frame_work")  # wherever it runs
-    timed(unit_mod.LearnerUnit, "_encode_host", "host_encode")  # inside _frame, host path only
+    timed(unit_send, "start", "start")  # at the step: on the critical path
+    timed(unit_send, "frame", "frame_work")  # wherever it runs
+    timed(unit_send, "encode_host", "host_encode")  # inside frame, host path only
     timed(unit_mod.lsm, "after_step", "counters")
     timed(unit_mod, "trained_tokens", "counters")
 

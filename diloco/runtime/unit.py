@@ -3,13 +3,14 @@ learner state machine (diloco.algo.learner). Every runtime runs its learners thr
 
 Reference: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), docs/algorithm.md#learner.
 
-One class of about 400 lines, not split: its step, send (deferred and device encodes) and receive
-paths all read and write the one device state and codec state the unit owns.
+The send path (a send's encode, on the devices or the host, and its frame) is in
+diloco/runtime/unit_send.py and the eager outer steps in diloco/runtime/unit_eager.py; both are
+called with the unit, whose device state and codec state they read and write.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -19,13 +20,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from diloco.algo import device_codecs
 from diloco.algo import learner as lsm
 from diloco.algo import messages, payloads
-from diloco.algo.codecs import Codec, ErrorFeedbackState
+from diloco.algo.codecs import Codec
 from diloco.algo.fragments import Fragment, Path, Schedule, assemble, get_path, set_path
-from diloco.algo.merge import pseudo_gradient
 from diloco.data import batch_share, train_batch, trained_tokens
 from diloco.runtime import world
-from diloco.runtime import unit_eager
-from diloco.runtime.transfer import DeviceValues, FrameJob, host_copy
+from diloco.runtime import unit_eager, unit_send
+from diloco.runtime.transfer import DeviceValues
+from diloco.runtime.unit_send import Ticket
 from diloco.train.trainer import Compiled
 
 
@@ -36,22 +37,10 @@ class StepResult(NamedTuple):
     frames: tuple[bytes, ...]
 
 
-class _Ticket(NamedTuple):
-    """One send on its way to a frame: the packed payload a device encode is copying to the host,
-    or (host encode) device copies of the fragment's params, encoded on the host later."""
-
-    send: lsm.Send
-    snapshot: dict[Path, jax.Array] | None = None  # host encode
-    # device encode: () -> (frame, bytes copied to the host), run at once or on its own thread (job)
-    work: Callable[[], tuple[bytes, int]] | None = None
-    job: FrameJob | None = None
-    anchor: dict[Path, np.ndarray] | None = None  # host encode against this, not the held version (eager)
-
-
 class _Deferred(NamedTuple):
     """A step's sends whose frames are finished later (docs/design.md#deferred-encode)."""
 
-    tickets: tuple[_Ticket, ...]
+    tickets: tuple[Ticket, ...]
     metrics: dict | None  # the step's metrics, when its loss is to be fetched
     frames: tuple[bytes, ...] | None = None  # once encoded
 
@@ -214,7 +203,7 @@ class LearnerUnit:
             return
         states = dict(self.codec_states)
         for p, frag in enumerate(s.fragments):  # each fragment shape's encoder; its results dropped
-            self._start(lsm.Send(p, 0, 0, 0, 0, 0), copy=False).work()
+            unit_send.start(self, lsm.Send(p, 0, 0, 0, 0, 0), copy=False).work()
             if not self.device_decode:
                 continue
             # and the decoders of a broadcast coming back, delta and full copy, on zero payloads
@@ -257,12 +246,11 @@ class LearnerUnit:
         """What follows a step once it is dispatched: the counters, the sends and their frames."""
         tokens = trained_tokens(batch) * batch_share(self.spec.train)  # a world's process: of every process's rows
         self.ls, sends = lsm.after_step(self.ls, self.spec.schedule, tokens)
-        tickets = tuple(self._eager_start(send) if self.spec.schedule.eager else self._start(send, copy=defer)
-                        for send in sends)
+        tickets = tuple(unit_send.start(self, send, copy=defer) for send in sends)
         if defer:
             self._deferred.append(_Deferred(tickets, metrics if fetch_loss else None))
             return StepResult(tokens, None, sends, ())
-        frames = tuple(self._frame(t) for t in tickets)
+        frames = tuple(unit_send.frame(self, t) for t in tickets)
         loss = float(metrics["loss"]) if fetch_loss else None
         return StepResult(tokens, loss, sends, frames)
 
@@ -285,34 +273,6 @@ class LearnerUnit:
         """Steps whose frames `finish` has still to hand out."""
         return len(self._deferred)
 
-    def _live(self, p: int) -> dict[Path, jax.Array]:
-        """Fragment p's params as the state holds them now (read before the next step runs)."""
-        return {path: get_path(self.state.params, path) for path in self.spec.fragments[p].paths}
-
-    def _start(self, send: lsm.Send, copy: bool) -> _Ticket:
-        """Begin send's frame from the fragment's params as this step left them, before the next
-        step donates (overwrites) them. With a device encoder the pseudo-gradient and the packed
-        payload are computed on the devices now, in step order (so error-feedback residuals
-        advance as without deferral), and only the payload is copied to the host, asynchronously.
-        Otherwise `copy` queues device copies of the params, to be encoded on the host later."""
-        if self.device_codec is None:
-            return _Ticket(send, snapshot=self._snapshot(send) if copy else self._live(send.fragment))
-        p = send.fragment
-        paths = sorted(self.spec.fragments[p].paths)
-        live = tuple(get_path(self.state.params, path) for path in paths)
-        anchor = self._on_device(p, self.anchors[p][1])
-        residuals = tuple(self._residual(path, x) for path, x in zip(paths, live))
-        pieces, new = self.device_codec.encode(tuple(anchor[path] for path in paths), live, residuals)
-        for path, r in zip(paths, new):  # error feedback: the residuals stay on the devices
-            self.codec_states[path] = ErrorFeedbackState(r, ())
-        for x in jax.tree.leaves(pieces):
-            for part in ((x,) if x.is_fully_addressable else (s.data for s in x.addressable_shards)):
-                part.copy_to_host_async()
-        shapes = [tuple(x.shape) for x in live]
-        work = lambda: self._device_frame(send, pieces, paths, shapes)  # noqa: E731
-        # deferred: framed on a thread of its own while the devices compute
-        return _Ticket(send, job=FrameJob(work)) if copy else _Ticket(send, work=work)
-
     def _on_device(self, p: int, values: Mapping) -> dict[Path, jax.Array]:
         """Fragment p's `values` on the learner's devices, on its params' shardings: a broadcast
         decoded there already is; host values are put there once (a version's values stay the
@@ -330,83 +290,20 @@ class LearnerUnit:
         sharding = jax.tree.leaves(self.state.params)[0].sharding
         return NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding) else sharding
 
-    def _residual(self, path: Path, like: jax.Array):
-        if not self.device_codec.error_feedback:
-            return ()
-        state = self.codec_states.get(path)
-        return np.zeros(like.shape, np.float32) if state is None else state.residual
-
-    def _snapshot(self, send: lsm.Send) -> dict[Path, jax.Array]:
-        """Device copies of the sent fragment's params as this step left them: the next step
-        donates (overwrites) the state, and the copy is queued before it, so it reads these."""
-        live = self._live(send.fragment)
-        # A copy, not an alias (no compile, unlike jnp.copy, which compiles per shape).
-        return jax.device_put(live, jax.tree.map(lambda x: x.sharding, live), may_alias=False)
-
     def _settle(self, count: int | None = None) -> None:
         """Frame the oldest `count` (all: None) deferred steps not yet framed, in step order, so
         host-encoded error-feedback residuals advance as they would without deferral."""
         for i, d in enumerate(self._deferred[:count]):
             if d.frames is None:
-                self._deferred[i] = d._replace(frames=tuple(self._frame(t) for t in d.tickets),
-                                               tickets=tuple(_Ticket(t.send) for t in d.tickets))
+                self._deferred[i] = d._replace(frames=tuple(unit_send.frame(self, t) for t in d.tickets),
+                                               tickets=tuple(Ticket(t.send) for t in d.tickets))
 
     def flush(self) -> StepResult:
         """Final contributions of every fragment with unsent progress (see learner.flush)."""
         self._settle()
-        eager = self.spec.schedule.eager
-        self.ls, sends = lsm.flush(self.ls, eager)
-        return StepResult(0, None, sends, tuple(self._frame(self._eager_start(send) if eager else
-                                                            self._start(send, copy=False)) for send in sends))
-
-    def _eager_start(self, send: lsm.Send) -> _Ticket:
-        """An eager send: its stand-in step now (unit_eager.send), its frame from the values it returns."""
-        local, before = unit_eager.send(self, send)
-        return _Ticket(send, snapshot=local, anchor=before)
-
-    def _frame(self, ticket: _Ticket) -> bytes:
-        """The frame of a started send: made on its thread, made now from its device payload,
-        or its params encoded on the host."""
-        if ticket.job is None and ticket.work is None:
-            tensors, payload = self._encode_host(ticket.send, ticket.snapshot, ticket.anchor)
-            return self._framed(ticket.send, tensors, payload)
-        frame, nbytes = ticket.job.result() if ticket.job is not None else ticket.work()
-        self.host_bytes += nbytes
-        return frame
-
-    def _device_frame(self, send: lsm.Send, payload, paths, shapes) -> tuple[bytes, int]:
-        """(frame, bytes copied to the host) of a device-encoded send. Reads nothing that changes
-        after the send started, so it may run on a thread of its own."""
-        host = jax.tree.map(host_copy, payload)  # waits for the copies started at the step
-        chunks = device_codecs.to_wire(self.device_codec, host, shapes)
-        tensors = [{"path": list(path), "shape": list(shape), "dtype": "float32", "nbytes": len(c)}
-                   for path, shape, c in zip(paths, shapes, chunks)]
-        return self._framed(send, tensors, b"".join(chunks)), sum(x.nbytes for x in jax.tree.leaves(host))
-
-    def _framed(self, send: lsm.Send, tensors: list, payload: bytes) -> bytes:
-        header = {"kind": "contribution", "learner": self.learner, "incarnation": self.ls.incarnation,
-                  "seq": send.seq, "fragment": send.fragment, "base_version": send.base_version,
-                  "version": send.base_version, "c_steps": send.c_steps, "c_tokens": send.c_tokens,
-                  "codec": self.spec.up_spec, "delta_against": None, "tensors": tensors}
-        return messages.encode(header, payload, self._key)
-
-    def _encode_host(self, send: lsm.Send, snapshot: dict[Path, jax.Array],
-                     anchor: dict[Path, np.ndarray] | None = None) -> tuple[list, bytes]:
-        """Quantize anchor - local (a pseudo-gradient against a version the syncer holds) on the
-        host; the local values are `snapshot`, the fragment's params right after the sending step.
-        `anchor`: the eager anchor the send was made from (default: the held version's values)."""
-        frag = self.spec.fragments[send.fragment]
-        anchor = self.anchors[send.fragment][1] if anchor is None else anchor
-        local = jax.device_get(snapshot)  # one transfer for the fragment
-        local = {path: np.asarray(local[path], np.float32) for path in frag.paths}
-        self.host_bytes += sum(x.nbytes for x in local.values())
-        if self.spec.schedule.keep:
-            self.sent_local[send.fragment] = local
-        diff = pseudo_gradient({path: anchor[path] for path in frag.paths}, local)
-        states = {p: self.codec_states[p] for p in frag.paths if p in self.codec_states}
-        tensors, payload, new_states = payloads.pack_fragment(diff, self.spec.up_codec, states)
-        self.codec_states.update(new_states)
-        return tensors, payload
+        self.ls, sends = lsm.flush(self.ls, self.spec.schedule.eager)
+        return StepResult(0, None, sends, tuple(unit_send.frame(self, unit_send.start(self, send, copy=False))
+                                                for send in sends))
 
     def receive(self, frame: bytes) -> tuple[int, int] | None:
         """A broadcast arrived: decode it against the newest version held; (fragment, version) or
