@@ -226,6 +226,24 @@ def test_miniature_study_writes_the_table_from_its_runs(tiny_ckpt, tmp_path):
     assert table[4].startswith("| task | model | seed | metric [95% CI] | n | held-out masked loss | bytes sent |")
     assert table[6].startswith("| add | base |") and table[7].startswith("| add | dp | 0 | exact_match")
     assert table[8].startswith("| add | diloco_m2 | 0 |") and f"| {dl['drift_rel_max']:.4f} of the base |" in table[8]
+    assert len(score["correct"]) == 4 and score["correct"].count("1") == round(score["value"] * 4)
+    assert table[-1].startswith("| add | diloco_m2 | dp | 0 |")  # paired with DP on the same questions
+
+
+def test_each_diloco_run_is_paired_with_the_dp_run_trained_the_same_way():
+    """LoRA against DP + LoRA, every weight against DP, the same seed; McNemar on the questions."""
+    def r(variant, algo, seed, lora, correct):
+        return {"task": "add", "variant": variant, "algo": algo, "seed": seed, "params": 100,
+                "trained_params": 10 if lora else 100, "correct": correct}
+    rows = [r("dp", "dp", 0, False, "11110000"), r("dp_lora", "dp", 0, True, "10000000"),
+            r("diloco_m2", "diloco", 0, False, "11111111"), r("diloco_lora_m2", "diloco", 0, True, "00000000"),
+            r("diloco_m2", "diloco", 1, False, "1")]  # seed 1 has no DP run: no line
+    assert ft.reference(rows[2], rows) is rows[0] and ft.reference(rows[3], rows) is rows[1]
+    assert ft.reference(rows[4], rows) is None
+    lines = ft.paired_table(rows).strip().splitlines()
+    assert lines[0] == "| task | model | against | seed | points | right only here | right only there | McNemar p |"
+    assert lines[2] == "| add | diloco_m2 | dp | 0 | +50.0 | 4 | 0 | 0.125 |"  # 4 to 0: 2 / 16
+    assert lines[3] == "| add | diloco_lora_m2 | dp_lora | 0 | -12.5 | 0 | 1 | 1 |" and len(lines) == 4
 
 
 def test_a_round_where_one_pseudo_gradient_dwarfs_the_other_has_no_cosine_and_never_raises():

@@ -39,11 +39,18 @@ class EvaluateConfig:
     num_fewshot: int = -1  # few-shot examples per prompt; -1 = each task's own num_fewshot
     limit: int = 0  # score the first `limit` test documents of each task; 0 = all
     output: str = ""  # a path to write the task results to as JSON; "" = none
+    compare: tuple[str, ...] = ()  # score files (output= files, task_score.json): each against the first
 
 
 def parse(raw: dict) -> EvaluateConfig:
     cfg = from_dict(EvaluateConfig, raw)
     errors = []
+    if cfg.compare:  # a comparison of saved scores loads no model
+        missing = [p for p in cfg.compare if not Path(p).is_file()]
+        if missing or len(cfg.compare) < 2:
+            raise ConfigError(f"invalid evaluate config:\n  compare={list(cfg.compare)} needs two or more existing "
+                              f"score files{': not found: ' + ', '.join(missing) if missing else ''}")
+        return cfg
     if not cfg.checkpoint:
         errors.append("checkpoint= is required: a run directory, a Hugging Face folder, a .gguf file or smollm2")
     for name in ("seq_len", "max_tokens"):
@@ -99,6 +106,9 @@ def _run_dir(checkpoint: str) -> Path | None:
 def run(cfg: EvaluateConfig, out=sys.stdout) -> dict:
     """Evaluate; print and return {"tokens", "nats_per_token", "bits_per_byte", ...}, or with
     tasks= the downstream scores {"tasks": [...]} (diloco/evaluation/harness.py)."""
+    if cfg.compare:
+        from diloco.evaluation.paired import compare
+        return {"compare": compare(cfg.compare, out)}
     if cfg.tasks:
         from diloco.evaluation.harness import run_tasks  # harness imports this package
         return run_tasks(cfg, out)

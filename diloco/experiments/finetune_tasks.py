@@ -87,17 +87,20 @@ def score(model_path: Path, test_file: Path, cfg: TasksConfig, cache: Path) -> d
     from diloco.evaluation.tasks import GENERATE, load_task
     from diloco.hf import load
 
+    from diloco.evaluation.paired import as_bits
+
     key = bigbench_data.sha256(test_file)[:16] + f"/{cfg.max_gen_toks}"
     if cache.exists() and not cfg.fresh:
         saved = json.loads(cache.read_text())
-        if saved.get("key") == key:
+        if saved.get("key") == key and "correct" in saved:  # older files lack the per-question record
             return saved
     task = dataclasses.replace(load_task(test_file), max_gen_toks=cfg.max_gen_toks)
     result = score_task(load(model_path), task, 0, 0, cfg.score_batch)
     metric = "exact_match" if task.output_type == GENERATE else "acc"
     m = result["metrics"][metric]
     out = {"key": key, "metric": metric, "value": m["value"], "low": m["low"], "high": m["high"], "n": result["n"],
-           "acc_norm": result["metrics"].get("acc_norm", {}).get("value"), "examples": result["docs"][:4]}
+           "acc_norm": result["metrics"].get("acc_norm", {}).get("value"), "examples": result["docs"][:4],
+           "correct": as_bits(bool(d[metric]) for d in result["docs"])}  # each question: the paired tests
     cache.write_text(json.dumps(out, indent=1))
     return out
 
@@ -116,7 +119,7 @@ def row(task: str, job: Job, summary: dict, s: dict, dp_bytes: float) -> dict:
             "eval_loss": summary["eval_loss"], "bytes": sent, "bytes_over_dp": sent / dp_bytes if dp_bytes else math.nan,
             "wall_s": summary["wall_s"], "trained_params": summary.get("adapter_params", summary["params"]),
             "params": summary["params"], **{k: summary[k] for k in DRIFT_KEYS if k in summary},
-            "run_dir": str(c.run.out_dir)}
+            "correct": s["correct"], "run_dir": str(c.run.out_dir)}
 
 
 def _num(x, fmt: str) -> str:
@@ -145,7 +148,33 @@ def table(before: dict, rows: list[dict]) -> str:
                          f"{r['bytes'] / 1e9:.3f} GB | {_num(r['bytes_over_dp'], '.5f')} | "
                          f"{_drift(r)} | {_num(r.get('pseudograd_cos_mean'), '.3f')} | "
                          f"{r['trained_params']:,} | {r['wall_s']:.0f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + paired_table(rows)
+
+
+def reference(r: dict, rows: list[dict]) -> dict | None:
+    """The data-parallel run a DiLoCo run is paired with: the same task and seed, trained the same
+    way (LoRA against DP + LoRA, every weight against DP)."""
+    lora = r["trained_params"] < r["params"]
+    return next((d for d in rows if d["algo"] == "dp" and d["task"] == r["task"] and d["seed"] == r["seed"]
+                 and (d["trained_params"] < d["params"]) == lora), None)
+
+
+def paired_table(rows: list[dict]) -> str:
+    """Each DiLoCo run against its data-parallel run on the same questions (exact McNemar)."""
+    from diloco.evaluation.paired import mcnemar
+
+    lines = []
+    for r in rows:
+        ref = reference(r, rows) if r["algo"] != "dp" else None
+        if ref is None:
+            continue
+        m = mcnemar([c == "1" for c in ref["correct"]], [c == "1" for c in r["correct"]])
+        lines.append(f"| {r['task']} | {r['variant']} | {ref['variant']} | {r['seed']} | {m['diff'] * 100:+.1f} | "
+                     f"{m['b_only']} | {m['a_only']} | {m['p']:.3g} |")
+    if not lines:
+        return ""
+    head = "| task | model | against | seed | points | right only here | right only there | McNemar p |"
+    return "\n" + "\n".join([head, "|" + "---|" * 8, *lines]) + "\n"
 
 
 def prepare(cfg: TasksConfig, task: str, tokenizer) -> dict:
