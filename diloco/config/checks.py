@@ -249,6 +249,10 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
               f"outer.momentum={AUTO} needs outer.name in {'|'.join(AUTO_STATIC)}, not {o.name!r} (it has no momentum)")
     else:
         check(e, 0 <= o.momentum < 1, f"outer.momentum={o.momentum} must be in [0, 1) or {AUTO}")
+    check(e, s.outer_stats in ("auto", "on", "off"), f"syncer.outer_stats={s.outer_stats!r} not in auto|on|off")
+    check(e, not (s.outer_stats == "off" and o.momentum == AUTO),
+          f"outer.momentum={AUTO} sets momenta from the outer statistics: syncer.outer_stats=off turns them off "
+          "(use auto or on)")
     check(e, c.up in CODECS, f"codec.up={c.up!r} not in {'|'.join(CODECS)}")
     check(e, c.down in CODECS, f"codec.down={c.down!r} not in {'|'.join(CODECS)}")
     check(e, 0 <= c.zstd_level <= 22, f"codec.zstd_level={c.zstd_level} must be in [0, 22]")

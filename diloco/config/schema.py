@@ -250,6 +250,10 @@ class SyncerConfig:
     # At start-up, time one fragment round on this host and warn once if the learners would hand
     # the syncer more work than it can do (docs/design.md#does-the-syncer-keep-up).
     check_pace: bool = True
+    # The consecutive cosine update_cos of each fragment's merged pseudo-gradients, which keeps the
+    # last one (a float32 copy of the model in all): auto = only under outer.momentum=auto, which
+    # needs it | on | off (docs/algorithm.md#outer-statistics-and-automatic-momentum: its cost)
+    outer_stats: str = "auto"
 
 
 @dataclass(frozen=True)
