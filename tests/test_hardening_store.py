@@ -25,7 +25,7 @@ from diloco.algo import auth, ledger, messages
 from diloco.algo import syncer as sync
 from diloco.config import validate
 from diloco.runtime import events as ev
-from diloco.runtime.procs import child, theta0
+from diloco.runtime.procs import child, downlink, theta0
 from diloco.runtime.procs import intake, reading
 from diloco.runtime.procs import learner as pl
 from diloco.runtime.procs import syncer as ps
@@ -274,8 +274,8 @@ def test_an_undecodable_delta_falls_back_to_the_full_copy_of_the_same_version(le
     _, setup = small
     full1, values1 = _at_version(setup, 0, 1)
     bs.publish(store, 0, 1, b"DLC1 a damaged delta", full1, fragments=P, secret=rt.setup.policy.auth)
-    with caplog.at_level(logging.WARNING, logger="diloco.runtime.procs.learner"):
-        assert rt.receive(unit)
+    with caplog.at_level(logging.WARNING, logger="diloco.runtime.procs.downlink"):
+        assert downlink.receive(rt, unit)
     assert unit.latest[0][0] == 1 and all((unit.latest[0][1][k] == values1[k]).all() for k in values1)
     assert rt.skipped == {"delta": 1} and unit.dropped_frames == 1 and "000000000001.delta" in caplog.text
     assert [f[2] for f in rt.fetched] == [len(b"DLC1 a damaged delta"), len(full1)]
@@ -283,22 +283,22 @@ def test_an_undecodable_delta_falls_back_to_the_full_copy_of_the_same_version(le
     # v2: its delta and full copy both damaged, v3 intact: the learner goes on at v3, and the
     # damaged objects are not fetched again at the next poll
     bs.publish(store, 0, 2, b"DLC1 bad", b"DLC1 bad too", fragments=P, secret=rt.setup.policy.auth)
-    assert not rt.receive(unit) and unit.latest[0][0] == 1
+    assert not downlink.receive(rt, unit) and unit.latest[0][0] == 1
     n = len(rt.fetched)
-    assert not rt.receive(unit) and len(rt.fetched) == n
+    assert not downlink.receive(rt, unit) and len(rt.fetched) == n
     bs.publish(store, 0, 3, None, _at_version(setup, 0, 3)[0], fragments=P, secret=rt.setup.policy.auth)
-    assert rt.receive(unit) and unit.latest[0][0] == 3
+    assert downlink.receive(rt, unit) and unit.latest[0][0] == 3
     assert rt.skipped == {"delta": 2, "full": 1} and rt.bad == set()
 
 
 def test_a_learner_keeps_its_versions_over_a_malformed_pointer_and_logs_it_once(learner, caplog):
     store, rt, unit = learner
     store.put(bs.LATEST, _pointer(version=3).replace(b": 3,", b": 1e400,"))
-    with caplog.at_level(logging.WARNING, logger="diloco.runtime.procs.learner"):
-        assert not rt.receive(unit) and not rt.receive(unit)
+    with caplog.at_level(logging.WARNING, logger="diloco.runtime.procs.downlink"):
+        assert not downlink.receive(rt, unit) and not downlink.receive(rt, unit)
     assert rt.skipped == {"pointer": 2} and caplog.text.count("down/latest") == 1
     bs.publish(store, 0, 9, None, b"x" * (rt.max_frame + 1), fragments=P, secret=rt.setup.policy.auth)  # too large to be a frame
-    assert not rt.receive(unit) and rt.skipped["full"] == 1 and rt.fetched == []  # never read
+    assert not downlink.receive(rt, unit) and rt.skipped["full"] == 1 and rt.fetched == []  # never read
 
 
 # --- items 14 and 16: the syncer's event streams ----------------------------------------------------

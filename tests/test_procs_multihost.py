@@ -195,12 +195,13 @@ def test_a_sigterm_during_a_boundary_broadcast_stops_the_world_at_the_next(monke
     is not lost: every process goes on at this boundary, as agreed, and the next decision stops
     them all. (A reset flag once let a world train to the end through its SIGTERM.)"""
     from diloco.runtime import world as learner_world
+    from diloco.runtime.procs import downlink
     from diloco.runtime.procs.learner import ProcLearner
 
     rt = object.__new__(ProcLearner)  # only what _check_world reads of a world's leader
     rt.m, rt.world, rt.leader, rt.tape, rt.superseded = 0, learner_world.World(0, 2, "h:1"), True, None, None
     rt.terminating, rt.accepted = False, []
-    monkeypatch.setattr(rt, "receive", lambda unit: False, raising=False)
+    monkeypatch.setattr(downlink, "receive", lambda rt, unit: False)
     sent = []
 
     def broadcast(payload):  # the handler runs while the collective waits for the follower

@@ -24,9 +24,8 @@ objects in the store (diloco/store/exchange.py):
   `runtime.restart_s`, and rejoins (diloco/runtime/rejoin.py) from the newest readable full copies
   in the store (diloco/runtime/procs/reading.py): the syncer's current references, never its own init.
 
-Past 400 lines on purpose: start, the step loop's boundaries and the stop of one learner process
-share its incarnation, event numbering, clock and SIGTERM flag, and in a learner's world each
-boundary is one collective agreement; the store reads it needs are already in procs/reading.py.
+The down path (taking the broadcasts from the store) is procs/downlink.py's; the other store reads
+a learner needs are in procs/reading.py.
 """
 
 from __future__ import annotations
@@ -48,7 +47,8 @@ from diloco.runtime import events as ev
 from diloco.runtime import world as learner_world
 from diloco.runtime.procs.child import (EXIT_DOWN, EXIT_SUPERSEDED, POLL_MAX, POLL_MIN, buried, child_main, child_setup,
                                         event_key, in_main_thread, max_frame, note_ignored, orphaned, wait_for)
-from diloco.runtime.procs.reading import broadcast_version, candidates, store_view, view_of_frames
+from diloco.runtime.procs import downlink
+from diloco.runtime.procs.reading import store_view, view_of_frames
 from diloco.runtime.rejoin import LearnerCheckpoints, rejoin_unit
 from diloco.runtime.build import new_unit
 from diloco.runtime.learner_loop import run_incarnation
@@ -292,7 +292,7 @@ class ProcLearner:
         Started apart, the leader alone asks the fence, and a superseded world exits as one."""
         payload = None
         if self.leader:
-            self.receive(unit)
+            downlink.receive(self, unit)
             down = self.tape is not None and not self.tape.alive(self.m, self.clock())
             code = EXIT_DOWN if down else EXIT_SUPERSEDED if self._fenced() else None
             decision = {"exit": code, "stop": self.terminating}
@@ -310,7 +310,7 @@ class ProcLearner:
 
     def poll(self, unit: LearnerUnit) -> None:
         if self.world is None:
-            self.receive(unit)
+            downlink.receive(self, unit)
         elif not self.leader:  # what the leader's unit took, mirrored by _check_world, in its order
             for frame in self.accepted:
                 unit.receive(frame)
@@ -319,64 +319,12 @@ class ProcLearner:
     def log(self, record: dict) -> None:
         pass  # the loss rides on the StepDone event; the syncer reports it
 
-    def receive(self, unit: LearnerUnit) -> bool:
-        """Fetch every published version newer than the one held, in order; True if any arrived.
-        A malformed pointer is logged (once per content) and read again at the next poll."""
-        try:
-            pointer = bs.latest(self.store, len(unit.latest), self.setup.policy.auth)
-        except ValueError as e:
-            self.skipped["pointer"] += 1
-            self.ignored.setdefault(bs.LATEST, str(e)[:200])
-            if str(e) != self._bad_pointer:
-                self._bad_pointer = str(e)
-                log.warning("learner %d: %s; keeping the versions held", self.m, e)
-            return False
-        got = False
-        for p, pub in sorted(pointer.items()):
-            while unit.latest[p][0] < pub.version and self._advance(unit, p, pub):
-                got = True
-        return got
-
-    def _advance(self, unit: LearnerUnit, p: int, pub: bs.Published) -> bool:
-        """Take fragment p past the version held, from the first readable of its candidates
-        (diloco/runtime/procs/reading.py: the next version's delta, its full copy, the newest full
-        copy, older full copies). An unreadable object is logged, counted and remembered, so it is
-        never fetched again (keys are never rewritten once the pointer names them); False if none
-        is readable yet."""
-        held = unit.latest[p][0]
-        for key, codec in candidates(self.store, p, held, pub, self.setup.policy.down_spec):
-            if key in self.bad:
-                continue
-            try:
-                frame = bs.get_broadcast(self.store, key, self.max_frame, self.setup.policy.auth)
-            except bs.TooLarge as e:
-                frame, why = None, str(e)
-            except ValueError as e:  # not the syncer's: a learner never applies it
-                frame, why = None, str(e)
-                self.ignored.setdefault(key, why[:200])
-            else:
-                if frame is None:  # collected by gc, or no delta was published
-                    continue
-                self.fetched.append([self.clock(), p, len(frame), codec])
-                if unit.receive(frame) is not None:
-                    if self.world is not None:  # for the followers, at the next step boundary
-                        self.accepted.append(frame)
-                    new = unit.latest[p][0]  # a bad key of a version now held is never asked for again
-                    self.bad = {k for k in self.bad
-                                if not (k.startswith(f"down/{p:04d}/") and broadcast_version(k) <= new)}
-                    return True
-                why = "undecodable (counted in dropped_frames)"
-            self.bad.add(key)
-            self.skipped["delta" if key.endswith(".delta") else "full"] += 1
-            log.warning("learner %d: %s is %s; trying the next copy", self.m, key, why[:200])
-        return False
-
     def wait(self, unit: LearnerUnit, until: float) -> None:
         """Blocked: one poll, then a back-off nap (never past `until`) if nothing came. A follower
         returns at once: it waits for its leader in the next pass's collectives."""
         if not self.leader:
             return
-        if self.receive(unit):
+        if downlink.receive(self, unit):
             self.poller.interval = self.poller.min_interval
             return
         self.nap_until = until
