@@ -121,9 +121,9 @@ def test_the_host_estimate_counts_learners_the_syncer_and_the_devices(tmp_path):
     assert threads.parts["a step"] == pytest.approx(4 * one.parts["a step"])
     # on an accelerator the devices' memory is not the host's
     assert "learner states" not in footprint.host_estimate(cfg, P, 256, platform="gpu").parts
-    # the syncer: Theta, Nesterov's momentum, a round's sums, Theta_0, the last merged delta and
-    # M + 1 references
-    assert four.parts["syncer"] == pytest.approx(4.0 * P * (5 + 4 + 1))
+    # the syncer: Theta, Nesterov's momentum, a round's sums, Theta_0 and M + 1 references (the last
+    # merged delta only with the outer statistics: tests/test_outer_stats_switch.py)
+    assert four.parts["syncer"] == pytest.approx(4.0 * P * (4 + 4 + 1))
     # LoRA: each learner's state is its adapters; the frozen checkpoint is one copy on sim's one
     # mesh, and one per learner where each has devices of its own
     lora = dict(trained=P // 100)

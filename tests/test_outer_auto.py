@@ -129,7 +129,7 @@ def test_the_syncer_sets_momentum_from_the_measured_cosines():
 
 
 def test_a_fixed_momentum_run_records_the_statistics_but_no_momentum():
-    pol = policy(outer=make_outer("nesterov", lr=0.7, momentum=0.9))
+    pol = policy(outer=make_outer("nesterov", lr=0.7, momentum=0.9), outer_stats=True)  # syncer.outer_stats=on
     st = start(pol, M=1)
     for seq in range(1, 3):
         fs = st.fragments[0]

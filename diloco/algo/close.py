@@ -10,8 +10,11 @@ pool's threads. Pieces that fit in a core's cache make the pass several times ch
 pass over 155 MB arrays, and the pieces are fixed, so the result never depends on the thread count.
 Any other optimizer gets one call over the whole fragment.
 
-The pass also hands back the merged delta and its dot product with the previous round's (`last`),
-which the outer statistics keep (diloco/algo/outer_auto.py): one more read and write of the fragment.
+With `stats` the pass also hands back the merged delta and its dot product with the previous
+round's (`last`), which the outer statistics keep (diloco/algo/outer_auto.py): one more read of the
+fragment and two more writes (the delta out of the pass, and into the kept copy). Without them (a
+run's default unless outer.momentum=auto: docs/algorithm.md#outer-statistics-and-automatic-momentum)
+neither is read nor written, and the results are bit-identical: the statistics only observe.
 
 A unit-direction merge (per "tensor" or "fragment") needs each group's norm of the sums before any
 piece can scale it: one float64 pass over the sums, in the same pieces, comes first.
@@ -43,18 +46,21 @@ class Closed(NamedTuple):
     finite: bool  # the merged delta, Theta', the state and diff are all finite
     delta_norm: float  # ||merged delta|| over the fragment (float64 from float32 partial sums)
     theta_norm: float  # ||Theta'||
-    delta: Values  # the merged delta per path (the outer step's gradient)
-    dot: float  # <delta, last> over the fragment (float64 from float32 partial sums)
+    delta: Values | None  # the merged delta per path (the outer step's gradient); None without stats
+    dot: float  # <delta, last> over the fragment (float64 from float32 partial sums); 0 without stats
 
 
 def close(opt: optax.GradientTransformation, per: str | None, sums: Values, gains: Values, theta: Values,
           outer_state: Any, prev: Values, last: Values | None = None,
-          squares: dict[Path, float] | None = None) -> Closed:
+          squares: dict[Path, float] | None = None, stats: bool = True) -> Closed:
     """Close one round of a fragment: `sums` are the running sums by path, `gains` its merge
     rule's float32 gain per path (merge.MergeRule), `prev` the newest ref, `last` the previous
     round's merged delta (None: zeros, a fragment's first round), `squares` the sums'
-    sum_squares by path (None: taken here when the merge needs them)."""
-    if last is None:
+    sum_squares by path (None: taken here when the merge needs them). `stats`: hand back the
+    merged delta and its dot with `last` (False: `last` is ignored, Closed.delta is None)."""
+    if not stats:
+        last = {}
+    elif last is None:
         last = {p: np.zeros(x.shape, np.float32) for p, x in theta.items()}
     paths = sorted(theta)
     squares = None if squares is None else [squares[p] for p in paths]
@@ -67,31 +73,34 @@ def close(opt: optax.GradientTransformation, per: str | None, sums: Values, gain
         U = _units(per, [np.asarray(sums[p], np.float32).reshape(-1) for p in paths], squares)
         tdef = _tuple_state_def(opt, tuple(theta[p].shape for p in paths))
         new_T, new_L, new_D, new_P, finite, (dss, df), (tss, tf), dot = _close_leaves(
-            opt, per, tdef, tuple(sums[p] for p in paths), tuple(G), tuple(U), tuple(theta[p] for p in paths),
-            tuple(prev[p] for p in paths), tuple(last[p] for p in paths), tuple(leaves))
+            opt, per, tdef, stats, tuple(sums[p] for p in paths), tuple(G), tuple(U), tuple(theta[p] for p in paths),
+            tuple(prev[p] for p in paths), tuple(last[p] for p in paths if stats), tuple(leaves))
         new_T, new_D, new_P = ([np.asarray(x) for x in xs] for xs in (new_T, new_D, new_P))
         results = [(bool(finite), _square(dss, df), _square(tss, tf), float(dot))]
         new_leaves = [np.asarray(x) for x in new_L]
     else:
         new_T, new_D, new_P, new_leaves, results = _pieces(opt, per, paths, G, sums, theta, prev, last, leaves, plan,
-                                                           squares)
+                                                           squares, stats)
     shaped = lambda arrs: {p: a.reshape(theta[p].shape) for p, a in zip(paths, arrs)}
     return Closed(shaped(new_T), jax.tree.unflatten(state_def, new_leaves), shaped(new_D),
                   all(r[0] for r in results), math.sqrt(math.fsum(r[1] for r in results)),
-                  math.sqrt(math.fsum(r[2] for r in results)), shaped(new_P), math.fsum(r[3] for r in results))
+                  math.sqrt(math.fsum(r[2] for r in results)), shaped(new_P) if stats else None,
+                  math.fsum(r[3] for r in results))
 
 
-def _pieces(opt, per, paths, G, sums, theta, prev, last, leaves, plan, squares):
-    """The close of an element-wise optimizer in pieces on the host pool: (Theta', diff, delta, the
-    state's leaves, each call's (finite, delta norm^2, Theta' norm^2, <delta, last>))."""
+def _pieces(opt, per, paths, G, sums, theta, prev, last, leaves, plan, squares, stats):
+    """The close of an element-wise optimizer in pieces on the host pool: (Theta', diff, delta (no
+    arrays without stats), the state's leaves, each call's (finite, delta norm^2, Theta' norm^2,
+    <delta, last>))."""
     flat = lambda tree: [np.asarray(tree[p], np.float32).reshape(-1) for p in paths]  # views
-    S, T, R, P = flat(sums), flat(theta), flat(prev), flat(last)
+    S, T, R = flat(sums), flat(theta), flat(prev)
+    P = flat(last) if stats else [np.zeros(0, np.float32)] * len(paths)  # never read without stats
     sizes = [x.size for x in T]
     L = [np.asarray(x, np.float32).reshape(-1) if o is not None else x for x, o in zip(leaves, plan.owners)]
     U = _units(per, S, squares)
     bulk, rest = _slices(sizes, hostpool.CHUNK)
     new_T, new_D = [hostpool.aligned_empty(n) for n in sizes], [hostpool.aligned_empty(n) for n in sizes]
-    new_P = [hostpool.aligned_empty(n) for n in sizes]
+    new_P = [hostpool.aligned_empty(n) for n in sizes] if stats else []
     new_L = [hostpool.aligned_empty(sizes[o]) if o is not None else None for o in plan.owners]
 
     def call(group: list[Slice]):
@@ -100,12 +109,13 @@ def _pieces(opt, per, paths, G, sums, theta, prev, last, leaves, plan, squares):
         state_in = tuple(L[i] if o is None else L[i][group[o][1]:group[o][2]] for i, o in where)
         tdef = _tuple_state_def(opt, tuple((hi - lo,) for _, lo, hi in group))
         theta_k, leaves_k, diff_k, delta_k, finite, (dss, df), (tss, tf), dot = _close_leaves(
-            opt, per, tdef, cut(S), tuple(G[t] for t, _, _ in group), tuple(U[t] for t, _, _ in group),
-            cut(T), cut(R), cut(P), state_in)
+            opt, per, tdef, stats, cut(S), tuple(G[t] for t, _, _ in group), tuple(U[t] for t, _, _ in group),
+            cut(T), cut(R), cut(P) if stats else (), state_in)
         for j, (t, lo, hi) in enumerate(group):
             np.copyto(new_T[t][lo:hi], np.asarray(theta_k[j]))
             np.copyto(new_D[t][lo:hi], np.asarray(diff_k[j]))
-            np.copyto(new_P[t][lo:hi], np.asarray(delta_k[j]))
+            if stats:
+                np.copyto(new_P[t][lo:hi], np.asarray(delta_k[j]))
         scalars = []
         for (i, o), x in zip(where, leaves_k):
             if o is None:
@@ -196,15 +206,16 @@ def _tuple_state_def(opt: optax.GradientTransformation, shapes: tuple[tuple[int,
     return jax.tree.structure(jax.eval_shape(opt.init, tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes)))
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2))
-def _close_leaves(opt, per, state_def, sums, gains, units, theta, prev, last, state_leaves):
+@partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _close_leaves(opt, per, state_def, stats, sums, gains, units, theta, prev, last, state_leaves):
     outer_state = jax.tree.unflatten(state_def, state_leaves)
     delta = merging.merge_sums(sums, gains, per, units)
     new_theta, new_state = outer.outer_step(opt, theta, outer_state, delta)
     diff = tuple(t - r for t, r in zip(new_theta, prev))
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
                                 for x in jax.tree.leaves((delta, new_theta, new_state, diff))]))
-    # float32 partial sums (a non-finite one makes the cosine unmeasured, never the merge refused)
-    dot = sum(jnp.vdot(d, p) for d, p in zip(delta, last))
-    return (new_theta, tuple(jax.tree.leaves(new_state)), diff, tuple(delta), finite,
+    # float32 partial sums (a non-finite one makes the cosine unmeasured, never the merge refused);
+    # without stats the delta is no output, so XLA never writes it out of the fused pass
+    dot = sum(jnp.vdot(d, p) for d, p in zip(delta, last)) if stats else jnp.float32(0.0)
+    return (new_theta, tuple(jax.tree.leaves(new_state)), diff, tuple(delta) if stats else (), finite,
             merging._scaled_sumsq(jax.tree.leaves(delta)), merging._scaled_sumsq(jax.tree.leaves(new_theta)), dot)

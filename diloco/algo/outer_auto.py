@@ -25,6 +25,13 @@ from diloco.algo.fragments import Path
 Values = dict[Path, np.ndarray]
 
 
+def measured(setting: str, auto_momentum: bool) -> bool:
+    """syncer.outer_stats resolved: whether a run's syncer measures the consecutive cosine, keeping
+    each fragment's last merged pseudo-gradient for it (a float32 copy of the model in all): "on",
+    or "auto" (the default) only where outer.momentum=auto sets momenta from it; "off" never."""
+    return setting == "on" or (setting == "auto" and auto_momentum)
+
+
 class Rule(NamedTuple):
     """outer.momentum=auto: mu = clip(c_bar, 0, ceiling) once `after` cosines are measured, `warmup`
     before; c_bar the mean of the consecutive cosines, exponentially weighted by `beta` per merge

@@ -40,7 +40,7 @@ from diloco.algo.syncer_merge import merge_round, prepare, round_sums
 # sync.Publish, ...), so they are named in this import even where this module does not use them.
 from diloco.algo.syncer_state import (  # noqa: F401
     Contribution, FragmentState, Outcome, Policy, Publish, SetDeadline, SyncerState, Values, anchor_of,
-    decision_record, in_order, merge_rule, quarantine, ref_of, theta_norm_of, with_fragment,
+    decision_record, in_order, measures, merge_rule, quarantine, ref_of, theta_norm_of, with_fragment,
 )
 
 
@@ -75,7 +75,7 @@ def compile_merges(cfg: Policy, st: SyncerState) -> None:
         seen.add(sig)
         zeros = {p: np.zeros(x.shape, np.float32) for p, x in fs.theta.items()}
         gains = {p: np.float32(0.0) for p in fs.theta}
-        closing.close(cfg.outer, per, zeros, gains, fs.theta, fs.outer_state, fs.refs[-1][1])
+        closing.close(cfg.outer, per, zeros, gains, fs.theta, fs.outer_state, fs.refs[-1][1], stats=measures(cfg))
 
 
 def on_contribution(cfg: Policy, st: SyncerState, frame: bytes, now: float) -> tuple[SyncerState, tuple]:

@@ -18,8 +18,8 @@ from diloco.algo import claims, drift, messages, outer, outer_auto, quorum, roun
 from diloco.algo import syncer_publish as publishing
 from diloco.algo.codecs import NonFiniteError
 from diloco.algo.syncer_state import (
-    Contribution, FragmentState, Outcome, Policy, Publish, SyncerState, anchor_of, decision_record, merge_rule,
-    quarantine, with_fragment,
+    Contribution, FragmentState, Outcome, Policy, Publish, SyncerState, anchor_of, decision_record, measures,
+    merge_rule, quarantine, with_fragment,
 )
 
 
@@ -91,8 +91,9 @@ def merge_round(cfg: Policy, st: SyncerState, p: int, decision: quorum.Decision,
         "staleness": [fs.version - c.base_version for c in inside],
         "delta_norm": delta_norm, "clipped": [c.key[0] for c in inside if c.key in clipped],
         "cosine": cosine,  # the drift monitor's agreement of this round's pseudo-gradients (algo/drift.py)
-        "update_cos": update_cos,  # with the fragment's previous merged pseudo-gradient (algo/outer_auto.py)
     }
+    if measures(cfg):  # with the fragment's previous merged pseudo-gradient (algo/outer_auto.py)
+        record["update_cos"] = update_cos
     if momentum is not None:  # outer.momentum=auto: the momentum this step used
         record["momentum"] = momentum
     st = st._replace(merges=st.merges + 1, decisions=st.decisions.add(record),
@@ -139,11 +140,14 @@ def _step(cfg: Policy, st: SyncerState, fs: FragmentState, p: int, rs: roundsum.
         momentum = outer_auto.momentum(cfg.auto, fs.stats)
         state = outer.with_momentum(state, momentum)
     squares = None if squares is None else dict(zip(fs.theta, squares))  # rs.sums' order is fs.theta's
-    done = closing.close(cfg.outer, rule.per, sums, gains, fs.theta, state, fs.refs[-1][1], fs.stats.last, squares)
+    done = closing.close(cfg.outer, rule.per, sums, gains, fs.theta, state, fs.refs[-1][1], fs.stats.last, squares,
+                         stats=measures(cfg))
     if not done.finite:
         return None
-    stats, update_cos = outer_auto.observe(cfg.auto or outer_auto.Rule(), fs.stats, done.delta, done.delta_norm,
-                                           done.dot)
+    stats, update_cos = fs.stats, None  # not measured: nothing kept
+    if measures(cfg):
+        stats, update_cos = outer_auto.observe(cfg.auto or outer_auto.Rule(), fs.stats, done.delta, done.delta_norm,
+                                               done.dot)
     fs = fs._replace(theta=done.theta, outer_state=jax.tree.map(np.asarray, done.outer_state),
                      version=fs.version + 1, theta_norm=done.theta_norm, stats=stats)
     try:

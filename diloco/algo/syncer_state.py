@@ -87,6 +87,10 @@ class Policy(NamedTuple):
     # outer.momentum=auto (docs/algorithm.md#outer-statistics-and-automatic-momentum): each fragment's
     # momentum set before each outer step from its measured statistics by this rule; None = `outer`'s own.
     auto: outer_auto.Rule | None = None
+    # syncer.outer_stats=on: each merge also measures the consecutive cosine update_cos, keeping the
+    # fragment's last merged pseudo-gradient (a float32 copy of it) for it; `auto` turns them on too
+    # (measures(): docs/algorithm.md#outer-statistics-and-automatic-momentum says what they cost).
+    outer_stats: bool = False
 
 
 class Contribution(NamedTuple):
@@ -199,6 +203,12 @@ def anchor_of(cfg: Policy, fs: FragmentState, base_version: int) -> Values:
         if ref is not None:
             return ref
     return fs.theta
+
+
+def measures(cfg: Policy) -> bool:
+    """Whether each merge measures the consecutive cosine and keeps the last merged pseudo-gradient
+    for it: asked for (syncer.outer_stats=on), or needed by outer.momentum=auto."""
+    return cfg.outer_stats or cfg.auto is not None
 
 
 def theta_norm_of(fs: FragmentState) -> float:

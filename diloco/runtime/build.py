@@ -121,7 +121,8 @@ def policy(cfg: TrainConfig, wire: Codecs | None = None) -> sync.Policy:
                        step_tokens=max(learner_batches(cfg)) * cfg.data.seq_len, theta_norm_bound=s.theta_norm_bound,
                        auth=auth_secret(cfg), clip=s.clip, claim_slack=None if s.claim_slack < 0 else s.claim_slack,
                        clip_span=cfg.fragments.H + cfg.fragments.tau + max(s.claim_slack, 0),
-                       auto=outer_auto.Rule() if cfg.outer.momentum == AUTO else None)
+                       auto=outer_auto.Rule() if cfg.outer.momentum == AUTO else None,
+                       outer_stats=outer_auto.measured(s.outer_stats, cfg.outer.momentum == AUTO))
 
 
 # Runtimes whose every learner is a process of its own: such a process may see only its own

@@ -113,7 +113,8 @@ def from_checkpoint(arrays: dict, meta: dict, policy: sync.Policy,
                               _unvalues(paths, a["contributions"][f"c{i}"]), c["arrived"])
             for i, c in enumerate(fm["contributions"]))
         stats = fm.get("stats", {})  # none before they were saved: measured afresh
-        last = _unvalues(paths, a["last_delta"]) if "last_delta" in a else None
+        # saved only where measured; a syncer that does not measure them drops it (its memory)
+        last = _unvalues(paths, a["last_delta"]) if "last_delta" in a and sync.measures(policy) else None
         frags.append(sync.FragmentState(spec, theta, outer_state, fm["version"], refs,
                                         _round(fm["round"]), contributions, tuple(fm.get("norms", ())),
                                         stats=outer_auto.Stats(last, stats.get("last_norm", 0.0),

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from diloco.algo import outer_auto
+from diloco.algo.outer import AUTO
 from diloco.config import ModelConfig, TrainConfig
 from diloco.config.learner_batch import learner_batches
 from diloco.model.attention import cudnn_fits
@@ -183,9 +185,10 @@ def host_estimate(cfg: TrainConfig, params: int, vocab: int, trained: int | None
     if diloco:
         trained_ = per.trained
         versions = min(cfg.syncer.history, learners + 1)
-        # Theta, the outer state, a round's sums, the references, Theta_0 (the setup's copy) and the
-        # last merged pseudo-gradient (the outer statistics, diloco/algo/outer_auto.py)
-        parts["syncer"] = 4.0 * trained_ * (1 + outer_slots(cfg.outer.name) + 1 + versions + 1 + 1)
+        # Theta, the outer state, a round's sums, the references, Theta_0 (the setup's copy) and,
+        # where the outer statistics are measured, the last merged pseudo-gradient (diloco/algo/outer_auto.py)
+        last = outer_auto.measured(cfg.syncer.outer_stats, cfg.outer.momentum == AUTO)
+        parts["syncer"] = 4.0 * trained_ * (1 + outer_slots(cfg.outer.name) + 1 + versions + 1 + last)
         if cfg.runtime.kind in ("procs", "ray") and cfg.runtime.launch != "external":
             parts.update(_process_parts(learners, per, platform))
     return Footprint(params, per.trained, per.devices, per.batch, parts)
