@@ -4,6 +4,7 @@
     python benchmarks/syncer_round.py --learners 8 --sizes 3.34e6 --repeats 7
     python benchmarks/syncer_round.py --startup             # init + first rounds of the 100.7M model
     python benchmarks/syncer_round.py --cores --learners 16 --sizes 3.88e7   # one core against all
+    python benchmarks/syncer_round.py --stats --learners 4 --sizes 3.88e7 --repeats 20  # outer statistics' cost
     git show 1d226a6:diloco/algo/roundsum.py > /tmp/roundsum_before.py  # the numpy passes
     python benchmarks/syncer_round.py --learners 8 --sizes 3.34e6 --baseline /tmp/roundsum_before.py
 
@@ -27,6 +28,13 @@ its last contribution and its peak resident memory (VmHWM, reset before the roun
 held before it; the contributions are encoded once and framed again per round. Writes
 benchmarks/results/syncer_round.json (or --label, --out):
 
+`--stats`: the round of --sizes[0] values and --learners[0] contributions by two syncers fed the
+same contributions, with the outer statistics (syncer.outer_stats=on) and without, rounds alternated
+A B B A after one untimed round each: the round, its last contribution and the close's own pass
+(timed where the syncer calls it), each with the paired ratio with / without; the bytes the
+statistics hold (the fragment's last merged delta; 4 x --model-values, the 1b preset's, for a model);
+both syncers must end with the same Theta bit for bit. Writes benchmarks/results/syncer_round.json.
+
 `--startup` times `sync.init` of the 100.7M-parameter model (24 fragments, M = 8: what compiles
 there) and then the first and second round of every fragment: first - second is the compile
 stall a round still pays. Writes benchmarks/results/syncer_round.json (or --out).
@@ -49,6 +57,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
+from diloco.algo import close as closing  # noqa: E402
 from diloco.algo import codec_specs, hostpool, quorum, roundsum  # noqa: E402
 from diloco.algo import syncer as sync  # noqa: E402
 from diloco.algo.fragments import Fragment, make_fragments  # noqa: E402
@@ -67,9 +76,10 @@ def fragment_values(n: int, rng) -> dict:
     return {p: (rng.standard_normal(s, np.float32) * 0.02) for p, s in shapes.items()}
 
 
-def policy(M: int, up: str, down: str) -> sync.Policy:
+def policy(M: int, up: str, down: str, outer_stats: bool = False) -> sync.Policy:
     return sync.Policy(quorum.GraceConfig(K=M, gamma=0.0), make_outer("nesterov"), merge="rda",
-                       down_codec=codec_specs.codec_from_spec(down), down_spec=down, up_spec=up)
+                       down_codec=codec_specs.codec_from_spec(down), down_spec=down, up_spec=up,
+                       outer_stats=outer_stats)
 
 
 def payloads_for(st, p: int, M: int, codec, rng) -> list[tuple[list, bytes]]:
@@ -268,6 +278,53 @@ def cores(args) -> dict:
     return out
 
 
+def stats_ab(args) -> dict:
+    """--stats: the same round with the outer statistics and without, alternated in one process."""
+    n, M = int(float(args.sizes[0])), args.learners[0]
+    rng = np.random.default_rng(0)
+    theta = fragment_values(n, rng)
+    frag = Fragment(0, tuple(theta), sum(x.size for x in theta.values()), False)
+    pols = {v: policy(M, args.up, args.down, outer_stats=v == "with") for v in ("with", "without")}
+    sts = {v: sync.init(pol, (frag,), (theta,), {m: 0 for m in range(M)}) for v, pol in pols.items()}
+    payloads = payloads_for(sts["with"], 0, M, codec_specs.codec_from_spec(args.up), rng)  # both get these
+    times = {v: ([], [], []) for v in pols}  # rounds, last contributions, the close's own pass
+    order = (["with", "without", "without", "with"] * (args.repeats + 2))[: 2 * (args.repeats + 1)]
+    inner, closes, load = closing.close, [], [os.getloadavg()[0]]
+
+    def timed_close(*a, **k):  # the syncer's call of the close, timed where it is made
+        t = time.perf_counter()
+        out = inner(*a, **k)
+        closes.append(time.perf_counter() - t)
+        return out
+
+    closing.close = timed_close
+    for r, v in enumerate(order):
+        st, seconds, close = one_round(pols[v], sts[v], frames_of(sts[v], 0, payloads, r + 1, args.up))
+        sts[v] = st
+        if r >= 2:
+            for xs, x in zip(times[v], (seconds, close, closes[-1])):
+                xs.append(x)
+    closing.close = inner
+    same = all(np.array_equal(sts["with"].fragments[0].theta[q], sts["without"].fragments[0].theta[q]) for q in theta)
+    assert same and sts["without"].fragments[0].stats.last is None, "the statistics must only observe"
+    held = sum(x.nbytes for x in sts["with"].fragments[0].stats.last.values())
+    out = {"values": frag.size, "learners": M, "theta_identical": same, "last_bytes_per_fragment": held,
+           "last_bytes_model": 4 * args.model_values, "model_values": args.model_values,
+           "load_average_1min": load + [os.getloadavg()[0]]}  # before, after
+    for k, name in enumerate(("round_s", "last_contribution_s", "close_s")):
+        w, wo = times["with"][k], times["without"][k]
+        out[name] = {"with": spread(w), "without": spread(wo), "with_over_without": spread([a / b for a, b in zip(w, wo)]),
+                     "with_minus_without_ms": spread([1e3 * (a - b) for a, b in zip(w, wo)])}
+        x, r = out[name], out[name]["with_over_without"]
+        print(f"{name}: with {x['with']['median']:.4f} s, without {x['without']['median']:.4f} s; paired with / "
+              f"without {r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}], with - without "
+              f"{x['with_minus_without_ms']['median']:+.1f} ms (n={len(w)})", flush=True)
+    print(f"held by the statistics: {held / 1e6:.1f} MB for this fragment of {frag.size:,} values, "
+          f"{4 * args.model_values / 1e9:.2f} GB for {args.model_values:,} values; load {load[0]:.1f} -> "
+          f"{out['load_average_1min'][1]:.1f}; Theta identical")
+    return out
+
+
 def startup(args) -> dict:
     from diloco.config import ModelConfig
     from diloco.model import abstract_params, is_embedding
@@ -325,6 +382,9 @@ def main() -> None:
                    help="a roundsum.py whose per-contribution passes are timed against the current ones, alternated")
     p.add_argument("--cores", action="store_true",
                    help="the round at --sizes[0], --learners[0] on one core and on all, alternated, with peak memory")
+    p.add_argument("--stats", action="store_true",
+                   help="the round at --sizes[0], --learners[0] with the outer statistics and without, alternated")
+    p.add_argument("--model-values", type=int, default=983_640_064, help="--stats: a whole model's values (1b)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before, after)")
     p.add_argument("--out", default=None)
@@ -334,6 +394,8 @@ def main() -> None:
     result = {"args": vars(args)}
     if args.cores:
         result["cores"] = cores(args)
+    elif args.stats:
+        result["stats"] = stats_ab(args)
     elif args.startup:
         result["startup"] = startup(args)
     else:
