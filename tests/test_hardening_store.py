@@ -25,7 +25,7 @@ from diloco.algo import auth, ledger, messages
 from diloco.algo import syncer as sync
 from diloco.config import validate
 from diloco.runtime import events as ev
-from diloco.runtime.procs import child, downlink, theta0
+from diloco.runtime.procs import child, downlink, streams, theta0
 from diloco.runtime.procs import intake, reading
 from diloco.runtime.procs import learner as pl
 from diloco.runtime.procs import syncer as ps
@@ -328,30 +328,30 @@ def test_a_gap_in_an_event_stream_is_skipped_after_its_timeout_and_done_is_booke
     """Event 2 of learner 0 is missing: its bookkeeping stopped there with no log, and the run hung
     after the learners exited (done was never booked). Learner 1's Done event itself is missing."""
     store, rt, tokens = syncer
-    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
+    monkeypatch.setattr(streams, "GAP_CHECK_S", 0.0)
     for n in range(5):
         if n != 2:
             _emit(rt, store, 0, 0, n, ev.StepDone(0, 0, n + 1, float(n), n + 0.5, tokens, ()) if n < 4
                   else ev.Done(0, 0, 5.0))
     _emit(rt, store, 1, 0, 0, ev.StepDone(1, 0, 1, 0.0, 0.5, tokens, ()))
-    with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.syncer"):
-        assert rt._poll(0) and rt._poll(1)
+    with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.streams"):
+        assert streams.poll(rt, 0) and streams.poll(rt, 1)
         assert rt.host.done == {0} and rt.steps == {0: 4, 1: 1} and rt.cursor == {0: 5, 1: 1}
         bs.write_control(store, child.died(1, 0), {"at": 3.0, "exitcode": 0}, rt.secret)  # the supervisor saw it exit 0
-        assert rt._poll(1)
+        assert streams.poll(rt, 1)
     assert rt.host.done == {0, 1} and rt.host.finished_at[1] == 3.0
     assert "events 2 to 2 are missing" in caplog.text and "without a readable Done" in caplog.text
-    assert rt.skipped == 1 and not rt._poll(0) and not rt._poll(1)  # nothing booked twice
+    assert rt.skipped == 1 and not streams.poll(rt, 0) and not streams.poll(rt, 1)  # nothing booked twice
 
 
 def test_the_steps_of_lost_events_are_credited_to_the_learners_claims(syncer, monkeypatch, tmp_path):
     """Steps 3 to 5 of learner 0 were lost with their events: booked lost, and counted for its claims
     as if reported, since its next contribution counts them in c_steps (test_claims.py)."""
     store, rt, tokens = syncer
-    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
+    monkeypatch.setattr(streams, "GAP_CHECK_S", 0.0)
     for n in (0, 1, 5):
         _emit(rt, store, 0, 0, n, ev.StepDone(0, 0, n + 1, float(n), n + 0.5, tokens, ()))
-    assert rt._poll(0) and rt.steps[0] == 6
+    assert streams.poll(rt, 0) and rt.steps[0] == 6
     assert rt.host.state.claims.steps[0] == 6 and rt.host.events_lost[0]["steps"] == 3
     from diloco.algo.replay import Input
     from diloco.runtime import runlog
@@ -363,12 +363,12 @@ def test_the_steps_of_lost_events_are_credited_to_the_learners_claims(syncer, mo
 
 def test_a_gap_waits_for_its_timeout_while_the_learner_runs(syncer, monkeypatch):
     store, rt, tokens = syncer
-    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
+    monkeypatch.setattr(streams, "GAP_CHECK_S", 0.0)
     rt.gap_timeout = 3600.0
     _emit(rt, store, 0, 0, 1, ev.StepDone(0, 0, 2, 1.0, 1.5, tokens, ()))
-    assert not rt._poll(0) and rt.cursor[0] == 0  # maybe a store slow to show event 0: wait
+    assert not streams.poll(rt, 0) and rt.cursor[0] == 0  # maybe a store slow to show event 0: wait
     bs.write_control(store, child.died(0, 0), {"at": 2.0, "exitcode": -9}, rt.secret)
-    assert rt._poll(0) and rt.cursor == {0: 0, 1: 0} and rt.current[0] == 1  # exited: skipped at once, buried
+    assert streams.poll(rt, 0) and rt.cursor == {0: 0, 1: 0} and rt.current[0] == 1  # exited: skipped at once, buried
     assert rt.steps[0] == 2 and bs.read_control(store, child.buried(0, 0)) == {"step": 2, "done": False}
 
 
@@ -386,7 +386,7 @@ def test_a_malformed_event_is_logged_and_skipped(syncer, raw, caplog):
     _put_event(rt, store, 0, 0, 0, raw)
     _emit(rt, store, 0, 0, 1, ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ()))
     with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.syncer"):
-        assert rt._poll(0)
+        assert streams.poll(rt, 0)
     assert rt.cursor[0] == 2 and rt.steps[0] == 1 and rt.skipped == 1 and "event 0 skipped" in caplog.text
 
 
@@ -397,7 +397,7 @@ def test_a_forged_event_is_ignored_and_never_blocks_the_real_one(syncer, forgery
     so the real event that lands on its key later is booked (it used to be skipped for good, and
     with forged keys written ahead of a stream the learner was cut out of the run silently)."""
     store, rt, tokens = syncer
-    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
+    monkeypatch.setattr(streams, "GAP_CHECK_S", 0.0)
     assert rt.setup.policy.auth is not None  # procs authenticates by default
     raw = json.dumps(ev.to_json(ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ()))).encode()
     for n in range(4):  # written ahead of the learner's stream, before it writes any of them
@@ -409,12 +409,12 @@ def test_a_forged_event_is_ignored_and_never_blocks_the_real_one(syncer, forgery
         else:
             store.put(key, auth.seal(rt.setup.policy.auth.learner_key(0), child.event_key(0, 0, 7), raw))
     with caplog.at_level(logging.ERROR, logger="diloco.runtime.procs.syncer"):
-        assert not rt._poll(0) and not rt._poll(0)  # nothing booked, nothing skipped: it waits
+        assert not streams.poll(rt, 0) and not streams.poll(rt, 0)  # nothing booked, nothing skipped: it waits
     assert rt.cursor[0] == 0 and rt.skipped == 0 and "unauthenticated" in caplog.text
     assert sorted(rt.ignored) == [child.event_key(0, 0, n) for n in range(4)]  # each key counted once
     for n in range(3):  # the learner writes its events over the forged ones
         _emit(rt, store, 0, 0, n, ev.StepDone(0, 0, n + 1, float(n), n + 0.5, tokens, ()))
-    assert rt._poll(0) and rt.cursor[0] == 3 and rt.steps[0] == 3 and rt.skipped == 0
+    assert streams.poll(rt, 0) and rt.cursor[0] == 3 and rt.steps[0] == 3 and rt.skipped == 0
     assert rt.host.tokens.processed[0] == 3 * tokens and not rt.host.events_lost  # every real event booked
     assert intake.ignored_summary(rt.ignored) == {"store_objects_ignored": 4, "ignored_events": 4, "ignored_controls": 0}
 
@@ -423,24 +423,24 @@ def test_an_event_too_large_to_read_is_ignored_then_a_gap(syncer, monkeypatch):
     """Larger than any event, so not read (nor its tag checked): ignored as unauthenticated, and the
     learner's next event proves it was lost."""
     store, rt, tokens = syncer
-    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
+    monkeypatch.setattr(streams, "GAP_CHECK_S", 0.0)
     store.put(child.event_key(0, 0, 0), b" " * (bs.MAX_JSON_BYTES + 1))
-    assert not rt._poll(0) and child.event_key(0, 0, 0) in rt.ignored
+    assert not streams.poll(rt, 0) and child.event_key(0, 0, 0) in rt.ignored
     _emit(rt, store, 0, 0, 1, ev.StepDone(0, 0, 2, 1.0, 1.5, tokens, ()))
-    assert rt._poll(0) and rt.cursor[0] == 2 and rt.steps[0] == 2 and rt.skipped == 1
+    assert streams.poll(rt, 0) and rt.cursor[0] == 2 and rt.steps[0] == 2 and rt.skipped == 1
 
 
 def test_a_forged_event_over_a_real_one_is_a_gap_once_a_later_real_event_proves_it(syncer, monkeypatch):
     """Written over the real event after it landed: the learner's next event is what proves it was
     lost, and the gap is booked lost as any other; a forged later key proves nothing."""
     store, rt, tokens = syncer
-    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
+    monkeypatch.setattr(streams, "GAP_CHECK_S", 0.0)
     _emit(rt, store, 0, 0, 0, ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ()))
     store.put(child.event_key(0, 0, 0), b"junk")
     store.put(child.event_key(0, 0, 1), b"junk")
-    assert not rt._poll(0) and rt.cursor[0] == 0  # junk ahead is no evidence of a gap
+    assert not streams.poll(rt, 0) and rt.cursor[0] == 0  # junk ahead is no evidence of a gap
     _emit(rt, store, 0, 0, 2, ev.StepDone(0, 0, 3, 2.0, 2.5, tokens, ()))
-    assert rt._poll(0) and rt.cursor[0] == 3 and rt.skipped == 1
+    assert streams.poll(rt, 0) and rt.cursor[0] == 3 and rt.skipped == 1
     assert rt.host.events_lost[0]["events"] == [0, 1]
     ledger.check_balance(rt.host.tokens)
 
@@ -449,7 +449,7 @@ def test_an_oversized_contribution_named_by_an_event_is_quarantined_and_its_toke
     store, rt, tokens = syncer
     bs.send_contribution(store, 0, 0, 1, b"\0" * (rt.max_frame + 1))
     _emit(rt, store, 0, 0, 0, ev.StepDone(0, 0, 1, 0.0, 0.5, tokens, ((0, 1),)))
-    assert rt._poll(0)
+    assert streams.poll(rt, 0)
     assert rt.host.state.quarantined == {"too_large": 1}
     assert rt.host.tokens.dropped["quarantined:too_large"][0] == tokens  # the step's tokens of fragment 0
     assert (0, 0, 1) not in rt.host.tokens.in_flight
@@ -636,10 +636,10 @@ def _steps(rt, store, m, n_steps, missing, tokens, last=None):
 
 def test_the_steps_of_lost_events_are_booked_lost_with_the_evidence(syncer, monkeypatch, caplog):
     store, rt, tokens = syncer
-    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
+    monkeypatch.setattr(streams, "GAP_CHECK_S", 0.0)
     _steps(rt, store, 0, 6, {2, 3}, tokens)  # steps 3 and 4 lost
     with caplog.at_level(logging.ERROR):
-        assert rt._poll(0)
+        assert streams.poll(rt, 0)
     assert rt.host.events_lost == [{"learner": 0, "incarnation": 0, "events": [2, 3], "after_step": 2,
                                     "steps": 2, "tokens": 2 * tokens}]
     assert "2 steps after step 2" in caplog.text
@@ -663,7 +663,7 @@ def test_a_gap_at_the_end_of_a_stream(syncer, monkeypatch, end):
     """Lost before the final Done: the steps up to run.steps are lost, at a full batch; before a
     death no later event tells how many there were: recorded, steps unknown."""
     store, rt, tokens = syncer
-    monkeypatch.setattr(ps, "GAP_CHECK_S", 0.0)
+    monkeypatch.setattr(streams, "GAP_CHECK_S", 0.0)
     steps = rt.cfg.run.steps
     _steps(rt, store, 0, 3, {2}, tokens, ev.Done(0, 0, 9.0) if end == "done" else None)
     if end == "died":
@@ -673,7 +673,7 @@ def test_a_gap_at_the_end_of_a_stream(syncer, monkeypatch, end):
         store.delete(child.event_key(0, 0, 4))
         _emit(rt, store, 0, 0, 5, ev.Applied(0, 0, ()))
         bs.write_control(store, child.died(0, 0), {"at": 6.0, "exitcode": -9}, rt.secret)
-    assert rt._poll(0)
+    assert streams.poll(rt, 0)
     (gap,) = rt.host.events_lost
     if end == "done":
         assert gap["events"] == [2, 2] and gap["steps"] == steps - 2

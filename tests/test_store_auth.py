@@ -14,7 +14,7 @@ from diloco import report
 from diloco import store as bs
 from diloco.algo import auth
 from diloco.runtime import procs
-from diloco.runtime.procs import child, intake
+from diloco.runtime.procs import child, intake, streams
 from diloco.runtime.procs.standalone import claim
 from diloco.runtime.procs.supervisor import Procs
 from test_hardening_store import small, syncer  # noqa: F401 - fixtures
@@ -84,11 +84,11 @@ def test_a_forged_exit_notice_never_buries_a_live_learner(syncer, forgery):  # n
     store, rt, tokens = syncer
     name = child.died(0, 0)
     store.put(bs.ctl_key(name), _forgeries(name, NOTICE)[forgery])
-    assert not rt._poll(0) and not rt._poll(0)
+    assert not streams.poll(rt, 0) and not streams.poll(rt, 0)
     assert rt.current[0] == 0 and not rt.host.tokens.dead and name in rt.ignored
     assert bs.read_control(store, child.buried(0, 0)) is None
     bs.write_control(store, name, NOTICE, rt.secret)  # the supervisor's, when it has exited
-    assert rt._poll(0) and rt.current[0] == 1 and (0, 0) in rt.host.tokens.dead
+    assert streams.poll(rt, 0) and rt.current[0] == 1 and (0, 0) in rt.host.tokens.dead
     assert bs.read_control(store, child.buried(0, 0), rt.secret) == {"step": 0, "done": False}
     assert intake.ignored_summary(rt.ignored) == {"store_objects_ignored": 1, "ignored_events": 0,
                                                   "ignored_controls": 1}

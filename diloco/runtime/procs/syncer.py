@@ -31,13 +31,13 @@ diloco/runtime/procs/intake.py): an event or exit notice that does not authentic
 (runtime.auth) is ignored, counted and read again, as the real one may land on its key later; an
 authenticated event that is not JSON or not an event of its learner is logged and skipped; a gap
 in an event stream (event n missing, a later authenticated one there) is skipped after
-GAP_TIMEOUT_S with an error logged, at once when the process has exited; a
-contribution larger than any frame of the run is passed on unread, to be quarantined as
-too_large; a learner that exited 0 without a readable Done event is booked done.
+GAP_TIMEOUT_S (diloco/runtime/procs/streams.py) with an error logged, at once when the process
+has exited; a contribution larger than any frame of the run is passed on unread, to be
+quarantined as too_large; a learner that exited 0 without a readable Done event is booked done.
 
-Past 400 lines on purpose: the loop, its event cursors, deadlines and journal replay share one
-SyncerHost and clock; the store reads and their checks are already in procs/intake.py and the
-restart in procs/recovery.py.
+The walk along the event streams is in procs/streams.py, the store reads and their checks in
+procs/intake.py, the restart in procs/recovery.py; this loop, its deadlines and journal entries
+share the one SyncerHost and clock.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ from diloco.runtime import keepup
 from diloco.runtime.host import HostedRuntime, SyncerHost
 from diloco.runtime.procs.child import (POLL_MAX, POLL_MIN, buried, child_main, child_setup, event_key,
                                         in_main_thread, max_frame)
-from diloco.runtime.procs.intake import (authentic_event, gathered_ignored, ignored_summary, listed_events,
-                                         parse_event, read_event, read_notice)
+from diloco.runtime.procs import streams
+from diloco.runtime.procs.intake import gathered_ignored, ignored_summary, listed_events, parse_event, read_event
 from diloco.runtime.procs.recovery import Recovery
 from diloco.runtime.procs.reports import write_report
 from diloco.runtime.runlog import write_decisions
@@ -70,11 +70,6 @@ from diloco.runtime.walltape import chaos_tape
 log = logging.getLogger(__name__)
 
 GC_EVERY = 1.0  # seconds between acks + garbage collection of old versions and booked events
-# A learner writes its events one after another, each whole before the next, so event n missing
-# while a later one is listed is damage (or a store slow to show it): after this long it is
-# skipped, with an error, and the stream booked on from the next event there.
-GAP_TIMEOUT_S = 5.0
-GAP_CHECK_S = 1.0  # seconds of silence on a stream before its keys are listed to look for a gap
 
 
 class ProcSyncer(HostedRuntime):
@@ -112,7 +107,7 @@ class ProcSyncer(HostedRuntime):
         self.stopping = False
         self.parent = os.getppid()  # the supervisor: if it is gone, nobody waits for the result
         self.max_frame = max_frame(s)  # a contribution object larger than this is not read
-        self.gap_timeout = GAP_TIMEOUT_S
+        self.gap_timeout = streams.GAP_TIMEOUT_S
         self.heard = dict.fromkeys(range(self.M), time.monotonic())  # a stream's last event or listing
         self.gaps: dict[tuple[int, int, int], float] = {}  # (m, inc, n) missing -> when first seen
         self.skipped = 0  # events and gaps skipped as damage (each logged)
@@ -143,7 +138,7 @@ class ProcSyncer(HostedRuntime):
                 now = self.clock()
                 while self.deadlines and self.deadlines[0][0] <= now:
                     self._do({"do": "deadline", "fragment": self.deadlines[0][2]})
-                active = [self._poll(m) for m in range(self.M)]
+                active = [streams.poll(self, m) for m in range(self.M)]
                 if len(self.host.done) == self.M and not self.deadlines:
                     break  # `done` is each learner's last event, so everything has been booked
                 if now - last_gc >= GC_EVERY:
@@ -153,7 +148,7 @@ class ProcSyncer(HostedRuntime):
                 poller.wait(any(active))
             if self.stopping:  # SIGTERM: book what the stopped learners wrote, a final checkpoint, the summary
                 for m in range(self.M):
-                    self._drain(m, self.current[m])
+                    streams.drain(self, m, self.current[m])
                 self.recovery.maybe_save(self, final=True)
             self.finish()
         finally:
@@ -249,62 +244,7 @@ class ProcSyncer(HostedRuntime):
             self._exec(entry, raw)
         self.replaying = False
 
-    # --- the learners' event streams ----------------------------------------------------------
-    def _poll(self, m: int) -> bool:
-        inc = self.current[m]
-        got = self._drain(m, inc)
-        notice = read_notice(self.store, m, inc, self.secret, self.ignored)
-        if notice is not None:
-            self._drain(m, inc, exited=True)  # it exited before the notice: every event of it is there
-            if notice["exitcode"] != 0:
-                self._do({"do": "bury", "m": m, "inc": inc, "at": notice["at"]})
-                return True
-            if m not in self.host.done:
-                log.error("learner %d incarnation %d exited 0 without a readable Done event (its last "
-                          "event); booking it done at its exit", m, inc)
-                self._do({"do": "done", "m": m, "inc": inc, "at": notice["at"]})
-                got = True
-        return got
-
-    def _drain(self, m: int, inc: int, exited: bool = False) -> bool:
-        got = False
-        while True:
-            raw = authentic_event(self.store, self.secret, m, inc, self.cursor[m], self.ignored)
-            if raw is not None:
-                self._do({"do": "event", "m": m, "inc": inc, "n": self.cursor[m]}, raw)
-                self.heard[m] = time.monotonic()
-                got = True
-                continue
-            to = self._gap(m, inc, exited)
-            if to is None:
-                return got
-            self._do({"do": "skip", "m": m, "inc": inc, "n": self.cursor[m], "to": to})
-            got = True
-
-    def _gap(self, m: int, inc: int, exited: bool) -> int | None:
-        """The next event listed after a missing one, once the gap is GAP_TIMEOUT_S old (at once if
-        the process has exited: it wrote all it ever will); else None. Lists at most every
-        GAP_CHECK_S of silence, and not for a learner that is done (Done is its last event)."""
-        now = time.monotonic()
-        if m in self.host.done or (not exited and now - self.heard[m] < GAP_CHECK_S):
-            return None
-        self.heard[m] = now
-        n = self.cursor[m]
-        # Only an event of the learner's own proves n was skipped: keys a forger wrote ahead of the
-        # stream prove nothing, and the real events will land on them.
-        later = next(([k] for k in listed_events(self.store, m, inc) if k > n
-                      and authentic_event(self.store, self.secret, m, inc, k, self.ignored) is not None), [])
-        if not later:
-            return None
-        since = self.gaps.setdefault((m, inc, n), now)
-        if not exited and now - since < self.gap_timeout:
-            return None
-        del self.gaps[(m, inc, n)]
-        self.skipped += 1
-        log.error("learner %d incarnation %d: events %d to %d are missing from the store (for %.1f s); "
-                  "skipping them, what they booked is lost", m, inc, n, min(later) - 1, now - since)
-        return min(later)
-
+    # --- booking (diloco/runtime/procs/streams.py walks the streams) ---------------------------
     def _on_event(self, m: int, inc: int, data: dict) -> None:
         """Book one learner event (diloco/runtime/events.py), its contributions read from the store."""
         frames = tuple(bs.get_frame(self.store, bs.contribution_key(m, inc, seq), self.max_frame)
