@@ -11,7 +11,7 @@ from diloco.runtime.procs.launch import Local
 from diloco.runtime.procs.launchers import launcher_for
 from diloco.runtime.procs.learner import ProcLearner
 from diloco.runtime.procs.standalone import External
-from diloco.runtime.threads.runtime import _ThreadPort
+from diloco.runtime.threads.learners import _ThreadPort
 from diloco.runtime.world_group import WorldGroup
 
 
