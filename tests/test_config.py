@@ -86,7 +86,8 @@ def _group_options(group: str) -> list[str]:
 
 
 def _all_compositions():
-    groups = ["model", "data", "inner", "mesh", "fragments", "outer", "codec", "syncer", "runtime", "chaos", "preset"]
+    groups = ["model", "data", "inner", "mesh", "fragments", "outer", "codec", "syncer", "runtime", "chaos", "finetune",
+              "preset"]
     for group in groups:
         for option in _group_options(group):
             yield f"{group}={option}"
@@ -108,12 +109,29 @@ def test_every_config_file_composes_and_validates(override):
     group, option = override.split("=")
     own = OmegaConf.to_container(OmegaConf.load(CONFIGS / group / f"{option}.yaml"))
     own.pop("defaults", None)
-    # train.yaml's own values come after the groups (its _self_), a preset's after train.yaml.
-    after = {} if group == "preset" else OmegaConf.to_container(OmegaConf.load(CONFIGS / "train.yaml")).get(group) or {}
-    for section, values in (own if group == "preset" else {group: own}).items():
+    # train.yaml's own values come after the groups (its _self_), a finetune's and a preset's after
+    # train.yaml: those two are global, setting several sections.
+    late = group in ("finetune", "preset")
+    after = {} if late else OmegaConf.to_container(OmegaConf.load(CONFIGS / "train.yaml")).get(group) or {}
+    for section, values in (own if late else {group: own}).items():
         for key, value in values.items():
             if key not in after and (section, key) != ("data", "seq_len"):
                 assert loaded[section][key] == value, (section, key, loaded[section][key], value)
+
+
+def test_finetune_presets_set_the_fine_tuning_outer_step_and_the_command_line_wins():
+    """finetune=full and lora set outer lr 1 / momentum 0 over train.yaml's pretraining 0.8
+    (docs/design.md#fine-tuning); finetune=none keeps train.yaml's; a command-line value wins."""
+    def outer(*overrides):
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+            cfg = load(OmegaConf.to_container(compose(config_name="train", overrides=list(overrides)), resolve=True))
+        return cfg.outer.lr, cfg.outer.momentum, cfg.finetune.lora.rank
+
+    from omegaconf import OmegaConf
+    assert outer() == outer("finetune=none") == (0.8, 0.0, 0)
+    assert outer("finetune=full") == (1.0, 0.0, 0) and outer("finetune=lora") == (1.0, 0.0, 8)
+    assert outer("finetune=lora", "outer.lr=0.6", "outer.momentum=0.5") == (0.6, 0.5, 8)
+    assert outer("outer=nesterov", "finetune=full")[:2] == (1.0, 0.0)  # over the outer group too
 
 
 GROUP_TYPES = {"model": "ModelConfig", "data": "DataConfig", "inner": "InnerConfig", "mesh": "MeshConfig",

@@ -210,7 +210,7 @@ def test_script_runs_t1_quick(tmp_path):
 
 def test_a_finished_run_is_reused_when_its_config_only_lacks_newer_fields(tmp_path):
     """A run saved before a config field existed still counts as the same run; a changed value or
-    a field that no longer exists does not."""
+    a field that no longer exists does not, except in a section data parallel never reads."""
     import yaml
 
     from diloco.config import to_dict
@@ -220,8 +220,10 @@ def test_a_finished_run_is_reused_when_its_config_only_lacks_newer_fields(tmp_pa
     del old["syncer"]["anchor"]  # as written before syncer.anchor existed
     (tmp_path / "summary.json").write_text('{"eval_loss": 2.0}')
     (tmp_path / "timing.json").write_text('{"wall_s": 1.0}')
+    dp_outer = {**old, "outer": {**old["outer"], "lr": 1.0}}  # data parallel never reads it
     for raw, reused in ((old, True), ({**old, "algo": "diloco"}, False),
-                        ({**old, "retired_field": 1}, False)):
+                        ({**old, "retired_field": 1}, False), (dp_outer, True),
+                        ({**dp_outer, "inner": {**old["inner"], "lr": 1.0}}, False)):
         (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
         got = runner._finished(cfg, tmp_path)
         assert (got == {"eval_loss": 2.0, "wall_s": 1.0}) if reused else got is None

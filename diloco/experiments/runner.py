@@ -51,12 +51,19 @@ def enable_compilation_cache(path: str) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+# The sections only Decoupled DiLoCo reads: a data-parallel run trains the same whatever they hold
+# (a finetune= preset's outer step, say), so they are not part of its identity.
+DILOCO_ONLY = ("fragments", "outer", "codec", "syncer")
+
+
 def _comparable(d: dict) -> dict:
     """A config dict as two runs of it compare: under model.init_from the run writes the
     checkpoint's shape into `model` (diloco/inputs.py), so only the path and the compute dtype
-    are the config's own there."""
+    are the config's own there; under algo=dp the DiLoCo-only sections are left out."""
     if d["model"].get("init_from"):
         d = {**d, "model": {k: d["model"][k] for k in ("init_from", "dtype")}}
+    if d["algo"] == "dp":
+        d = {k: v for k, v in d.items() if k not in DILOCO_ONLY}
     return d
 
 
