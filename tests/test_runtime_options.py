@@ -8,7 +8,7 @@ import pytest
 from option_checks import EAGER, SPARSELOCO, check_auto_momentum, check_eager, check_sparseloco, option_run
 
 
-@pytest.mark.slow  # a threads run of the tiny model: about 10 s here
+@pytest.mark.slow  # a threads run of the tiny model: about 20 s here (load 5)
 def test_threads_learners_send_sparseloco_frames_that_merge(tmp_path):
     check_sparseloco(option_run(tmp_path, "threads", **SPARSELOCO))
 
