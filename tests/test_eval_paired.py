@@ -89,3 +89,17 @@ def _two(tmp_path, *paths):
     tasks = [json.loads(open(p).read())["tasks"][0] for p in paths]
     (tmp_path / "two.json").write_text(json.dumps({"tasks": tasks}))
     return tmp_path / "two.json"
+
+
+@pytest.mark.parametrize("raw", [
+    {"tasks": ["add/task.json"]},  # a config's list of task files, not scores
+    {"tasks": "add"},
+    {"tasks": [{"task": "add", "docs": [{"exact_match": True}, {"f1": 0.5}]}]},  # a record without the metric
+    {"tasks": [{"docs": [{"exact_match": True}]}]},  # no task name
+    {"tasks": [{"task": "add", "docs": "11"}]},
+])
+def test_a_score_file_of_another_shape_is_one_error_not_a_traceback(tmp_path, raw):
+    a = _evaluate_output(tmp_path / "a.json", "add", "exact_match", [True, False])
+    (tmp_path / "other.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="other.json has no per-document results"):
+        compare([a, str(tmp_path / "other.json")], io.StringIO())

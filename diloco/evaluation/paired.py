@@ -48,9 +48,14 @@ def read(path: str | Path) -> dict[str, tuple[str, list[bool]]]:
     if isinstance(raw, dict) and isinstance(raw.get("correct"), str):  # the study's task_score.json
         return {Path(path).parent.name: (raw.get("metric", "?"), [c == "1" for c in raw["correct"]])}
     out = {}
-    for t in raw.get("tasks", []) if isinstance(raw, dict) else []:
-        docs = t.get("docs") or []
-        metric = next((m for m in METRICS if docs and m in docs[0]), None)
+    tasks = raw.get("tasks") if isinstance(raw, dict) else None
+    # another file's "tasks" (a config's list of task files, say) is no score: skipped, not a traceback
+    for t in tasks if isinstance(tasks, list) else []:
+        docs = t.get("docs") if isinstance(t, dict) else None
+        if not (docs and isinstance(docs, list) and all(isinstance(d, dict) for d in docs)
+                and isinstance(t.get("task"), str)):
+            continue
+        metric = next((m for m in METRICS if all(m in d for d in docs)), None)
         if metric is not None:
             out[t["task"]] = (metric, [bool(d[metric]) for d in docs])
     if not out:
