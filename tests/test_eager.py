@@ -5,14 +5,16 @@ two learners) are at the end of tests/test_sim.py, which compiles the tiny steps
 import numpy as np
 import pytest
 from conftest import diloco_world, override, tiny_cfg
+from syncer_frames import E, THETA0, frame, merges, policy, publishes, shifted, start
 
-from diloco.algo import eager
+from diloco.algo import eager, ledger
 from diloco.algo import learner as lsm
+from diloco.algo import syncer as sync
 from diloco.algo.fragments import make_schedule
 from diloco.algo.outer import make_outer
 from diloco.bandwidth.utilisation import Method, Workload, by_depth, utilisation
 from diloco.config import ConfigError
-from diloco.runtime import threads
+from diloco.runtime import syncer_ckpt, threads
 
 EAGER = dict(eager=True)
 BASE = dict(anchor="base")
@@ -119,3 +121,68 @@ def test_eager_rows_gain_on_a_slow_link():
     # Without latency that link is too slow for the bytes: no depth of overlap buys anything.
     slow = by_depth(Workload(params=1e10, step_time=0.8, layers=48, datacenters=8), 2.0, (2, 48, 96))
     assert slow[48] == pytest.approx(slow[2], rel=1e-9) and slow[96] == pytest.approx(slow[2], rel=1e-9)
+
+
+def _two_sends_in_one_round(eager_repeat: bool):
+    """K = M = 2, outer average, merge average, fp32, syncer.anchor=base. Learner 0 sends fragment 1
+    twice while learner 1 has not sent (the round stays open): Delta_1 = 1 x (1, 2, 3, 4), then from
+    its moved anchor Delta_2 = 2 x (1, 2, 3, 4), each 2 steps of 16 tokens. Learner 1 sends
+    Delta_B = -1 x (1, 2, 3, 4), 2 steps of 16 tokens. The token ledger books every send and outcome."""
+    pol = policy(K=2, anchor="base", eager=eager_repeat)
+    st, led = start(pol), ledger.token_ledger(2)
+    ref = THETA0[1]
+    sends = ((0, 1, 1.0), (0, 2, 2.0), (1, 1, -1.0))
+    for learner, seq, by in sends:
+        for _ in range(2):
+            led = ledger.process(led, learner, 0, 8)
+        led = ledger.send(led, learner, 0, 1, seq)
+    actions = ()
+    for t, (learner, seq, by) in enumerate(sends):  # each a Delta against base version 0
+        st, out = sync.on_contribution(pol, st, frame(shifted(ref, -by), ref, learner=learner, seq=seq, fragment=1,
+                                                      c_steps=2, c_tokens=16), float(t))
+        actions += out
+    for a in actions:
+        if isinstance(a, sync.Outcome):
+            led = ledger.resolve(led, a.key, a.outcome, a.into)
+    return st, led, actions
+
+
+def test_an_eager_learners_two_sends_in_one_round_are_both_merged():
+    """Each eager send is a pseudo-gradient against an anchor its stand-in moved, so the newer one
+    does not hold the older one's progress (docs/algorithm.md#eager-outer-steps): the repeat adds
+    them, one contribution of Delta_1 + Delta_2 over 4 steps and 32 tokens (weight 32^2 / 4 = 256,
+    learner 1's 16^2 / 2 = 128). Theta moves by (256 x 3 + 128 x (-1)) / 384 = 5/3 x (1, 2, 3, 4);
+    today's plain rule, the newer replacing the older, moved it by (2 - 1) / 2 and lost Delta_1.
+    Every token is merged once and the ledger balances."""
+    st, led, actions = _two_sends_in_one_round(True)
+    assert sync.Outcome((0, 0, 1), "carried", (0, 0, 2)) in actions
+    (pub,) = publishes(actions)
+    assert pub.merged == ((0, 0, 2), (1, 0, 1))  # learner 0's older send leaves flight with it
+    (rec,) = merges(st)
+    assert rec["weights"] == [256.0, 128.0]
+    np.testing.assert_allclose(st.fragments[1].theta[E], THETA0[1][E] - 5 / 3 * np.arange(1, 5), rtol=1e-6)
+    ledger.check_balance(led)
+    assert led.merged[1] == led.processed[1] == 48 and ledger.outstanding(led)[1] == 0
+    # Without eager steps the newer send holds the older one's progress: it replaces it, as before.
+    st, led, _ = _two_sends_in_one_round(False)
+    np.testing.assert_allclose(st.fragments[1].theta[E], THETA0[1][E] - 0.5 * np.arange(1, 5), rtol=1e-6)
+    ledger.check_balance(led)
+
+
+def test_a_checkpoint_of_a_round_holding_an_eager_repeat_resumes_bit_identical():
+    """The summed contribution saves as its local values (ref - (Delta_1 + Delta_2)); the restored
+    syncer takes its pseudo-gradient from them and merges exactly as the uninterrupted one."""
+    pol = policy(K=2, anchor="base", eager=True)
+    ref = THETA0[1]
+    st = start(pol)
+    for seq, by in ((1, 1.0), (2, 2.0)):
+        st, _ = sync.on_contribution(pol, st, frame(shifted(ref, -by), ref, seq=seq, fragment=1), float(seq))
+    arrays, meta = syncer_ckpt.to_checkpoint(st)
+    restored = syncer_ckpt.from_checkpoint(arrays, meta, pol, tuple(fs.spec for fs in st.fragments))
+    (c,) = restored.fragments[1].contributions
+    assert (c.key, c.c_steps, c.c_tokens) == ((0, 0, 2), 2, 16)
+    last = frame(shifted(ref, 1.0), ref, learner=1, fragment=1, c_steps=2, c_tokens=16)  # weight 128, as the sum
+    st, _ = sync.on_contribution(pol, st, last, 3.0)
+    restored, _ = sync.on_contribution(pol, restored, last, 3.0)
+    assert st.fragments[1].theta[E].tobytes() == restored.fragments[1].theta[E].tobytes()
+    np.testing.assert_allclose(st.fragments[1].theta[E], ref[E] - np.arange(1, 5), rtol=1e-6)  # (3 - 1) / 2

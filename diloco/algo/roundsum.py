@@ -104,6 +104,20 @@ class Local(Mapping):
         return len(self.ref)
 
 
+class Summed(Local):
+    """Two contributions of one eager learner as one (docs/algorithm.md#eager-outer-steps): the
+    later one's payload delta plus `earlier`, the earlier one's pseudo-gradient per path (fp32,
+    taken against the round's anchor when the later one arrived). Its local values are
+    ref[later's base] - (earlier + later's delta), so under syncer.anchor=base its pseudo-gradient
+    is the sum of the two, and a checkpoint saves it as any Local."""
+
+    def __init__(self, later: Local, earlier: Values):
+        self.ref, self.later, self.earlier = later.ref, later, earlier
+
+    def wire(self, path: Path) -> np.ndarray:
+        return add_into(self.earlier[path], self.later.wire(path))
+
+
 def local(ref: Values, header: Mapping[str, Any], payload: bytes) -> Local:
     return Local(ref, codec_specs.codec_from_spec(header["codec"]), header["tensors"], payload)
 

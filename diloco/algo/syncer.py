@@ -35,7 +35,7 @@ from diloco.algo import merge as merging
 from diloco.algo import auth, bounds, claims, codec_specs, hostpool, messages, payloads, quorum, roundsum
 from diloco.algo import syncer_publish as publishing
 from diloco.algo.fragments import Fragment, Path
-from diloco.algo.syncer_merge import merge_round, prepare, round_sums
+from diloco.algo.syncer_merge import merge_round, prepare, round_sums, summed
 # The state, policy and actions are this state machine's API: callers read them here (sync.Policy,
 # sync.Publish, ...), so they are named in this import even where this module does not use them.
 from diloco.algo.syncer_state import (  # noqa: F401
@@ -168,12 +168,16 @@ def _admit(cfg: Policy, st: SyncerState, p: int, c: Contribution, now: float,
     actions: tuple = ()
     if decision.reason == quorum.REPEAT:  # the newer contribution of the same learner replaces the older
         old = [x for x in fs.contributions if x.key[0] == c.key[0]]
-        kept = tuple(x for x in fs.contributions if x.key[0] != c.key[0]) + (c,)
         # Of the same incarnation and against the same base, the newer one is the older plus later
         # steps (the learner applied nothing in between), so the older one's tokens ride in it;
-        # otherwise (another base, or a restarted learner's first frame) they are lost.
+        # otherwise (another base, or a restarted learner's first frame) they are lost. An eager
+        # learner's newer one holds only the progress since its older one's send: the two are added
+        # (syncer_merge.summed), and the older one's tokens ride in the sum.
+        if cfg.eager and len(old) == 1 and old[0].key[1] == c.key[1]:
+            c = summed(cfg, fs, old[0], c)
+        kept = tuple(x for x in fs.contributions if x.key[0] != c.key[0]) + (c,)
         actions += tuple(Outcome(x.key, "carried", c.key)
-                         if x.base_version == c.base_version and x.key[1] == c.key[1]
+                         if (x.base_version == c.base_version or cfg.eager) and x.key[1] == c.key[1]
                          else Outcome(x.key, "excluded") for x in old)
         # The older one leaves the sums: they are rebuilt from the payloads kept (rare: a learner
         # sent twice within one open round), never by subtraction, which would not be exact.

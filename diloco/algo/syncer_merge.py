@@ -37,6 +37,17 @@ def prepare(cfg: Policy, fs: FragmentState, c: Contribution) -> tuple[list, tupl
     return deltas, tuple(norms)
 
 
+def summed(cfg: Policy, fs: FragmentState, earlier: Contribution, later: Contribution) -> Contribution:
+    """An eager learner's repeat (Policy.eager): one contribution whose pseudo-gradient is the sum of
+    both, over both one's steps and tokens. Each was taken against an anchor its previous send's
+    stand-in moved, so neither holds the other's progress (docs/algorithm.md#eager-outer-steps);
+    without eager steps the later one holds the earlier one's and replaces it instead."""
+    deltas, _ = prepare(cfg, fs, earlier)
+    local = roundsum.Summed(later.local, dict(zip(fs.theta, deltas)))
+    return later._replace(c_steps=earlier.c_steps + later.c_steps, c_tokens=earlier.c_tokens + later.c_tokens,
+                          local=local)
+
+
 def round_sums(cfg: Policy, fs: FragmentState, inside, scales=None) -> roundsum.RoundSum:
     """The running sums of `inside`: fs.sums when they are exactly those, else rebuilt by folding
     them again in order (REPEAT, overflow, clipped averages, a restored checkpoint: all rare)."""

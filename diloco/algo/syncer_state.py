@@ -91,6 +91,10 @@ class Policy(NamedTuple):
     # fragment's last merged pseudo-gradient (a float32 copy of it) for it; `auto` turns them on too
     # (measures(): docs/algorithm.md#outer-statistics-and-automatic-momentum says what they cost).
     outer_stats: bool = False
+    # fragments.eager=true (docs/algorithm.md#eager-outer-steps): each contribution is a pseudo-gradient
+    # against an anchor the learner's stand-in moved at its previous send, so a learner's newer one
+    # does not hold its older one's progress, and a repeat in an open round adds the two (REPEAT).
+    eager: bool = False
 
 
 class Contribution(NamedTuple):

@@ -122,7 +122,8 @@ def policy(cfg: TrainConfig, wire: Codecs | None = None) -> sync.Policy:
                        auth=auth_secret(cfg), clip=s.clip, claim_slack=None if s.claim_slack < 0 else s.claim_slack,
                        clip_span=cfg.fragments.H + cfg.fragments.tau + max(s.claim_slack, 0),
                        auto=outer_auto.Rule() if cfg.outer.momentum == AUTO else None,
-                       outer_stats=outer_auto.measured(s.outer_stats, cfg.outer.momentum == AUTO))
+                       outer_stats=outer_auto.measured(s.outer_stats, cfg.outer.momentum == AUTO),
+                       eager=cfg.fragments.eager)
 
 
 # Runtimes whose every learner is a process of its own: such a process may see only its own
