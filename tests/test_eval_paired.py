@@ -50,9 +50,9 @@ def test_compare_reads_both_files_and_tables_each_against_the_first(tmp_path):
     ref = _evaluate_output(tmp_path / "ref.json", "add", "exact_match", [True, True, False, False, True])
     study = tmp_path / "study" / "add"
     study.mkdir(parents=True)
-    (study / "task_score.json").write_text(json.dumps({"metric": "exact_match", "correct": as_bits(
+    (study / "task_score.json").write_text(json.dumps({"task": "add", "metric": "exact_match", "correct": as_bits(
         [False, True, True, True, True])}))
-    mc = _evaluate_output(tmp_path / "mc.json", "add", "acc", [True, True, False, False, False])
+    mc = _evaluate_output(tmp_path / "mc.json", "add", "exact_match", [True, True, False, False, False])
     assert read(study / "task_score.json") == {"add": ("exact_match", [False, True, True, True, True])}
     out = io.StringIO()
     result = run(parse({"compare": [ref, str(study / "task_score.json"), mc]}), out)["compare"]
@@ -75,6 +75,9 @@ def test_bad_compare_inputs_are_one_error_naming_the_files(tmp_path):
         compare([a, str(_two(tmp_path, other, other2))], io.StringIO())
     with pytest.raises(ConfigError, match="no per-document results"):
         compare([a, str(tmp_path / "loss.json")], io.StringIO())
+    acc = _evaluate_output(tmp_path / "acc.json", "add", "acc", [True, False])
+    with pytest.raises(ConfigError, match="scored add by exact_match and .*acc.json by acc"):
+        compare([a, acc], io.StringIO())
     with pytest.raises(ConfigError, match="junk.json is not a readable JSON"):
         compare([a, str(tmp_path / "junk.json")], io.StringIO())
     with pytest.raises(ConfigError, match="needs two or more existing score files: not found: .*none.json"):

@@ -46,7 +46,7 @@ def read(path: str | Path) -> dict[str, tuple[str, list[bool]]]:
     except (OSError, ValueError) as err:
         raise ConfigError(f"compare: {path} is not a readable JSON score file ({err})") from None
     if isinstance(raw, dict) and isinstance(raw.get("correct"), str):  # the study's task_score.json
-        return {Path(path).parent.name: (raw.get("metric", "?"), [c == "1" for c in raw["correct"]])}
+        return {str(raw.get("task") or "task"): (raw.get("metric", "?"), [c == "1" for c in raw["correct"]])}
     out = {}
     tasks = raw.get("tasks") if isinstance(raw, dict) else None
     # another file's "tasks" (a config's list of task files, say) is no score: skipped, not a traceback
@@ -78,7 +78,9 @@ def compare(paths: Sequence[str], out=sys.stdout) -> list[dict]:
         if not pairs:
             raise ConfigError(f"compare: {paths[0]} ({', '.join(ref)}) and {path} ({', '.join(other)}) share no task")
         for t_ref, t_other in pairs:
-            (metric, a), (_, b) = ref[t_ref], other[t_other]
+            (metric, a), (metric_b, b) = ref[t_ref], other[t_other]
+            if metric != metric_b:
+                raise ConfigError(f"compare: {paths[0]} scored {t_ref} by {metric} and {path} by {metric_b}")
             if len(a) != len(b):
                 raise ConfigError(f"compare: {paths[0]} scored {len(a)} documents of {t_ref} and {path} {len(b)}: "
                                   "not the same test set")

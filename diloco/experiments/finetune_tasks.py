@@ -98,7 +98,7 @@ def score(model_path: Path, test_file: Path, cfg: TasksConfig, cache: Path) -> d
     result = score_task(load(model_path), task, 0, 0, cfg.score_batch)
     metric = "exact_match" if task.output_type == GENERATE else "acc"
     m = result["metrics"][metric]
-    out = {"key": key, "metric": metric, "value": m["value"], "low": m["low"], "high": m["high"], "n": result["n"],
+    out = {"key": key, "task": task.name, "metric": metric, "value": m["value"], "low": m["low"], "high": m["high"], "n": result["n"],
            "acc_norm": result["metrics"].get("acc_norm", {}).get("value"), "examples": result["docs"][:4],
            "correct": as_bits(bool(d[metric]) for d in result["docs"])}  # each question: the paired tests
     cache.write_text(json.dumps(out, indent=1))
