@@ -186,3 +186,34 @@ def test_a_checkpoint_of_a_round_holding_an_eager_repeat_resumes_bit_identical()
     restored, _ = sync.on_contribution(pol, restored, last, 3.0)
     assert st.fragments[1].theta[E].tobytes() == restored.fragments[1].theta[E].tobytes()
     np.testing.assert_allclose(st.fragments[1].theta[E], ref[E] - np.arange(1, 5), rtol=1e-6)  # (3 - 1) / 2
+
+
+@pytest.mark.parametrize("name", ["nesterov", "sgd"])
+def test_the_stand_in_carries_the_outer_momentum_the_merge_will(name):
+    """One learner, share 1, fp32, tau = H: each send leaves while the one before is in flight. Its
+    momentum rebuilt from the moves it applied, pushed by the send in flight, gives a stand-in equal
+    to the move the syncer's optax step then makes; the zero-state gain alone misses mu^2 lr b
+    (Nesterov) or mu lr b (heavy ball), most of the move once the momentum has built up."""
+    opt = make_outer(name, lr=0.7, momentum=0.9)
+    mom = eager.momentum_of(name, 0.7, 0.9, 1.0)
+    s = eager.stand_in_scale(opt, 1.0)
+    rng = np.random.default_rng(0)
+    theta = {("w",): rng.normal(size=8).astype(np.float32)}
+    state = opt.init(theta)
+    held, b, flying, misses = dict(theta), None, None, []
+    for k in range(8):
+        delta = {("w",): (rng.normal(size=8) * 0.1 + 0.3).astype(np.float32)}  # a steady direction
+        b_now = b if flying is None else eager.pushed(mom, b, flying)
+        u = eager.stand_in(delta, s)
+        u = {p: u[p] + eager.carried(mom, b_now)[p] for p in u} if b_now is not None else u
+        updates, state = opt.update(delta, state, theta)  # the merge answering this send
+        theta = {p: np.asarray(theta[p] + updates[p], np.float32) for p in theta}
+        np.testing.assert_allclose(u[("w",)], -np.asarray(updates[("w",)]), rtol=2e-5, atol=1e-6)
+        misses.append(float(np.abs(eager.stand_in(delta, s)[("w",)] + np.asarray(updates[("w",)])).max()))
+        if k > 0:  # the merge answering the previous send is applied now, this one stays in flight
+            b = eager.rebuilt(mom, b, {p: before[p] - after[p] for p in theta}, [None])
+        before, after, flying = held, dict(theta), delta
+        held = after
+    assert misses[0] < 1e-6 and misses[-1] > 0.5 * float(np.abs(updates[("w",)]).max())
+    for name, momentum in (("nesterov", "auto"), ("average", 0.9), ("delayed_nesterov", 0.9), ("nesterov", 0.0)):
+        assert eager.momentum_of(name, 0.7, momentum, 1.0) is None  # the zero-state gain alone

@@ -467,3 +467,26 @@ def test_two_learners_overlapping_a_whole_round_balance_their_tokens(tmp_path, b
         a = eager.anchor(u.anchors[0][1], [u.stand_ins[seq] for seq in flying])
         assert all(a[p].tobytes() == u.eager_anchor[0][p].tobytes() for p in a)
         assert any(not np.array_equal(a[p], u.anchors[0][1][p]) for p in a)
+
+
+def test_one_learner_under_outer_momentum_is_never_corrected(tmp_path, build, monkeypatch):
+    """M = 1, outer Nesterov lr 0.7 momentum 0.9, fp32, tau = 3 > H = 2: each stand-in carries the
+    momentum the answering merge will (rebuilt from the versions applied), so every correction, the
+    anchor's move at an apply, is zero to rounding. With the zero-state gain alone it is not."""
+    cfg = make_cfg(tmp_path, steps=12, runtime=dict(learners=1), fragments=dict(H=2, tau=3, eager=True),
+                   syncer=dict(quorum=1, anchor="base"), outer=dict(name="nesterov", lr=0.7, momentum=0.9))
+    setup = build(cfg)
+    assert setup.spec.eager_momentum == eager.Momentum(0.7, 0.9, True, 1.0)
+    plain = eager.moved
+    worst = []
+
+    def spy(local, before, after):
+        worst[-1] = max(worst[-1], float(np.abs(after - before).max() / np.abs(before).max()))
+        return plain(local, before, after)
+
+    monkeypatch.setattr(eager, "moved", spy)
+    for spec in (setup.spec, setup.spec._replace(eager_momentum=None)):
+        worst.append(0.0)
+        _, summary = run_sim(cfg, setup._replace(spec=spec))
+        assert summary["merges"] == 6 and summary["tokens_merged_share"] == 1.0
+    assert worst[0] < 1e-6 and worst[1] > 1e-3, worst

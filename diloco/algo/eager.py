@@ -14,6 +14,7 @@ answers. Pure numpy on {path: array} dicts; diloco/runtime/unit.py moves the arr
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 import optax
@@ -56,3 +57,62 @@ def moved(local: np.ndarray, before: np.ndarray, after: np.ndarray) -> np.ndarra
     """theta when the anchor moves from `before` to `after`: the new anchor plus the progress made
     since the last send (local - before). With no progress (local == before) it is `after` exactly."""
     return np.asarray(after + (np.asarray(local, np.float32) - before), np.float32)
+
+
+class Momentum(NamedTuple):
+    """The syncer's outer momentum as a learner follows it: b <- mu b + g at every merge of
+    pseudo-gradient g; Nesterov moves Theta by lr (g + mu b), heavy ball by lr b. `share` is
+    fragments.eager_share: the part of the merged g the learner's own Delta stands in for."""
+
+    lr: float
+    mu: float
+    nesterov: bool
+    share: float
+
+
+def momentum_of(name: str, lr: float, momentum, share: float) -> Momentum | None:
+    """Momentum a learner can follow, or None where the zero-state gain is the whole stand-in:
+    `average` and momentum 0 have none, `delayed_nesterov` steps only every N arrivals and
+    momentum=auto sets mu per merge from statistics the learner never sees."""
+    if name not in ("nesterov", "sgd") or isinstance(momentum, str) or not momentum > 0.0:
+        return None
+    return Momentum(float(lr), float(momentum), name == "nesterov", float(share))
+
+
+def carried(mom: Momentum, b: Values | None) -> dict:
+    """What the next merge moves Theta by whatever it merges, from the momentum b it starts with:
+    lr mu^2 b (Nesterov), lr mu b (heavy ball). The stand-in adds it to s Delta."""
+    k = mom.lr * mom.mu * (mom.mu if mom.nesterov else 1.0)
+    return {} if b is None else {path: np.asarray(k * x, np.float32) for path, x in b.items()}
+
+
+def pushed(mom: Momentum, b: Values | None, g: Values) -> dict:
+    """b after a merge of pseudo-gradient g: g + mu b (b None: zero)."""
+    if b is None:
+        return {path: np.asarray(x, np.float32) for path, x in g.items()}
+    return {path: np.asarray(g[path] + mom.mu * b[path], np.float32) for path in g}
+
+
+def merged(mom: Momentum, b: Values | None, g: Values) -> tuple[dict, dict]:
+    """One merge of pseudo-gradient g from momentum b: (the move, before - after, b after)."""
+    after = pushed(mom, b, g)
+    if mom.nesterov:
+        return {path: np.asarray(mom.lr * (g[path] + mom.mu * after[path]), np.float32) for path in g}, after
+    return {path: np.asarray(mom.lr * x, np.float32) for path, x in after.items()}, after
+
+
+def rebuilt(mom: Momentum, b: Values | None, move: Values, guesses: list[Values | None]) -> dict:
+    """The syncer's momentum after len(guesses) merges that moved Theta by `move` (before - after)
+    from momentum b. Each merge's pseudo-gradient is taken as its guess (the learner's own for a
+    send it answered; None: zero) plus one offset c common to all, solved so the moves add up to
+    `move` (they are linear in c). One merge, Nesterov: move / lr = (1 + mu) g + mu^2 b, so an error
+    in b shrinks by mu / (1 + mu) < 1/2 each merge."""
+    guessed, unit, total, per_c = b, None, None, 0.0
+    for g in guesses:
+        g = {path: np.zeros_like(x, np.float32) for path, x in move.items()} if g is None else g
+        step, guessed = merged(mom, guessed, g)
+        total = step if total is None else {path: total[path] + step[path] for path in step}
+        one, unit = merged(mom, unit, {(): np.float32(1.0)})
+        per_c += float(one[()])
+    c = {path: (np.asarray(move[path], np.float32) - total[path]) / np.float32(per_c) for path in move}
+    return {path: np.asarray(guessed[path] + unit[()] * c[path], np.float32) for path in move}

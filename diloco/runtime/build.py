@@ -18,7 +18,7 @@ from diloco.algo import outer_auto, quorum
 from diloco.algo.auth import MIN_SECRET_BYTES, Secret
 from diloco.algo import syncer as sync
 from diloco.algo.codecs import Codec, make_codec
-from diloco.algo.eager import stand_in_scale
+from diloco.algo.eager import momentum_of, stand_in_scale
 from diloco.algo.fragments import Fragment, extract, make_fragments, make_schedule
 from diloco.algo.codec_specs import codec_spec
 from diloco.algo.outer import AUTO, make_outer
@@ -193,12 +193,14 @@ def build(cfg: TrainConfig, corpus: Corpus, model: Model) -> Setup:
     except ValueError as e:  # the count suits the model only once it is built (a LoRA's adapters)
         raise ConfigError(f"fragments.count={f.count} does not fit this model: {e}") from None
     stand_in = stand_in_scale(outer_optimizer(cfg), f.eager_share) if f.eager else 0.0
+    o = cfg.outer
+    momentum = momentum_of(o.name, o.lr, o.momentum, f.eager_share) if f.eager else None
     schedule = make_schedule(f.count, f.H, f.tau, f.alpha, f.keep_overlap, f.others, f.eager, stand_in)
     wire = run_codecs(cfg)
     rows = learner_batches(cfg)
     spec = UnitSpec(per_learner(corpus.train, rows), cfg.run.seed, cfg.runtime.learners, cfg.data.batch_size,
                     cfg.data.seq_len, fragments, schedule, wire.up, wire.up_spec, cfg.data.shard_block,
-                    down_spec=wire.down_spec, learner_batch=rows)
+                    down_spec=wire.down_spec, learner_batch=rows, eager_momentum=momentum)
     compiled = tuple(compile_steps(model, cfg, mesh) for mesh in learner_meshes(cfg))
     if is_abstract(model.params):  # a procs child: Theta_0 comes from the store (procs/theta0.py)
         theta0 = tuple({p: jax.ShapeDtypeStruct(v.shape, np.float32) for p, v in extract(model.params, frag).items()}

@@ -21,6 +21,7 @@ from diloco.algo import device_codecs
 from diloco.algo import learner as lsm
 from diloco.algo import messages, payloads
 from diloco.algo.codecs import Codec
+from diloco.algo.eager import Momentum
 from diloco.algo.fragments import Fragment, Path, Schedule, assemble, get_path, set_path
 from diloco.data import batch_share, train_batch, trained_tokens
 from diloco.runtime import world
@@ -69,6 +70,9 @@ class UnitSpec(NamedTuple):
     # rows per step of each learner (runtime.learner_batch, diloco/config/learner_batch.py); () or a
     # learner beyond it (one a tape adds): batch_size
     learner_batch: tuple[int, ...] = ()
+    # Eager outer steps under an outer momentum a learner can follow (eager.momentum_of): the stand-in
+    # adds the move that momentum carries into the next merge (docs/algorithm.md#eager-outer-steps)
+    eager_momentum: Momentum | None = None
 
     def rows_of(self, learner: int) -> int:
         """Learner's batch rows with every slice up: its own step's shape, compiled for it alone."""
@@ -103,9 +107,12 @@ class LearnerUnit:
         self.device_codec = (device_codecs.for_spec(spec.up_spec) if spec.device_encode
                              and not spec.schedule.keep and not spec.schedule.eager else None)
         # Eager outer steps (diloco/runtime/unit_eager.py): per fragment the anchor A, per send in
-        # flight (by seq) its stand-in u.
+        # flight (by seq) its stand-in u; under spec.eager_momentum, per fragment the syncer's outer
+        # momentum rebuilt up to the held version and per send in flight its pseudo-gradient's share g.
         self.eager_anchor = {p: dict(v) for p, (_, v) in anchors.items()} if spec.schedule.eager else {}
         self.stand_ins: dict[int, dict[Path, np.ndarray]] = {}
+        self.momenta: dict[int, dict[Path, np.ndarray]] = {}
+        self.guesses: dict[int, dict[Path, np.ndarray]] = {}
         # Broadcasts are decoded on the devices too, unless they span processes (a learner world):
         # there receive stays host work, as the leader takes broadcasts alone (docs/multihost.md).
         self.device_decode = self.device_codec is not None and all(

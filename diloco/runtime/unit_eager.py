@@ -21,18 +21,38 @@ from diloco.algo.merge import pseudo_gradient
 
 
 def send(unit, s: lsm.Send) -> tuple[dict, dict]:
-    """The stand-in step of send `s`: Delta = A - theta, u = s Delta, A <- A - u, theta <- A. Returns
-    what its frame encodes: (local values, the anchor before the step), whose difference is Delta."""
+    """The stand-in step of send `s`: Delta = A - theta, u = s Delta (plus, under an outer momentum,
+    the move it carries into the answering merge), A <- A - u, theta <- A. Returns what its frame
+    encodes: (local values, the anchor before the step), whose difference is Delta."""
     p = s.fragment
     live = {path: get_path(unit.state.params, path) for path in unit.spec.fragments[p].paths}
     local = {path: np.asarray(x, np.float32) for path, x in jax.device_get(live).items()}
     before = unit.eager_anchor[p]
-    u = eager.stand_in(pseudo_gradient({path: before[path] for path in local}, local), unit.spec.schedule.stand_in)
+    delta = pseudo_gradient({path: before[path] for path in local}, local)
+    u = eager.stand_in(delta, unit.spec.schedule.stand_in)
+    mom = unit.spec.eager_momentum
+    if mom is not None:  # the momentum as the merge answering s will find it: the held one, pushed by
+        b = _momentum_before(unit, p)  # each send still in flight before s
+        if b is not None:
+            k = eager.carried(mom, b)
+            u = {path: np.asarray(x + k[path], np.float32) for path, x in u.items()}
+        unit.guesses[s.seq] = eager.stand_in(delta, mom.share)
     after = eager.anchor(before, (u,))
     unit.stand_ins[s.seq] = u
     unit.eager_anchor[p] = after
     unit.state = unit.state.replace(params=unit._put(unit.state.params, live, after))
     return local, before
+
+
+def _momentum_before(unit, p: int) -> dict | None:
+    """Fragment p's outer momentum rebuilt up to the held version, pushed by the guessed merged
+    pseudo-gradient of each of its sends in flight (one merge each, in order); None: zero."""
+    flying = {f.seq for f in unit.ls.in_flight if f.fragment == p}
+    b = unit.momenta.get(p)
+    for seq in sorted(unit.guesses):
+        if seq in flying:
+            b = eager.pushed(unit.spec.eager_momentum, b, unit.guesses[seq])
+    return b
 
 
 def apply(unit, ready: tuple[lsm.Pending, ...]) -> tuple[lsm.Pending, ...]:
@@ -42,10 +62,14 @@ def apply(unit, ready: tuple[lsm.Pending, ...]) -> tuple[lsm.Pending, ...]:
     Nothing is overwritten, so nothing is returned for the ledger's "overwritten"."""
     flying = {f.seq: f.fragment for f in unit.ls.in_flight}
     unit.stand_ins = {seq: u for seq, u in unit.stand_ins.items() if seq in flying}
+    guessed, unit.guesses = unit.guesses, {seq: g for seq, g in unit.guesses.items() if seq in flying}
+    mom = unit.spec.eager_momentum
     params = unit.state.params
     for q in ready:
         p = q.fragment
         version, values = unit.latest[p]
+        if mom is not None:  # the syncer's momentum after the version applied, from the move it made
+            unit.momenta[p] = _rebuilt(unit, q, version, values, guessed)
         unit.anchors[p] = (version, values)
         before = unit.eager_anchor[p]
         after = eager.anchor(values, [u for seq, u in sorted(unit.stand_ins.items()) if flying[seq] == p])
@@ -56,3 +80,15 @@ def apply(unit, ready: tuple[lsm.Pending, ...]) -> tuple[lsm.Pending, ...]:
                                           for path in after})
     unit.state = unit.state.replace(params=params)
     return ()
+
+
+def _rebuilt(unit, q: lsm.Pending, version: int, values: dict, guessed: dict) -> dict:
+    """Fragment q's momentum once `version` (`values`) is applied: the held one taken through the merges
+    since the held version, guessed as this learner's own sends they answered where there is one
+    merge per answered send, else all alike (eager.rebuilt)."""
+    held_version, held = unit.anchors[q.fragment]
+    n = max(version - held_version, 1)
+    own = [guessed.get(seq) for seq in q.answers]
+    guesses = own if len(own) == n and None not in own else [None] * n
+    move = {path: np.asarray(held[path], np.float32) - np.asarray(values[path], np.float32) for path in values}
+    return eager.rebuilt(unit.spec.eager_momentum, unit.momenta.get(q.fragment), move, guesses)

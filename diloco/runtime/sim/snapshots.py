@@ -51,6 +51,11 @@ def _unit_out(unit: LearnerUnit) -> tuple[dict, dict]:
                   for p, v in unit.eager_anchor.items()},
         "stand_ins": {str(seq): {str(i): np.asarray(v[path]) for i, path in enumerate(sorted(v))}
                       for seq, v in unit.stand_ins.items()},
+        # under an outer momentum: per fragment the rebuilt momentum, per send in flight its guess
+        "momenta": {str(p): {str(i): np.asarray(v[path]) for i, path in enumerate(sorted(v))}
+                    for p, v in unit.momenta.items()},
+        "guesses": {str(seq): {str(i): np.asarray(v[path]) for i, path in enumerate(sorted(v))}
+                    for seq, v in unit.guesses.items()},
     }
     ls = unit.ls
     meta = {
@@ -64,6 +69,8 @@ def _unit_out(unit: LearnerUnit) -> tuple[dict, dict]:
         "dropped_frames": unit.dropped_frames,
         "stand_ins": {str(seq): next(f.fragment for f in ls.in_flight if f.seq == seq) for seq in unit.stand_ins
                       if any(f.seq == seq for f in ls.in_flight)},
+        "guesses": {str(seq): next(f.fragment for f in ls.in_flight if f.seq == seq) for seq in unit.guesses
+                    if any(f.seq == seq for f in ls.in_flight)},
     }
     return arrays, meta
 
@@ -92,6 +99,8 @@ def _unit_in(setup, syncer_state, arrays: dict, meta: dict) -> LearnerUnit:
     if unit.spec.schedule.eager:
         unit.eager_anchor = {int(p): values(v, int(p)) for p, v in arrays["eager"].items()}
         unit.stand_ins = {int(seq): values(arrays["stand_ins"][seq], p) for seq, p in meta["stand_ins"].items()}
+        unit.momenta = {int(p): values(v, int(p)) for p, v in arrays.get("momenta", {}).items()}
+        unit.guesses = {int(seq): values(arrays["guesses"][seq], p) for seq, p in meta.get("guesses", {}).items()}
     unit.dropped_frames = meta["dropped_frames"]
     unit.ls = lsm.LearnerState(
         m, meta["incarnation"], meta["step"], meta["seq"], tuple(meta["c_steps"]), tuple(meta["c_tokens"]),
