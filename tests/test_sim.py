@@ -490,3 +490,26 @@ def test_one_learner_under_outer_momentum_is_never_corrected(tmp_path, build, mo
         _, summary = run_sim(cfg, setup._replace(spec=spec))
         assert summary["merges"] == 4 and summary["tokens_merged_share"] == 1.0
     assert worst[0] < 1e-6 and worst[1] > 1e-3, worst
+
+
+def test_an_eager_learner_sending_twice_into_one_open_round_has_both_merged(tmp_path, build):
+    """M = K = 2, learner 1 three times slower, tau = 4 > H = 2 with eager steps: a round waits for
+    learner 1 while learner 0 sends again (repeats). The sends are merged as one, their steps and
+    tokens added (docs/algorithm.md#eager-outer-steps). With t tokens per step a contribution's
+    weight is tokens^2 / steps = steps x t^2, so the merges' weights count every step each learner
+    trained, less those still in flight at the end (learner 1's last round waits for learner 0,
+    which has finished); with the newer send replacing the older they fell short."""
+    cfg = make_cfg(tmp_path, steps=12, runtime=dict(speeds=(1.0, 3.0)), fragments=dict(H=2, tau=4, eager=True),
+                   syncer=dict(anchor="base"))
+    sim = Sim(cfg, build(cfg), None, None)
+    summary = sim.run()
+    assert any(r["event"] == "arrival" and r["reason"] == "repeat" and r["key"][0] == 0 for r in sim.syncer.decisions)
+    assert summary["token_ledger_imbalance"] == 0 and sum(map(sum, sim.tokens.dropped.values())) == 0
+    t = cfg.data.batch_size * cfg.data.seq_len
+    steps = [sum(tokens for (m, _, _), (_, tokens) in sim.tokens.in_flight.items() if m == learner) / t
+             for learner in (0, 1)]
+    for r in sim.syncer.decisions:
+        if r["event"] == "merge":
+            for m, w in zip(r["learners"], r["weights"]):
+                steps[m] += w / t**2
+    assert steps == pytest.approx([u.ls.step for u in sim.units]) and steps == pytest.approx([12, 12])
