@@ -211,8 +211,9 @@ def anchor_of(cfg: Policy, fs: FragmentState, base_version: int) -> Values:
 
 def measures(cfg: Policy) -> bool:
     """Whether each merge measures the consecutive cosine and keeps the last merged pseudo-gradient
-    for it: asked for (syncer.outer_stats=on), or needed by outer.momentum=auto."""
-    return cfg.outer_stats or cfg.auto is not None
+    for it: the config's rule (outer_auto.measured) on the policy, asked for (outer_stats) or needed
+    by outer.momentum=auto."""
+    return outer_auto.measured("on" if cfg.outer_stats else "auto", cfg.auto is not None)
 
 
 def theta_norm_of(fs: FragmentState) -> float:

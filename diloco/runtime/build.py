@@ -122,7 +122,7 @@ def policy(cfg: TrainConfig, wire: Codecs | None = None) -> sync.Policy:
                        auth=auth_secret(cfg), clip=s.clip, claim_slack=None if s.claim_slack < 0 else s.claim_slack,
                        clip_span=cfg.fragments.H + cfg.fragments.tau + max(s.claim_slack, 0),
                        auto=outer_auto.Rule() if cfg.outer.momentum == AUTO else None,
-                       outer_stats=outer_auto.measured(s.outer_stats, cfg.outer.momentum == AUTO),
+                       outer_stats=s.outer_stats == "on",  # `auto` follows from `auto` above (measures())
                        eager=cfg.fragments.eager)
 
 
