@@ -263,3 +263,61 @@ def test_a_run_equal_to_a_finished_run_of_another_experiment_is_copied(tmp_path)
     assert (target / "decisions.jsonl").read_text() == "{}\n"
     assert runner._finished(cfg_at(target), target) == {"eval_loss": 2.0, "peak_rate_up_training": 1.0,
                                                         "wall_s": 3.0}
+
+
+def test_a_finished_run_survives_a_replacement_that_does_not_finish(tmp_path, monkeypatch):
+    """A directory holding another config's finished run is set aside while its replacement runs:
+    a replacement refused before it starts (memory), one that fails, and one killed mid-run (its
+    leftovers found by the next call) all give the old run back whole; one that finishes replaces it."""
+    import yaml
+
+    import diloco.run
+    from diloco.config import ConfigError, from_dict, to_dict
+    from diloco.experiments.spec import Job
+
+    def cfg(steps):
+        raw = to_dict(TrainConfig())
+        raw["run"].update(steps=steps, out_dir=str(tmp_path / "t1" / "dp" / "seed0"))
+        return from_dict(TrainConfig, raw)
+
+    run_dir = tmp_path / "t1" / "dp" / "seed0"
+    run_dir.mkdir(parents=True)
+    old = {"config.yaml": yaml.safe_dump(to_dict(cfg(5))), "summary.json": '{"eval_loss": 2.0}',
+           "timing.json": '{"wall_s": 1.0}', "metrics.jsonl": '{"step": 5}\n'}
+    for name, text in old.items():
+        (run_dir / name).write_text(text)
+    settings = Settings(out_dir=str(tmp_path))
+    job = Job("t1", "dp", 0, cfg(7))
+    files = lambda: {p.name: p.read_text() for p in run_dir.iterdir()}  # noqa: E731
+
+    def refused(c):
+        raise ConfigError("needs 40 GB, the machine has 24 GB")
+
+    def fails(c):
+        run_dir.mkdir()
+        (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+        raise RuntimeError("a step failed")
+
+    for fake, error in ((refused, ConfigError), (fails, RuntimeError)):
+        monkeypatch.setattr(diloco.run, "run", fake)
+        with pytest.raises(error):
+            runner.trained(job, settings)
+        assert files() == old and not runner._aside(run_dir).exists()
+
+    # killed mid-run: the old run is still aside, a partial run in its place
+    run_dir.rename(runner._aside(run_dir))
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert runner.trained(Job("t1", "dp", 0, cfg(5)), settings) == {"eval_loss": 2.0, "wall_s": 1.0}
+    assert files() == old  # put back, and it is the finished run of that config
+
+    def finishes(c):
+        run_dir.mkdir()
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(c)))
+        (run_dir / "summary.json").write_text('{"eval_loss": 1.5}')
+        return {"eval_loss": 1.5}
+
+    monkeypatch.setattr(diloco.run, "run", finishes)
+    assert runner.trained(job, settings)["eval_loss"] == 1.5
+    assert runner._finished(cfg(7), run_dir)["eval_loss"] == 1.5
+    assert not runner._aside(run_dir).exists() and "metrics.jsonl" not in files()

@@ -117,29 +117,58 @@ def _copy_twin(cfg: TrainConfig, twin: Path, run_dir: Path) -> None:
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
+def _aside(run_dir: Path) -> Path:
+    """Where a run directory waits while a run of another config replaces it (a dot name, so no
+    glob of run directories reads it)."""
+    return run_dir.with_name(f".{run_dir.name}.replaced")
+
+
+def _restore(run_dir: Path) -> None:
+    """Put back a run directory set aside for a replacement that did not finish: the replacement
+    was refused (memory, devices, data), failed or was killed, and its partial directory goes."""
+    aside = _aside(run_dir)
+    if aside.exists():
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        aside.rename(run_dir)
+
+
 def trained(job: Job, settings: Settings) -> dict:
     """Train one run, or reuse a finished run of its config (in its directory or, copied, from a
-    twin elsewhere under out_dir), and return its summary with wall_s."""
+    twin elsewhere under out_dir), and return its summary with wall_s.
+
+    A directory holding another config's run is set aside, not deleted, until its replacement has
+    finished: `run` refuses a used directory (a stale metrics.jsonl would mix two runs), and a
+    replacement refused before it starts (it cannot fit in memory, say) must not cost the finished
+    run it would have replaced."""
     from diloco.run import run
 
     run_dir = Path(job.cfg.run.out_dir)
+    _restore(run_dir)  # a replacement killed before it finished
     summary = None if settings.fresh else _finished(job.cfg, run_dir)
-    if summary is None:
-        if run_dir.exists():  # metrics.jsonl is appended to: a stale one would mix two runs
-            if Path(settings.out_dir).resolve() not in run_dir.resolve().parents:
-                raise RuntimeError(f"refusing to delete {run_dir}: not under out_dir={settings.out_dir}")
-            shutil.rmtree(run_dir)
+    if summary is not None:
+        return summary
+    if run_dir.exists():
+        if Path(settings.out_dir).resolve() not in run_dir.resolve().parents:
+            raise RuntimeError(f"refusing to replace {run_dir}: not under out_dir={settings.out_dir}")
+        run_dir.rename(_aside(run_dir))
+    try:
         twin = None if settings.fresh else _twin(job.cfg, Path(settings.out_dir))
         if twin is not None:
             _copy_twin(job.cfg, twin, run_dir)
             print(f"[{job.experiment}] {job.variant} seed {job.seed}: the same run as {twin}, copied", flush=True)
             summary = _finished(job.cfg, run_dir)
-    if summary is None:
-        start = time.perf_counter()
-        summary = run(job.cfg)
-        timing = {"wall_s": time.perf_counter() - start}
-        (run_dir / "timing.json").write_text(json.dumps(timing))
-        summary = {**summary, **timing}
+        if summary is None:
+            start = time.perf_counter()
+            summary = run(job.cfg)
+            timing = {"wall_s": time.perf_counter() - start}
+            (run_dir / "timing.json").write_text(json.dumps(timing))
+            summary = {**summary, **timing}
+    except BaseException:
+        _restore(run_dir)
+        raise
+    if _aside(run_dir).exists():
+        shutil.rmtree(_aside(run_dir))
     return summary
 
 
