@@ -318,3 +318,29 @@ def test_a_restarted_syncer_keeps_its_clock_past_a_forged_start_and_the_syncer_k
     store.put(bs.ctl_key("start"), b'{"t0": 99.0}')
     rt._keep_controls()
     assert bs.read_control(store, "start", rt.secret) == {"t0": 1234.5}
+
+
+def test_a_stop_landing_between_a_reports_deletion_and_its_count_loses_no_later_report():
+    """SIGTERM raises a KeyboardInterrupt in the supervisor wherever it is: once, it landed after
+    a report's deletion and before its count, so every later read stopped at the missing key and
+    the stop's end report (the partial summary) was never read."""
+    from diloco.runtime.procs.reports import rep_key, write_report
+    store, taken = bs.BlobStore("memory://"), []
+    sup = SimpleNamespace(store=store, secret=SECRET, ignored={}, reports=0, setup=SimpleNamespace(theta0=()),
+                          _take=lambda record, theta, evaluate: taken.append(record["step"]))
+    for n in range(3):
+        write_report(store, n, {"kind": "train", "learner": 0, "step": n, "time": 1.0, "tokens": 8, "loss": 2.0},
+                     None, SECRET)
+    delete, calls = store.delete, []
+
+    def interrupted_once(key):  # the signal lands just after report 0's JSON is deleted
+        delete(key)
+        calls.append(key)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+    store.delete = interrupted_once
+    with pytest.raises(KeyboardInterrupt):
+        Procs._read_reports(sup)
+    assert calls == [rep_key(0, "json")] and taken == [0]
+    Procs._read_reports(sup, exited=True)  # as the stop reads the syncer's last reports
+    assert taken == [0, 1, 2] and sup.reports == 3
