@@ -1,5 +1,5 @@
 """What the outer statistics (docs/algorithm.md#outer-statistics-and-automatic-momentum) add to a
-syncer round, at 38.8M values (benchmarks/syncer_round.py's fragment_values: a 1b fragment at
+syncer round, at 38.8M values (benchmarks/round_parts.py's fragment_values: a 1b fragment at
 P = 24), Nesterov, RDA per tensor, side by side in one process with the round of an older commit:
 
     git show 55285e3:diloco/algo/close.py > /tmp/close_before.py
@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
-from syncer_round import fragment_values  # noqa: E402
+from round_parts import fragment_values  # noqa: E402
 
 from diloco.algo import close as current  # noqa: E402
 from diloco.algo import roundsum  # noqa: E402

@@ -3,7 +3,8 @@
 Nothing below this package sees a Hydra DictConfig. `from_dict` (convert.py) rejects unknown keys
 and wrong types, `validate` checks cross-field constraints (checks.py); both raise ConfigError
 naming the offending values, so a bad launch fails before any data is read or any device is
-touched. The schema (schema.py) imports nothing of the rest, so there is no import cycle.
+touched. The schema (schema.py, with schema_runtime.py) imports nothing of the rest, so there is
+no import cycle.
 """
 
 from __future__ import annotations

@@ -2,23 +2,23 @@
 naming the offending values, and `diloco.config.validate` reports them all together.
 
 Kept apart from the dataclasses so that the types read as a table of what can be set, and these
-as the rules that hold between the settings.
+as the rules that hold between the settings. The runtime's subsections (store, auth, world, ray)
+are checked in checks_runtime.py, which diloco_errors calls.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 from diloco.algo.codecs import BLOCK_FORMATS, CODECS
 from diloco.algo.fragments import FRAGMENTERS
 from diloco.algo.merge import MERGES
 from diloco.algo.outer import AUTO, AUTO_STATIC, OUTER
+from diloco.config.checks_runtime import auth_errors, check, ray_errors, store_errors, world_errors
 from diloco.config.learner_batch import learner_batch_errors
-from diloco.config.schema import (AuthConfig, ChaosConfig, DataConfig, FinetuneConfig, InnerConfig, MeshConfig,
-                                  ModelConfig, RunConfig, RuntimeConfig, StoreConfig, TrainConfig)
-from diloco.store import network
+from diloco.config.schema import (ChaosConfig, DataConfig, FinetuneConfig, InnerConfig, MeshConfig, ModelConfig,
+                                  RunConfig, TrainConfig)
 
 # finetune.lora.targets: each name and the projection of every block it adapts (the params path
 # below blocks/<i>/ of diloco/model/transformer.py).
@@ -28,13 +28,6 @@ LORA_TARGETS = {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "
 # diloco/model/transformer.py's REMAT_POLICIES (a test holds the two lists equal).
 ATTENTION_KERNELS = ("auto", "xla", "cudnn", "reference")
 REMAT_NAMES = ("none", "full", "dots")
-# runtime.world.address: "", host, :port, host:port or [v6]:port (groups: host, port).
-WORLD_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]*)(?::([0-9]{1,5}))?")
-
-
-def check(errors: list[str], ok: bool, message: str) -> None:
-    if not ok:
-        errors.append(message)
 
 
 def model_errors(m: ModelConfig) -> list[str]:
@@ -327,88 +320,6 @@ def diloco_errors(cfg: TrainConfig) -> list[str]:
                f"data.batch_size={cfg.data.batch_size} is not divisible by "
                f"runtime.devices_per_learner={r.devices_per_learner}")
         e += learner_batch_errors(cfg)
-    return e
-
-
-def store_errors(s: StoreConfig) -> list[str]:
-    """runtime.store: the procs object store's URL and options (diloco/store/network.py's
-    validators: they name the value, and never echo a password an endpoint should not hold)."""
-    e: list[str] = []
-    scheme = s.url.partition("://")[0] if "://" in s.url else ""
-    try:
-        network.split_options(s.url)
-    except ValueError as err:
-        e.append(f"runtime.store.url: {err}")
-    for name, ok_schemes, validate in (("endpoint", ("s3",), network.check_endpoint),
-                                       ("region", ("s3",), network.check_region)):
-        value = getattr(s, name)
-        if not value:
-            continue
-        try:
-            validate(value, f"runtime.store.{name}")
-        except ValueError as err:
-            e.append(str(err))
-        check(e, scheme in ok_schemes, f"runtime.store.{name} is set but runtime.store.url="
-              f"{network.redacted(s.url)!r} is not an s3:// URL")
-    try:
-        network.check_retry_s(s.retry_s, "runtime.store.retry_s")
-    except ValueError as err:
-        e.append(str(err))
-    return e
-
-
-def auth_errors(a: AuthConfig) -> list[str]:
-    """runtime.auth: the mode and where the run secret is read from."""
-    e: list[str] = []
-    check(e, a.mode in ("auto", "on", "off"), f"runtime.auth.mode={a.mode!r} not in auto|on|off")
-    check(e, re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", a.secret_env) is not None,
-          f"runtime.auth.secret_env={a.secret_env!r} is not an environment variable name")
-    return e
-
-
-def world_errors(r: RuntimeConfig) -> list[str]:
-    """runtime.world, a learner of several processes (docs/multihost.md): its processes are started
-    and restarted as one by the procs supervisor (their actors by the ray driver), each
-    contributing an equal share of the learner's devices."""
-    e: list[str] = []
-    w = r.world
-    P = w.processes_per_learner
-    check(e, P >= 1, f"runtime.world.processes_per_learner={P} must be >= 1")
-    check(e, P == 1 or r.kind in ("procs", "ray"),
-          f"runtime.world.processes_per_learner={P} needs runtime.kind=procs or ray (got {r.kind!r})")
-    check(e, 0 <= w.process_index < max(P, 1),
-          f"runtime.world.process_index={w.process_index} must be in 0..{P - 1} "
-          f"(runtime.world.processes_per_learner={P})")
-    check(e, w.process_index == 0 or r.launch == "external",
-          f"runtime.world.process_index={w.process_index} needs runtime.launch=external (scripts/learner.py): "
-          "the procs supervisor starts every process of a learner itself")
-    check(e, WORLD_ADDRESS.fullmatch(w.address) is not None,
-          f"runtime.world.address={w.address!r} is not host, host:port or empty")
-    check(e, P < 1 or r.devices_per_learner % P == 0,
-          f"runtime.devices_per_learner={r.devices_per_learner} is not divisible by "
-          f"runtime.world.processes_per_learner={P}: each process of a learner holds an equal share of its devices")
-    check(e, w.heartbeat_s >= 1,
-          f"runtime.world.heartbeat_s={w.heartbeat_s} must be >= 1 (the coordination service counts "
-          "whole seconds)")
-    return e
-
-
-def ray_errors(r: RuntimeConfig) -> list[str]:
-    """runtime.ray: the resources of the learners' bundles and the syncer's actor, and a TPU slice
-    per learner."""
-    e: list[str] = []
-    y = r.ray
-    for name in ("learner_resources", "syncer_resources"):
-        res = getattr(y, name)
-        check(e, all(isinstance(v, float) and v >= 0 for v in res.values()) and any(v > 0 for v in res.values()),
-              f"runtime.ray.{name}={res} must map Ray resource names to amounts >= 0, at least one > 0")
-    check(e, bool(y.tpu_topology) == bool(y.tpu_version),
-          f"runtime.ray.tpu_topology={y.tpu_topology!r} and runtime.ray.tpu_version={y.tpu_version!r}: set both "
-          "(a slice per learner, e.g. 4x4 and v6e) or neither")
-    check(e, not y.tpu_topology or re.fullmatch(r"[0-9]+x[0-9]+(x[0-9]+)?", y.tpu_topology) is not None,
-          f"runtime.ray.tpu_topology={y.tpu_topology!r} is not a TPU topology such as 2x2, 4x4 or 2x2x2")
-    check(e, not y.tpu_topology or r.kind == "ray",
-          f"runtime.ray.tpu_topology={y.tpu_topology!r} needs runtime.kind=ray (got {r.kind!r})")
     return e
 
 

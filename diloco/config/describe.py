@@ -1,7 +1,8 @@
-"""Every training option with its meaning and default, read from the dataclasses of schema.py and
-their comments (`scripts/train.py --describe`), and "did you mean" for a mistyped key.
+"""Every training option with its meaning and default, read from the dataclasses of schema.py (and
+schema_runtime.py) and their comments (`scripts/train.py --describe`), and "did you mean" for a
+mistyped key.
 
-The comments in schema.py are the one description of each option: a comment on the field's line,
+The comments in those files are the one description of each option: a comment on the field's line,
 or the comment lines just above it, is its meaning, so the listing cannot drift from the code.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import io
 import tokenize
 from pathlib import Path
@@ -17,9 +19,30 @@ from typing import Any
 from diloco.config import schema
 
 
+def _section_files() -> list[Path]:
+    """The files defining TrainConfig and its sections, in schema order: a section kept in a file of
+    its own (schema_runtime.py) is read from there, with no list of files to keep in step."""
+    def classes(obj: Any) -> list[type]:
+        out = [type(obj)]
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                out += classes(value)
+        return out
+
+    return list(dict.fromkeys(Path(inspect.getsourcefile(c)) for c in classes(schema.TrainConfig())))
+
+
 def _comments() -> dict[tuple[str, str], str]:
-    """(class name, field name) -> the comment that documents it in schema.py."""
-    source = Path(schema.__file__).read_text()
+    """(class name, field name) -> the comment that documents it where the class is defined."""
+    out: dict[tuple[str, str], str] = {}
+    for path in _section_files():
+        out.update(_file_comments(path.read_text()))
+    return out
+
+
+def _file_comments(source: str) -> dict[tuple[str, str], str]:
+    """(class name, field name) -> its comment, for the classes of one source file."""
     out: dict[tuple[str, str], str] = {}
     cls, above = None, []
     lines = source.splitlines()

@@ -1,7 +1,7 @@
 """The blob store over the network (`s3://`, `gs://`): store options, the s3 driver's spec, retries.
 
 Reference: docs/design.md#over-s3. Stdlib only; the config checks use its validators
-(diloco/config/checks.py).
+(diloco/config/checks_runtime.py).
 
 Options ride in the store URL's query, `s3://bucket/prefix?endpoint=http://host:9000&region=r&retry_s=60`,
 so every process of a run (each reopens the store from its URL) talks to the same server with the

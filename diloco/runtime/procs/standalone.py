@@ -40,7 +40,7 @@ from pathlib import Path
 from diloco import store as bs
 from diloco.algo.auth import Secret
 from diloco.config import ConfigError, TrainConfig, legacy, to_dict
-from diloco.config.checks import WORLD_ADDRESS
+from diloco.config.checks_runtime import WORLD_ADDRESS
 from diloco.config.convert import options_by_path
 from diloco.runtime.build import auth_secret
 from diloco.runtime.interfaces import Child, RunSpec
