@@ -25,15 +25,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
-from round_parts import fragment_values  # noqa: E402
+from round_parts import fragment_values, spread  # noqa: E402
 
 from diloco.algo import close as current  # noqa: E402
 from diloco.algo import roundsum  # noqa: E402
 from diloco.algo.outer import make_outer  # noqa: E402
-
-
-def spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def main() -> None:
