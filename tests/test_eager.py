@@ -217,3 +217,25 @@ def test_the_stand_in_carries_the_outer_momentum_the_merge_will(name):
     assert misses[0] < 1e-6 and misses[-1] > 0.5 * float(np.abs(updates[("w",)]).max())
     for name, momentum in (("nesterov", "auto"), ("average", 0.9), ("delayed_nesterov", 0.9), ("nesterov", 0.0)):
         assert eager.momentum_of(name, 0.7, momentum, 1.0) is None  # the zero-state gain alone
+
+
+@pytest.mark.parametrize("name", ["nesterov", "sgd"])
+def test_the_momentum_rebuilt_over_two_merges_is_optaxs(name):
+    """An apply spanning two merges, each answering one send, with the guesses exact (M = 1, share 1,
+    fp32): the momentum rebuilt from the one move equals optax's trace after both; and a partial push
+    of share 1 is the whole one, bit for bit."""
+    opt = make_outer(name, lr=0.7, momentum=0.9)
+    mom = eager.momentum_of(name, 0.7, 0.9, 1.0)
+    rng = np.random.default_rng(1)
+    theta = {("w",): rng.normal(size=8).astype(np.float32)}
+    state, b = opt.init(theta), None
+    for _ in range(4):
+        before = dict(theta)
+        gs = [{("w",): (rng.normal(size=8) * 0.1 + 0.3).astype(np.float32)} for _ in range(2)]
+        for g in gs:
+            updates, state = opt.update(g, state, theta)
+            theta = {p: np.asarray(theta[p] + updates[p], np.float32) for p in theta}
+        b = eager.rebuilt(mom, b, {p: before[p] - theta[p] for p in theta}, gs)
+        np.testing.assert_allclose(b[("w",)], state[0].trace[("w",)], rtol=2e-6, atol=1e-6)
+    whole, part = eager.pushed(mom, b, gs[0]), eager.pushed_part(mom, b, gs[0], 1.0)
+    assert whole[("w",)].tobytes() == part[("w",)].tobytes()

@@ -23,6 +23,7 @@ from diloco.bandwidth.analytic import dp_bytes_per_step
 from diloco.run import run_diloco
 from diloco.runtime.summary import replayable
 from diloco.runtime import build as setup_mod
+from diloco.runtime import unit_eager
 from diloco.runtime.sim.runtime import Sim
 from diloco.train.trainer import compile_steps
 
@@ -513,3 +514,36 @@ def test_an_eager_learner_sending_twice_into_one_open_round_has_both_merged(tmp_
             for m, w in zip(r["learners"], r["weights"]):
                 steps[m] += w / t**2
     assert steps == pytest.approx([u.ls.step for u in sim.units]) and steps == pytest.approx([12, 12])
+
+
+def test_an_eager_learner_whose_sends_a_merge_sums_carries_the_momentum_once(tmp_path, build, monkeypatch):
+    """M = K = 2, learner 1 three times slower, tau = 4 > H = 2, Nesterov lr 0.7 momentum 0.9: each merge
+    sums two or three of learner 0's sends (syncer_merge.summed), and carries lr mu^2 b once. Once an
+    apply has shown that, each send's stand-in adds its part of the carried move, not the whole, so
+    learner 0's corrections (the anchor's move at an apply) stay well under the zero-state gain's;
+    carried in full by every send they were as large (docs/algorithm.md#eager-outer-steps)."""
+    cfg = make_cfg(tmp_path, steps=40, runtime=dict(speeds=(1.0, 3.0)), fragments=dict(H=2, tau=4, eager=True),
+                   syncer=dict(anchor="base"), outer=dict(name="nesterov", lr=0.7, momentum=0.9))
+    setup = build(cfg)
+    plain = unit_eager.apply
+    ratios = []
+
+    def spy(unit, ready, *left):
+        if unit.learner != 0:
+            return plain(unit, ready, *left)
+        before, (_, held) = dict(unit.eager_anchor[0]), unit.anchors[0]
+        out = plain(unit, ready, *left)
+        new = unit.anchors[0][1]
+        size = lambda d: math.sqrt(sum(float(np.sum(np.square(x))) for x in d.values()))
+        ratios[-1].append(size({p: unit.eager_anchor[0][p] - before[p] for p in new})
+                          / size({p: held[p] - new[p] for p in new}))
+        return out
+
+    monkeypatch.setattr(unit_eager, "apply", spy)
+    for spec in (setup.spec, setup.spec._replace(eager_momentum=None)):
+        ratios.append([])
+        sim = Sim(cfg, setup._replace(spec=spec), None, None)
+        sim.run()
+        assert any(r["reason"] == "repeat" for r in sim.syncer.decisions if r["event"] == "arrival")
+    momentum, zero_state = (float(np.median(r[1:])) for r in ratios)  # the first apply has learnt nothing yet
+    assert momentum < 0.6 * zero_state, (ratios, momentum, zero_state)

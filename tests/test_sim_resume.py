@@ -113,3 +113,24 @@ def test_input_offset_skips_payloads_and_counts_records(tmp_path):
         input_offset(path, 5)
     InputLog(path, keep=input_offset(path, 2)).close()
     assert [(e.kind, e.at, e.data) for e in read_inputs(path)] == [(e.kind, e.at, e.data) for e in events[:2]]
+
+
+@pytest.mark.slow  # 15 s
+def test_resume_where_merges_sum_an_eager_learners_sends(tmp_path, build):
+    """M = K = 2, learner 1 three times slower, tau = 4 > H = 2, Nesterov: learner 0's sends are summed
+    two or three to a merge, so its stand-ins carry a part of the momentum's move each
+    (docs/algorithm.md#eager-outer-steps). The snapshot carries that part: resumed, the run ends bit
+    for bit where the whole one does (dropped, every value of Theta differed)."""
+    def cfg(name, resume=False):
+        c = make_cfg(tmp_path, steps=24, runtime=dict(speeds=(1.0, 3.0)), fragments=dict(H=2, tau=4, eager=True),
+                     syncer=dict(anchor="base"), outer=dict(name="nesterov", lr=0.7, momentum=0.9))
+        return validate(replace(c, run=replace(c.run, out_dir=str(tmp_path / name), checkpoint_every=3,
+                                               keep_checkpoints=2, resume=resume)))
+
+    setup = build(cfg("whole"))
+    a, _ = sim_mod.run(cfg("whole"), setup, tmp_path / "whole", None)
+    assert a.units[0].sends_per_merge[0] > 1.0
+    sim_mod.run(cfg("cut"), setup, tmp_path / "cut", None, stop=lambda s: s.steps_done >= 23)
+    c, _ = sim_mod.run(cfg("cut", resume=True), setup, tmp_path / "cut", None)
+    for x, y in zip(sync.theta(a.syncer).values(), sync.theta(c.syncer).values()):
+        np.testing.assert_array_equal(x, y)

@@ -93,6 +93,17 @@ def pushed(mom: Momentum, b: Values | None, g: Values) -> dict:
     return {path: np.asarray(g[path] + mom.mu * b[path], np.float32) for path in g}
 
 
+def pushed_part(mom: Momentum, b: Values | None, g: Values, share: float) -> dict:
+    """b after `share` of a merge of pseudo-gradient g, b + share (g + mu b - b): the expected
+    momentum when a send is one of 1 / share sends the syncer sums into one merge (share 1: pushed)."""
+    if share == 1.0:
+        return pushed(mom, b, g)
+    if b is None:
+        return {path: np.asarray(share * np.asarray(x, np.float32), np.float32) for path, x in g.items()}
+    keep = 1.0 - share + share * mom.mu
+    return {path: np.asarray(keep * b[path] + share * g[path], np.float32) for path in g}
+
+
 def merged(mom: Momentum, b: Values | None, g: Values) -> tuple[dict, dict]:
     """One merge of pseudo-gradient g from momentum b: (the move, before - after, b after)."""
     after = pushed(mom, b, g)

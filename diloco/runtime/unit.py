@@ -113,6 +113,7 @@ class LearnerUnit:
         self.stand_ins: dict[int, dict[Path, np.ndarray]] = {}
         self.momenta: dict[int, dict[Path, np.ndarray]] = {}
         self.guesses: dict[int, dict[Path, np.ndarray]] = {}
+        self.sends_per_merge: dict[int, float] = {}  # per fragment, as the last answering apply showed
         # Broadcasts are decoded on the devices too, unless they span processes (a learner world):
         # there receive stays host work, as the leader takes broadcasts alone (docs/multihost.md).
         self.device_decode = self.device_codec is not None and all(
@@ -135,6 +136,7 @@ class LearnerUnit:
         """Apply every received fragment whose apply step has come (before the next inner step).
         Returns those applied by overwriting: their unsent progress is gone (the ledger's
         "overwritten"); a kept apply carries it on into the next send."""
+        left = self.ls.in_flight
         self.ls, ready = lsm.to_apply(self.ls, self.spec.schedule)
         if not ready:
             return ()
@@ -142,7 +144,7 @@ class LearnerUnit:
                for d in self._deferred for t in d.tickets for q in ready):
             self._settle()  # encode against the anchor the send was made from, before it moves
         if self.spec.schedule.eager:
-            return unit_eager.apply(self, ready)
+            return unit_eager.apply(self, ready, left)
         alpha = self.spec.schedule.alpha
         params = self.state.params
         for q in ready:

@@ -32,10 +32,10 @@ def send(unit, s: lsm.Send) -> tuple[dict, dict]:
     u = eager.stand_in(delta, unit.spec.schedule.stand_in)
     mom = unit.spec.eager_momentum
     if mom is not None:  # the momentum as the merge answering s will find it: the held one, pushed by
-        b = _momentum_before(unit, p)  # each send still in flight before s
-        if b is not None:
+        b, part = _momentum_before(unit, p)  # each send still in flight before s
+        if b is not None:  # a merge carries it once, whatever number of sends it sums: each its part
             k = eager.carried(mom, b)
-            u = {path: np.asarray(x + k[path], np.float32) for path, x in u.items()}
+            u = {path: np.asarray(x + part * k[path], np.float32) for path, x in u.items()}
         unit.guesses[s.seq] = eager.stand_in(delta, mom.share)
     after = eager.anchor(before, (u,))
     unit.stand_ins[s.seq] = u
@@ -44,18 +44,21 @@ def send(unit, s: lsm.Send) -> tuple[dict, dict]:
     return local, before
 
 
-def _momentum_before(unit, p: int) -> dict | None:
+def _momentum_before(unit, p: int) -> tuple[dict | None, float]:
     """Fragment p's outer momentum rebuilt up to the held version, pushed by the guessed merged
-    pseudo-gradient of each of its sends in flight (one merge each, in order); None: zero."""
+    pseudo-gradient of each of its sends in flight, in order: one merge each, or 1/k of one where the
+    last apply showed k of its sends summed into one merge (a round held open by a slow quorum,
+    syncer_merge.summed); None: zero. With it that part, 1/k, of a merge this send stands for."""
     flying = {f.seq for f in unit.ls.in_flight if f.fragment == p}
     b = unit.momenta.get(p)
+    share = 1.0 / unit.sends_per_merge.get(p, 1.0)
     for seq in sorted(unit.guesses):
         if seq in flying:
-            b = eager.pushed(unit.spec.eager_momentum, b, unit.guesses[seq])
-    return b
+            b = eager.pushed_part(unit.spec.eager_momentum, b, unit.guesses[seq], share)
+    return b, share
 
 
-def apply(unit, ready: tuple[lsm.Pending, ...]) -> tuple[lsm.Pending, ...]:
+def apply(unit, ready: tuple[lsm.Pending, ...], left: tuple[lsm.InFlight, ...] = ()) -> tuple[lsm.Pending, ...]:
     """Apply merged versions eagerly: A <- Theta_new - (stand-ins of the sends still in flight),
     theta moves by the same amount (the correction). Stand-ins of sends that left flight (answered,
     or given up) are dropped: an answered one is inside Theta now, a lost one is withdrawn.
@@ -70,6 +73,9 @@ def apply(unit, ready: tuple[lsm.Pending, ...]) -> tuple[lsm.Pending, ...]:
         version, values = unit.latest[p]
         if mom is not None:  # the syncer's momentum after the version applied, from the move it made
             unit.momenta[p] = _rebuilt(unit, q, version, values, guessed)
+            if q.answers:  # the merges took in len(q.answers) contributions of these sends, repeats summed
+                sends = sum(1 for f in left if f.fragment == p and f.seq <= max(q.answers))
+                unit.sends_per_merge[p] = max(1.0, sends / len(q.answers))
         unit.anchors[p] = (version, values)
         before = unit.eager_anchor[p]
         after = eager.anchor(values, [u for seq, u in sorted(unit.stand_ins.items()) if flying[seq] == p])

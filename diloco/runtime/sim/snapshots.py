@@ -71,6 +71,7 @@ def _unit_out(unit: LearnerUnit) -> tuple[dict, dict]:
                       if any(f.seq == seq for f in ls.in_flight)},
         "guesses": {str(seq): next(f.fragment for f in ls.in_flight if f.seq == seq) for seq in unit.guesses
                     if any(f.seq == seq for f in ls.in_flight)},
+        "sends_per_merge": {str(p): k for p, k in unit.sends_per_merge.items()},
     }
     return arrays, meta
 
@@ -101,6 +102,7 @@ def _unit_in(setup, syncer_state, arrays: dict, meta: dict) -> LearnerUnit:
         unit.stand_ins = {int(seq): values(arrays["stand_ins"][seq], p) for seq, p in meta["stand_ins"].items()}
         unit.momenta = {int(p): values(v, int(p)) for p, v in arrays.get("momenta", {}).items()}
         unit.guesses = {int(seq): values(arrays["guesses"][seq], p) for seq, p in meta.get("guesses", {}).items()}
+        unit.sends_per_merge = {int(p): k for p, k in meta.get("sends_per_merge", {}).items()}
     unit.dropped_frames = meta["dropped_frames"]
     unit.ls = lsm.LearnerState(
         m, meta["incarnation"], meta["step"], meta["seq"], tuple(meta["c_steps"]), tuple(meta["c_tokens"]),
