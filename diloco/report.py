@@ -142,6 +142,13 @@ def render_summary(summary: dict[str, Any], title: str) -> str:
         if g("grace_mean_s") is not None:
             text += f", grace mean {g('grace_mean_s'):.2f} s (max {g('grace_max_s'):.2f} s)"
         lines.append(("merges", text))
+    outer = []  # the outer statistics, where measured (docs/algorithm.md#outer-statistics-and-automatic-momentum)
+    if g("update_cos_mean") is not None:
+        outer.append(f"update cosine {g('update_cos_mean'):.3f} ({g('update_cos_rounds')} rounds)")
+    if g("outer_momentum_mean") is not None:
+        outer.append(f"momentum mean {g('outer_momentum_mean'):.3f} (outer.momentum=auto)")
+    if outer:
+        lines.append(("outer", ", ".join(outer)))
     if g("drift_l2_max") is not None:  # the drift monitor (docs/finetuning.md#drift-monitor)
         text = (f"largest fragment {g('drift_rel_max'):.4f} of the base's norm" if g("drift_rel_max") is not None
                 else f"largest fragment {g('drift_l2_max'):.4g} (L2)")

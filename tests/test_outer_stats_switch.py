@@ -163,3 +163,16 @@ def test_a_checkpoint_from_before_the_statistics_restores():
     after, _ = rounds(pol, back, range(3, 5))
     cont, _ = rounds(pol, st, range(3, 5))
     same_merges(after, cont)
+
+
+def test_the_printed_summary_shows_the_outer_statistics_where_measured():
+    """The summary a run prints has an `outer` line with the means it measured, none without them."""
+    from diloco import report
+    base = {"merges": 12, "update_cos_rounds": 0, "update_cos_mean": None, "outer_momentum_mean": None}
+    assert not [x for x in report.render_summary(base, "run").splitlines() if x.startswith("outer")]
+    stats = {**base, "update_cos_mean": 0.4125, "update_cos_rounds": 11}
+    (line,) = [x for x in report.render_summary(stats, "run").splitlines() if x.startswith("outer")]
+    assert line.endswith("update cosine 0.412 (11 rounds)")
+    (line,) = [x for x in report.render_summary({**stats, "outer_momentum_mean": 0.8}, "run").splitlines()
+               if x.startswith("outer")]
+    assert line.endswith("update cosine 0.412 (11 rounds), momentum mean 0.800 (outer.momentum=auto)")
