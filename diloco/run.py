@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import time
@@ -13,7 +14,7 @@ import jax
 import yaml
 
 from diloco import report
-from diloco.algo import drift
+from diloco.algo import drift, hostpool
 from diloco.algo import syncer as sync
 from diloco.algo.fragments import get_path
 from diloco.bandwidth.analytic import dp_bytes_per_step
@@ -221,6 +222,9 @@ def check_memory(cfg: TrainConfig, corpus: Corpus, model: Model, pre) -> None:
     lora = cfg.finetune.lora.rank > 0  # the adapters train; the checkpoint's weights are all there is
     params = count_params(pre.model.params if lora else model.params)
     trained = count_params(model.params) if lora else None
+    # what an earlier run in this process freed (glibc keeps it in its heap), so MemAvailable counts it
+    gc.collect()
+    hostpool.release_freed(force=True)
     for line in footprint.preflight(cfg, params, corpus.vocab_size, trained, jax.default_backend(),
                                     footprint.mem_available()):
         print(line)

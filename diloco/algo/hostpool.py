@@ -94,14 +94,15 @@ _TRIM_EVERY_S = 5.0
 _TRIMMED = [float("-inf")]  # when release_freed last trimmed (time.monotonic)
 
 
-def release_freed(now: float | None = None) -> bool:
+def release_freed(now: float | None = None, force: bool = False) -> bool:
     """Hand the heap's free pages back to the kernel (glibc's malloc_trim), at most once every
-    _TRIM_EVERY_S; True if it trimmed. Called once per learner step: the many threads that free
-    and allocate a fragment's arrays (XLA's, this pool's) each grow an arena of their own, and
-    without a trim the free space inside them is never returned, so resident memory climbs
-    for the whole run (docs/design.md#syncer-memory: +450 MB in 96 steps of a 3.2M model)."""
+    _TRIM_EVERY_S unless `force`d; True if it trimmed. Called once per learner step: the many
+    threads that free and allocate a fragment's arrays (XLA's, this pool's) each grow an arena of
+    their own, and without a trim the free space inside them is never returned, so resident memory
+    climbs for the whole run (docs/design.md#syncer-memory: +450 MB in 96 steps of a 3.2M model).
+    Forced before a run's memory check, for what earlier runs in the process freed."""
     now = time.monotonic() if now is None else now
-    if now - _TRIMMED[0] < _TRIM_EVERY_S:
+    if not force and now - _TRIMMED[0] < _TRIM_EVERY_S:
         return False
     _TRIMMED[0] = now
     libc = _libc()

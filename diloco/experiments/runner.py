@@ -22,7 +22,6 @@ import yaml
 from diloco.config import ConfigError, TrainConfig, from_dict, to_dict
 from diloco.experiments import measure, plots, tables
 from diloco.experiments.spec import ExperimentSpec, Job, Settings, devices_needed, members, plan
-from diloco.train.footprint import release_freed
 
 _COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 # Simulated devices scripts/experiment.py asks for: the most any experiment file needs (M = 16
@@ -162,7 +161,6 @@ def trained(job: Job, settings: Settings) -> dict:
         if summary is None:
             start = time.perf_counter()
             summary = run(job.cfg)
-            release_freed()  # before the next run's memory check reads MemAvailable
             timing = {"wall_s": time.perf_counter() - start}
             (run_dir / "timing.json").write_text(json.dumps(timing))
             summary = {**summary, **timing}

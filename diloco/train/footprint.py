@@ -217,21 +217,6 @@ def mem_available() -> int | None:
     return None
 
 
-def release_freed() -> None:
-    """Hand the memory a finished run freed back to the kernel, so MemAvailable sees it before the
-    next run in the same process is checked: glibc keeps freed blocks under its mmap threshold (most
-    of a model's tensors) in its heap, and a process that ran a full-model DiLoCo study run still held
-    about 10 GiB of it, refusing the next (docs/design.md#memory-before-a-run). No-op off glibc."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator does its own
-        pass
-
-
 def fits(f: Footprint, available: int | None) -> bool:
     """Whether an estimate fits in MARGIN of the available memory (unknown memory: assumed to)."""
     return available is None or f.total <= MARGIN * available

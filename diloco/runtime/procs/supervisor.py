@@ -351,9 +351,8 @@ class Procs:
                 log.error("report %d skipped: %s", self.reports, e)
             else:
                 self._take(record, theta, evaluate)
-            # Counted before its objects go: a stop's KeyboardInterrupt can land between any two
-            # lines here, and a report deleted but not counted would end every later read at its
-            # missing key (the stop's end report never read, RunStopped without a summary).
+            # counted before its objects go: a stop's KeyboardInterrupt between the two would end
+            # every later read at the deleted key (the stop's end report never read)
             n, self.reports = self.reports, self.reports + 1
             self.store.delete(key)
             self.store.delete(rep_key(n, "npz"))
