@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import diloco_world, tiny_cfg
 
-from diloco.algo import ledger
+from diloco.algo import ledger, messages
 from diloco.algo import syncer as sync
 from diloco.algo.replay import replay
 from diloco.config import TrainConfig
@@ -73,6 +73,12 @@ def test_every_runtime_balances_versions_and_replays(world, kind):
 
     # Replaying the syncer's input log from Theta_0 remakes its decisions and its final Theta.
     inputs = list(read_inputs(run_dir / "syncer_inputs.bin"))
+    # every learner told the syncer it finished, once, after its last contribution was delivered
+    assert sorted(e.data for e in inputs if e.kind == "finished") == [(m, 0) for m in range(M)], kind
+    for m in range(M):
+        last = max(i for i, e in enumerate(inputs) if e.kind == "contribution"
+                   and messages.decode(e.data, verify=False).header["learner"] == m)
+        assert last < next(i for i, e in enumerate(inputs) if e.kind == "finished" and e.data[0] == m), kind
     again = replay(setup.policy, sync.init(setup.policy, setup.fragments, setup.theta0,
                                            {m: 0 for m in range(M)}), inputs)
     assert json.loads(json.dumps(list(again.decisions))) == decisions

@@ -274,6 +274,25 @@ def test_heterogeneous_speeds_K_equals_M_stalls_the_fast_learner(tmp_path, build
     assert {len(r["learners"]) for r in merge_records(sim.syncer)} == {2}
 
 
+@pytest.mark.parametrize("fragments, syncer", [(dict(tau=0, keep_overlap=True), {}),
+                                               (dict(tau=1, keep_overlap=True), {}),
+                                               (dict(tau=4, eager=True), dict(anchor="base"))])
+def test_a_learner_that_finished_no_longer_holds_a_quorum_below_K(tmp_path, build, fragments, syncer):
+    """K = 2 of 3 learners, one three times slower: once the fast two have finished, the slow one's
+    rounds wait for nobody else (docs/algorithm.md#finished-learners). Counted as expected, the
+    finished learners kept every later round below quorum, and the slow learner's last steps were
+    never merged. keep_overlap: the slow learner's unsent progress would otherwise be overwritten
+    by the fast pair's merges (booked so, a loss of its own: test_deferring_other_merges_...)."""
+    cfg = make_cfg(tmp_path, steps=12, fragments=dict(count=1, **fragments), syncer=dict(quorum=2, **syncer),
+                   runtime=dict(learners=3, speeds=(1.0, 1.0, 3.0)))
+    sim, summary = run_sim(cfg, build(cfg))
+    assert summary["tokens_merged_share"] == 1.0
+    assert sim.syncer.finished == (0, 1, 2) and all(fs.round is None or fs.round.closed_at is not None
+                                                     for fs in sim.syncer.fragments)
+    merges = merge_records(sim.syncer)
+    assert [r["learners"] for r in merges[-2:]] == [[2], [2]]  # its tail, merged alone (K clamped)
+
+
 def test_bytes_are_the_serialized_frames_and_int4_payloads_are_analytic(tmp_path, build):
     """int4 without zstd: per tensor n / 2 bytes of codes plus a 4-byte scale per 64-value block."""
     cfg = make_cfg(tmp_path, steps=4, fragments=dict(count=2, tau=1), syncer=dict(quorum=1),
@@ -290,11 +309,14 @@ def test_bytes_are_the_serialized_frames_and_int4_payloads_are_analytic(tmp_path
     def transmit(m, frame, fragment, full):
         down.append(frame)
         plain_transmit(m, frame, fragment, full)
-    sim._on_contribution, sim.host.transport = on_contribution, transmit
+    publishes = []
+    sim._on_contribution, sim.host.transport, sim.host.on_publish = on_contribution, transmit, publishes.append
     summary = sim.run()
     assert len(up) == 2 * 4  # P = H: one send per learner per step
     assert summary["bytes_up"] == sum(map(len, up))
-    assert summary["bytes_down"] == sum(map(len, down)) and len(down) == 2 * sim.syncer.merges
+    # a broadcast per learner still training: the last merge comes after learner 0 finished
+    assert summary["bytes_down"] == sum(map(len, down)) and len(publishes) == sim.syncer.merges
+    assert [sorted(a.frames) for a in publishes] == [[0, 1]] * (sim.syncer.merges - 1) + [[1]]
     sizes = {p: int(np.prod(v.shape)) for frag in setup.theta0 for p, v in frag.items()}
     for frame in up:
         h = messages.decode(frame).header

@@ -124,6 +124,47 @@ def test_K_equals_M_waits_for_every_learner():
         np.testing.assert_allclose(st.fragments[0].theta[p], np.mean([x[p] for x in locals_], 0), rtol=1e-6)
 
 
+def test_a_finished_learner_is_waited_for_only_in_rounds_it_is_already_in():
+    """K = 3 of 3. Learner 0 is in fragment 0's round when it finishes: that round still waits for
+    the other two. Fragment 1's round, which it is not in, merges once 1 and 2 are in, and so does
+    fragment 0's later round. A finished input of another incarnation, or a repeat, changes nothing;
+    a rejoin as a new incarnation makes it a trainer again."""
+    pol = policy(K=3)
+    st = start(pol, M=3)
+    ones = {p: shifted(THETA0[p], 1) for p in (0, 1)}
+    st, _ = sync.on_contribution(pol, st, frame(ones[0], THETA0[0], learner=0), 1.0)
+    st, actions = sync.on_finished(pol, st, 0, 1, 2.0)  # not the live incarnation: ignored
+    assert st.finished == () and actions == ()
+    st, actions = sync.on_finished(pol, st, 0, 0, 2.0)
+    assert st.finished == (0,) and publishes(actions) == []
+    assert sync.on_finished(pol, st, 0, 0, 2.5)[0] is st  # a repeat
+    for m in (1, 2):
+        st, _ = sync.on_contribution(pol, st, frame(ones[1], THETA0[1], learner=m, fragment=1), 3.0 + m)
+    assert [r["learners"] for r in merges(st)] == [[1, 2]]  # fragment 1: K clamped to the two training
+    st, _ = sync.on_contribution(pol, st, frame(ones[0], THETA0[0], learner=1, seq=2), 6.0)
+    assert len(merges(st)) == 1  # fragment 0 still waits for learner 2: learner 0 is in it
+    st, _ = sync.on_contribution(pol, st, frame(ones[0], THETA0[0], learner=2, seq=2), 7.0)
+    assert [r["learners"] for r in merges(st)] == [[1, 2], [0, 1, 2]]
+    st, _ = sync.on_live_change(pol, st, {0: 1, 1: 0, 2: 0}, 8.0)  # learner 0 back, training again
+    assert st.finished == ()
+
+
+def test_a_learner_that_finishes_completes_the_rounds_waiting_for_it():
+    """K = 2 of 2: learner 0's contribution waits for learner 1, which finishes without sending
+    one: the round merges then, K clamped to the one learner it waits for. A round opened after
+    that merges at its first arrival."""
+    pol = policy(K=2)
+    st = start(pol)
+    st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 1), THETA0[0], learner=0), 1.0)
+    assert publishes(actions) == []
+    st, actions = sync.on_finished(pol, st, 1, 0, 2.0)
+    assert [r["learners"] for r in merges(st)] == [[0]] and len(publishes(actions)) == 1
+    assert merges(st)[0]["reason"] == quorum.ALL_LIVE_IN and merges(st)[0]["at"] == 2.0
+    st, actions = sync.on_contribution(pol, st, frame(shifted(THETA0[1], 1), THETA0[1], learner=0, seq=2,
+                                                      fragment=1), 3.0)
+    assert [r["learners"] for r in merges(st)] == [[0], [0]]
+
+
 def grace_setup(M):
     """K = 1, tau = 2, gamma 0.8, cap 1 step, step time 1 s: grace = min(0.8 * 2, 1) = 1 s."""
     pol = policy(K=1, gamma=0.8, tau=2, cap=1.0)

@@ -32,7 +32,7 @@ def recorded(tmp_path_factory, build):
 
 def assert_same(a: sync.SyncerState, b: sync.SyncerState):
     assert a.merges == b.merges and a.live == b.live and a.last_seq == b.last_seq and a.held == b.held
-    assert a.step_times == b.step_times and a.quarantined == b.quarantined
+    assert a.step_times == b.step_times and a.quarantined == b.quarantined and a.finished == b.finished
     assert json.loads(json.dumps(list(a.decisions))) == json.loads(json.dumps(list(b.decisions)))
     assert a.refusals.counts == b.refusals.counts and a.refusals.total == b.refusals.total
     assert json.loads(json.dumps(a.refusals.latest)) == json.loads(json.dumps(b.refusals.latest))

@@ -94,7 +94,8 @@ def test_two_learners_train_merge_and_balance(world, tmp_path, no_leftover_threa
     # Timing made this run's decisions, and the inputs log recorded every input with its wall-clock
     # time: replaying it from Theta_0 rebuilds the syncer bit for bit.
     events = list(read_inputs(tmp_path / "syncer_inputs.bin"))
-    assert {"contribution", "step_time"} <= {e.kind for e in events} <= {"contribution", "step_time", "deadline"}
+    assert {"contribution", "step_time", "finished"} <= {e.kind for e in events} <= {
+        "contribution", "step_time", "deadline", "finished"}
     again = replay(setup.policy, sync.init(setup.policy, setup.fragments, setup.theta0, {0: 0, 1: 0}), events)
     assert again.decisions == rt.syncer.decisions
     assert read_decisions(tmp_path / "decisions.jsonl") == json.loads(json.dumps(list(rt.syncer.decisions)))

@@ -176,8 +176,9 @@ def on_deadline(rnd: Round, cfg: GraceConfig, now: float) -> tuple[Round, Decisi
 
 def on_live_change(rnd: Round, cfg: GraceConfig, live: Iterable[int], now: float, step_time: float,
                    t_sync: float) -> tuple[Round, Decision]:
-    """The set of live learners changed (a failure or a rejoin): re-evaluate, since a death can
-    complete the quorum (K clamped to the live count) or leave only learners already in."""
+    """The learners the round waits for changed (a failure, a rejoin, or a learner that finished
+    training): re-evaluate, since a death or a finish can complete the quorum (K clamped to the
+    live count) or leave only learners already in."""
     rnd = rnd._replace(live=tuple(sorted(set(live))))
     if rnd.closed_at is not None:
         return rnd, _decide(rnd, cfg, IGNORE, ROUND_CLOSED, now)

@@ -21,14 +21,15 @@ from diloco.algo import syncer as sync
 class Input(NamedTuple):
     """One syncer input. kind: contribution (data=frame bytes) | deadline (data=fragment) |
     step_time (data=(learner, seconds)) | live (data=((learner, incarnation), ...)) | lost_steps
-    (data=(learner, steps): steps whose events were lost, credited to its claims only)."""
+    (data=(learner, steps): steps whose events were lost, credited to its claims only) | finished
+    (data=(learner, incarnation): it finished training, every contribution of it delivered)."""
 
     kind: str
     at: float
     data: object
 
 
-KINDS = ("contribution", "deadline", "step_time", "live", "lost_steps")
+KINDS = ("contribution", "deadline", "step_time", "live", "lost_steps", "finished")
 
 
 def apply(cfg: sync.Policy, st: sync.SyncerState, event: Input) -> tuple[sync.SyncerState, tuple]:
@@ -43,6 +44,9 @@ def apply(cfg: sync.Policy, st: sync.SyncerState, event: Input) -> tuple[sync.Sy
     if event.kind == "lost_steps":  # no step time is known for them: the claims count them, Eq. 3 not
         learner, steps = event.data
         return st._replace(claims=claims.observe_step(st.claims, int(learner), int(steps))), ()
+    if event.kind == "finished":
+        learner, incarnation = event.data
+        return sync.on_finished(cfg, st, int(learner), int(incarnation), event.at)
     if event.kind == "live":
         return sync.on_live_change(cfg, st, {int(m): int(i) for m, i in event.data}, event.at)
     raise ValueError(f"unknown syncer input kind {event.kind!r}; known: {KINDS}")

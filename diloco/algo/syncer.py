@@ -40,7 +40,7 @@ from diloco.algo.syncer_merge import merge_round, prepare, round_sums, summed
 # sync.Publish, ...), so they are named in this import even where this module does not use them.
 from diloco.algo.syncer_state import (  # noqa: F401
     Contribution, FragmentState, Outcome, Policy, Publish, SetDeadline, SyncerState, Values, anchor_of,
-    decision_record, in_order, measures, merge_rule, quarantine, ref_of, theta_norm_of, with_fragment,
+    decision_record, expected, in_order, measures, merge_rule, quarantine, ref_of, theta_norm_of, with_fragment,
 )
 
 
@@ -162,7 +162,7 @@ def _admit(cfg: Policy, st: SyncerState, p: int, c: Contribution, now: float,
     """`prepared`: c's deltas and norms against the anchor of the round open at its arrival; a
     late contribution goes into the next round, whose anchor may differ, and is prepared again."""
     fs = st.fragments[p]
-    rnd = fs.round or quorum.open_round(p, now, st.live)
+    rnd = fs.round or quorum.open_round(p, now, expected(st))
     step_time = _budget_step_time(cfg, st, {m for m, _ in rnd.arrivals} | {c.key[0]})
     rnd, decision = quorum.on_arrival(rnd, cfg.grace, c.key[0], now, step_time, cfg.t_sync)
     actions: tuple = ()
@@ -221,13 +221,31 @@ def on_live_change(cfg: Policy, st: SyncerState, live: dict[int, int], now: floa
         if m in st.live and inc != st.live[m]:
             held[m] = (-1,) * len(st.fragments)
     bases = {k: v for k, v in st.bases.items() if live.get(k[0]) == k[1]}  # a joiner's stay unknown
-    st = st._replace(live=dict(live), held=held, bases=bases, claims=claims.on_live(st.claims, live, st.live))
+    finished = tuple(m for m in st.finished if live.get(m) == st.live.get(m))  # a new incarnation trains
+    st = st._replace(live=dict(live), held=held, bases=bases, claims=claims.on_live(st.claims, live, st.live),
+                     finished=finished)
+    return _reevaluate(cfg, st, now)
+
+
+def on_finished(cfg: Policy, st: SyncerState, learner: int, incarnation: int,
+                now: float) -> tuple[SyncerState, tuple]:
+    """Learner `learner` (incarnation `incarnation`) finished training and every contribution it
+    sent has been delivered: open rounds stop waiting for it (`expected`), which may complete them.
+    Ignored for an incarnation that is not the live one, or a learner already finished."""
+    if st.live.get(learner) != incarnation or learner in st.finished:
+        return st, ()
+    return _reevaluate(cfg, st._replace(finished=tuple(sorted(st.finished + (learner,)))), now)
+
+
+def _reevaluate(cfg: Policy, st: SyncerState, now: float) -> tuple[SyncerState, tuple]:
+    """Every open round against the learners it now waits for."""
     actions: tuple = ()
     for p, fs in enumerate(st.fragments):
         if fs.round is None:
             continue
-        step_time = _budget_step_time(cfg, st, {m for m, _ in fs.round.arrivals})
-        rnd, decision = quorum.on_live_change(fs.round, cfg.grace, live, now, step_time, cfg.t_sync)
+        waiting = {m for m, _ in fs.round.arrivals}
+        step_time = _budget_step_time(cfg, st, waiting)
+        rnd, decision = quorum.on_live_change(fs.round, cfg.grace, expected(st, waiting), now, step_time, cfg.t_sync)
         st = with_fragment(st, p, fs._replace(round=rnd))
         if decision.action == quorum.MERGE:
             st, more = merge_round(cfg, st, p, decision, now)
@@ -239,7 +257,7 @@ def on_live_change(cfg: Policy, st: SyncerState, live: dict[int, int], now: floa
 
 def _budget_step_time(cfg: Policy, st: SyncerState, waiting: set[int]) -> float:
     if cfg.grace_budget == "slowest":
-        return quorum.slowest_step_time(st.step_times, st.live)
+        return quorum.slowest_step_time(st.step_times, expected(st, waiting))
     known = [s for m, s in st.step_times.estimates if m in waiting]
     return min(known, default=0.0)
 

@@ -18,8 +18,8 @@ from diloco.algo import claims, drift, messages, outer, outer_auto, quorum, roun
 from diloco.algo import syncer_publish as publishing
 from diloco.algo.codecs import NonFiniteError
 from diloco.algo.syncer_state import (
-    Contribution, FragmentState, Outcome, Policy, Publish, SyncerState, anchor_of, decision_record, measures,
-    merge_rule, quarantine, with_fragment,
+    Contribution, FragmentState, Outcome, Policy, Publish, SyncerState, anchor_of, decision_record, expected,
+    measures, merge_rule, quarantine, with_fragment,
 )
 
 
@@ -140,7 +140,8 @@ def _step(cfg: Policy, st: SyncerState, fs: FragmentState, p: int, rs: roundsum.
     kept would be non-finite (an encoder would refuse it, and a non-finite Theta never recovers)."""
     if not all(math.isfinite(part.norm) for part in rs.parts):  # a delta overflowed float32 itself
         return None
-    live = len(keys) / len(st.live) if cfg.scale == "live" and len(keys) < len(st.live) else 1.0
+    waited = len(expected(st, {k[0] for k in keys}))  # live, less those that finished and are not in
+    live = len(keys) / waited if cfg.scale == "live" and len(keys) < waited else 1.0
     gains = [g * live for g in rule.gains(weights, scales, [part.norms for part in rs.parts], rs.scales)]
     sums = {path: (s if s is not None else np.zeros(x.shape, np.float32))
             for (path, x), s in zip(fs.theta.items(), rs.sums)}

@@ -31,7 +31,7 @@ def publish(cfg: Policy, st: SyncerState, fs: FragmentState, p: int,
     full_copy = None
     frames, full = {}, []
     held = dict(st.held)
-    for m in sorted(st.live):
+    for m in sorted(set(st.live) - set(st.finished)):  # a finished learner reads no more broadcasts
         versions = held.get(m, (-1,) * len(st.fragments))
         if delta_frame is not None and versions[p] == prev_version:
             frames[m] = delta_frame

@@ -141,6 +141,9 @@ class SyncerState(NamedTuple):
     # (docs/design.md#damage-in-the-store); run.log_refusals writes every one to metrics.jsonl.
     refusals: Refusals = Refusals()
     claims: Claims = Claims()  # the steps each learner reported, against which c_steps is checked
+    # Live learners that finished training, every contribution of theirs delivered: a round stops
+    # waiting for them (`expected`; docs/algorithm.md#finished-learners).
+    finished: tuple[int, ...] = ()
 
 
 class SetDeadline(NamedTuple):
@@ -167,6 +170,14 @@ class Outcome(NamedTuple):
 def ref_of(fs: FragmentState, version: int) -> Values | None:
     """The values learners hold at `version` of fs, None once it has left the kept refs."""
     return next((v for ver, v in fs.refs if ver == version), None)
+
+
+def expected(st: SyncerState, admitted=()) -> tuple[int, ...]:
+    """The learners a round waits for: the live ones still training, and of those that finished,
+    the ones already in it (`admitted`). A finished learner will send nothing more, so counting it
+    would hold K > 1 below quorum forever and leave its slower peers' last contributions unmerged."""
+    done = set(st.finished)
+    return tuple(sorted(m for m in st.live if m not in done or m in admitted))
 
 
 def with_fragment(st: SyncerState, p: int, fs: FragmentState) -> SyncerState:

@@ -118,9 +118,10 @@ class SyncerHost:
                 self.book_time(m, "down", e.died_at, e.down_until)
             self.book_time(m, "restarting", e.down_until, e.at)
             self.rejoined(m, inc, e.at)
-        elif isinstance(e, ev.Done):
+        elif isinstance(e, ev.Done):  # its last event: every contribution it sent was delivered
             self.done.add(m)
             self.finished_at[m] = e.at
+            self.finish(m, inc, now)
         else:
             raise TypeError(f"not a learner event: {e!r}")
 
@@ -242,6 +243,12 @@ class SyncerHost:
             for p, frame in sync.full_frames(self.state).items():
                 self.bytes = traffic.add_bytes(self.bytes, now, len(frame), "down", m, p, "fp32")
         self.deliver(Input("live", now, self.live()))
+
+    def finish(self, m: int, inc: int, now: float) -> None:
+        """Learner m's incarnation inc finished training and the syncer has every contribution it
+        sent: rounds stop waiting for it (docs/algorithm.md#finished-learners)."""
+        if m in self.alive and self.incarnations.get(m) == inc:
+            self.deliver(Input("finished", now, (m, inc)))
 
     def book_time(self, m: int, state: str, start: float, end: float) -> None:
         if self.learners_fetch:

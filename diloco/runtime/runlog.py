@@ -116,7 +116,7 @@ def _walk(path: Path, payloads: bool) -> Iterator[tuple[Input, int]]:
                 pos = f.tell() if payloads else f.seek(pos + header["len"])
             else:
                 data = header["data"]
-                if header["kind"] in ("step_time", "live", "lost_steps"):
+                if header["kind"] in ("step_time", "live", "lost_steps", "finished"):
                     if not isinstance(data, list):
                         raise ValueError(f"{path}: malformed {header['kind']} input at byte {pos}: {str(data)[:200]}")
                     data = tuple(tuple(x) if isinstance(x, list) else x for x in data)

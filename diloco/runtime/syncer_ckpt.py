@@ -87,6 +87,7 @@ def to_checkpoint(st: sync.SyncerState) -> tuple[dict, dict]:
                                       key=lambda row: (row[0], -1 if row[1] is None else row[1])),
                      "latest": list(st.refusals.latest), "total": st.refusals.total},
         "claims": claims.to_json(st.claims),
+        "finished": list(st.finished),
     }
     return arrays, meta
 
@@ -132,7 +133,8 @@ def from_checkpoint(arrays: dict, meta: dict, policy: sync.Policy,
         refusals,
         # none saved (older checkpoints): the header's bounds only, until each learner's next merge
         claims.from_json(meta["claims"]) if "claims" in meta
-        else claims.unknown({m: inc for m, inc in meta["live"]}, policy.max_steps or 0))
+        else claims.unknown({m: inc for m, inc in meta["live"]}, policy.max_steps or 0),
+        tuple(int(m) for m in meta.get("finished", ())))  # none saved (older checkpoints): none finished
 
 
 def pairs(d: dict) -> list:

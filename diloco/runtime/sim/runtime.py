@@ -235,6 +235,7 @@ class Sim(HostedRuntime):
                 self.host.on_event(ev.Flushed(m, unit.ls.incarnation, self.now, ev.pairs(result.sends),
                                               result.frames), self.now, deliver=False)
                 self._send(m, unit.ls.incarnation, self.now, result.sends, result.frames)
+            self._maybe_finish(m)
             return
         rows = self.rows_at(m)
         steps = [(m, self.now, self.log_due(m), self.duration(m))]
@@ -291,6 +292,18 @@ class Sim(HostedRuntime):
             self.link_up[m] = start + len(frame) / r.bandwidth
             self.push(self.link_up[m] + r.latency, "contribution", frame, [m, inc, seq])
 
+    def _maybe_finish(self, m: int) -> None:
+        """Tell the syncer learner m finished once it has trained and flushed and none of its
+        contributions is still on its link (the threads and procs runtimes do so on its Done)."""
+        unit = self.units[m]
+        if (unit is None or not self.alive[m] or unit.ls.step < self.cfg.run.steps or m in self.syncer.finished
+                or (self.cfg.fragments.final_sync and m not in self.flushed)):
+            return
+        if any(kind == "contribution" and len(data) > 1 and data[1] is not None and data[1][0] == m
+               for _, _, kind, data in self.heap):
+            return
+        self.host.finish(m, unit.ls.incarnation, self.now)
+
     def _on_stall_limit(self, m: int, fragment: int, seq: int) -> None:
         unit = self.units[m]
         if not self.alive[m]:
@@ -311,6 +324,8 @@ class Sim(HostedRuntime):
     def _on_contribution(self, frame: bytes, sent=None) -> None:
         # sent: a list once through a snapshot's JSON; None in a heap saved before keys travelled
         self.host.deliver(Input("contribution", self.now, frame), sent=None if sent is None else tuple(sent))
+        if sent is not None:
+            self._maybe_finish(int(sent[0]))
 
     def _on_deadline(self, p: int) -> None:
         self.host.deliver(Input("deadline", self.now, p))
