@@ -17,7 +17,7 @@ from diloco.config import ConfigError
 from diloco.evaluation import bigbench_data as bb
 from diloco.evaluation.tasks import GENERATE, MULTIPLE_CHOICE, TaskError, load_task
 from diloco.experiments import finetune_tasks as ft
-from diloco.experiments.spec import Variant, _compose
+from diloco.experiments.spec import Variant, _compose, dp_reference
 from diloco.hf.tokenizer import load_tokenizer
 from diloco.model import build
 from syncer_frames import FRAGS, THETA0, B, W, frame, merges, policy, start
@@ -106,7 +106,7 @@ def test_default_study_runs_each_method_at_equal_rows_a_step(tmp_path):
     for label, o in variants.items():
         assert ("finetune=lora" in o) == ("lora" in label)
         assert ("runtime.learners=2" in o and "data.batch_size=4" in o) == label.endswith("m2")
-    _, jobs = ft.jobs(cfg, "t", tmp_path / "c.gguf", tmp_path / "train.jsonl")
+    settings, jobs = ft.jobs(cfg, "t", tmp_path / "c.gguf", tmp_path / "train.jsonl")
     by = {(j.variant, j.seed): j.cfg for j in jobs}
     assert len(jobs) == 2 * 2
     for (label, _), c in by.items():
@@ -116,6 +116,11 @@ def test_default_study_runs_each_method_at_equal_rows_a_step(tmp_path):
         assert c.algo != "diloco" or c.syncer.quorum == 1
     assert by[("diloco_lora_m4", 0)].runtime.learners == 4
     assert {c.run.seed for c in by.values()} == {0, 1}
+    # the bytes' reference is data parallel among the base's 4 slices, also where only DiLoCo runs
+    only_m2 = ft.parse(_compose("finetune_tasks", ["seeds=[0]", "only=[diloco_m2]"]))
+    settings, (job,) = ft.jobs(only_m2, "t", tmp_path / "c.gguf", tmp_path / "train.jsonl")
+    ref = dp_reference(settings.experiment, 0, settings)
+    assert job.cfg.runtime.learners == 2 and (ref.algo, ref.runtime.learners) == ("dp", 4)
 
 
 # ---- the drift monitor --------------------------------------------------------------------------

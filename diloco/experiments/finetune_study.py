@@ -19,7 +19,7 @@ from pathlib import Path
 
 from diloco.config import ConfigError, from_dict
 from diloco.experiments import records, runner
-from diloco.experiments.spec import ExperimentSpec, Job, Settings, Variant, hydra_configs, train_config
+from diloco.experiments.spec import ExperimentSpec, Job, Settings, Variant, dp_reference, hydra_configs, train_config
 
 NAME = "finetune"
 
@@ -185,10 +185,11 @@ def run(cfg: StudyConfig) -> list[Path]:
         cache.write_text(json.dumps(base, indent=2))
     print(f"[{NAME}] checkpoint before training: exact {base['exact']:.3f}, format {base['format']:.3f}", flush=True)
     rows, dp_bytes = [], None
+    ref = dp_reference(settings.experiment, cfg.seed, settings)  # its slices, whether or not it runs
     for job in planned:
         summary = runner.trained(job, settings)
         if dp_bytes is None:  # the data-parallel reference: the full model, every step
-            dp_bytes = dp_bytes_same_steps(job.cfg, summary["params"])
+            dp_bytes = dp_bytes_same_steps(ref, summary["params"])
         score = downstream(Path(job.cfg.run.out_dir) / "model", test, cfg,
                            Path(job.cfg.run.out_dir) / "downstream.json")
         rows.append(row(job, summary, score, dp_bytes))

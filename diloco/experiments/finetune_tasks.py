@@ -20,7 +20,7 @@ from pathlib import Path
 from diloco.config import ConfigError, from_dict
 from diloco.evaluation import bigbench_data
 from diloco.experiments import runner
-from diloco.experiments.spec import ExperimentSpec, Job, Settings, Variant, hydra_configs, train_config
+from diloco.experiments.spec import ExperimentSpec, Job, Settings, Variant, dp_reference, hydra_configs, train_config
 
 NAME = "finetune_tasks"
 DRIFT_KEYS = ("drift_rel_max", "drift_l2_max", "pseudograd_cos_mean")
@@ -211,8 +211,8 @@ def run(cfg: TasksConfig) -> list[Path]:
         print(f"[{NAME}] {task}: {data['n_train']} train, {data['n_test']} test; base {base['metric']} "
               f"{base['value']:.3f}", flush=True)
         # The bytes' reference: data parallel of the full model every step, among the slices of the
-        # first data-parallel variant run (runtime.learners: 4 in the default study)
-        ref = next((j for j in planned if j.cfg.algo == "dp"), planned[0]).cfg
+        # first data-parallel variant, run or not (runtime.learners: 4 in the default study)
+        ref = dp_reference(settings.experiment, planned[0].seed, settings)
         dp_bytes = None
         for job in planned:
             summary = runner.trained(job, settings)

@@ -179,6 +179,20 @@ def train_config(spec: ExperimentSpec, variant: Variant, seed: int, settings: Se
         raise ConfigError(f"experiment {spec.name}, variant {variant.label}: {err}") from None
 
 
+def dp_reference(spec: ExperimentSpec, seed: int, settings: Settings) -> TrainConfig:
+    """The config whose data parallel a study's bytes are compared with: its first variant that
+    trains data parallel, whether or not `only` picked it to run (a DiLoCo variant's M learners
+    would be another number of slices), else its first variant."""
+    first = None
+    with hydra_configs():
+        for variant in spec.variants:
+            cfg = train_config(spec, variant, seed, settings)
+            if cfg.algo == "dp":
+                return cfg
+            first = first or cfg
+    return first
+
+
 def plan(spec: ExperimentSpec, settings: Settings) -> list[Job]:
     """Every (variant, seed) run of one experiment, seeds innermost; quick keeps the first seed."""
     seeds = settings.seeds or spec.seeds
