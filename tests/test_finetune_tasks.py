@@ -89,6 +89,84 @@ def test_tasks_the_sdist_lacks_need_a_path(tmp_path):
         bb.fetch("mine", tmp_path, str(tmp_path / "missing.json"))
 
 
+FAKE_API = """
+class TaskMetadata:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+class ScoreData:
+    def __init__(self, score_dict, **kw):
+        self.score_dict = score_dict
+class Task:
+    pass
+"""
+
+FAKE_TASK = """
+import random
+import bigbench.api.task as task
+class WebOfLiesTask(task.Task):
+    def __init__(self, seed=42):
+        random.seed(seed)
+    def get_task_details(self):
+        return task.TaskMetadata(name="web_of_lies", description="fake", keywords=["multiple choice"])
+    def evaluate_model(self, model):
+        out = []
+        for length in (1, 3):
+            qs, answers = [], []
+            for _ in range(4):
+                lies = [random.random() < 0.5 for _ in range(length)]
+                text = " ".join(("P%d lies." if lie else "P%d tells the truth.") % i for i, lie in enumerate(lies))
+                qs.append("Question: " + text + " Does P%d tell the truth?\\nAnswer: " % (length - 1))
+                answers.append(sum(lies) % 2 == 0 if SCORE_RIGHT else True)
+            ps = model.cond_log_prob(inputs=qs, targets=[["Yes", "No"]] * len(qs))
+            right = sum(a == (p[0] >= p[1]) for a, p in zip(answers, ps))
+            out.append(task.ScoreData({"multiple_choice_grade": right / len(qs)}))
+        return out
+"""
+
+
+def fake_sdist(root, score_right=True):
+    """An sdist tree with a stand-in bigbench.api.task and a web_of_lies Task class that asks its
+    questions as the real one does (score_right=False: its own scoring disagrees with them)."""
+    api = root / "bigbench" / "api"
+    module = root / bb.PROGRAMMATIC["web_of_lies"][0]
+    for folder in (api, module.parent):
+        folder.mkdir(parents=True, exist_ok=True)
+    for init in (root / "bigbench" / "__init__.py", api / "__init__.py"):
+        init.write_text("")
+    (api / "task.py").write_text(FAKE_API)
+    module.write_text(f"SCORE_RIGHT = {score_right}\n" + FAKE_TASK)
+    return root
+
+
+def test_a_programmatic_task_is_recorded_from_its_own_class_and_checked(tmp_path):
+    """web_of_lies is made by running the sdist's Task class: its questions verbatim, each answer read
+    off the question and checked against the class's own scoring."""
+    import random
+
+    state = random.getstate()
+    raw = bb.recorded("web_of_lies", fake_sdist(tmp_path / "good"))
+    assert random.getstate() == state and not any(m.startswith("bigbench") for m in __import__("sys").modules)
+    assert len(raw["examples"]) == 8 and raw["preferred_score"] == "multiple_choice_grade"
+    for e in raw["examples"]:
+        text = e["input"]
+        assert text.startswith("Question: P0 ") and text.endswith("tell the truth?\nAnswer: ")
+        assert e["target_scores"]["Yes"] == float(text.count(" lies.") % 2 == 0) == 1 - e["target_scores"]["No"]
+    assert not bb.generative(raw) and raw["append_choices_to_input"] is False
+    with pytest.raises(TaskError, match="disagree with its own scoring"):
+        bb.recorded("web_of_lies", fake_sdist(tmp_path / "bad", score_right=False))
+
+
+def test_the_answers_read_off_web_of_lies_and_boolean_expressions():
+    ask = "Question: Ka lies. Jim says Ka lies. Sal says Jim tells the truth. Does Sal tell the truth?\nAnswer: "
+    assert bb._lies(ask, ["Yes", "No"]) == 0  # two lies: Sal tells the truth
+    assert bb._lies(ask.replace("Question: Ka lies.", "Question: Ka tells the truth."), ["Yes", "No"]) == 1
+    shots = "not True or False is False . ( True ) and not False is True . "
+    assert bb._boolean(shots + "not ( True and False ) is ", ["True", "False"]) == 0
+    assert bb._boolean(shots + "False or not True is ", ["True", "False"]) == 1
+    with pytest.raises(TaskError, match="unexpected question"):
+        bb._boolean("__import__('os') is ", ["True", "False"])
+
+
 def test_bad_study_configs_name_the_values():
     with pytest.raises(ConfigError, match="no tasks"):
         ft.parse({"variants": [{"label": "dp"}]})
