@@ -293,6 +293,16 @@ def test_a_learner_that_finished_no_longer_holds_a_quorum_below_K(tmp_path, buil
     assert [r["learners"] for r in merges[-2:]] == [[2], [2]]  # its tail, merged alone (K clamped)
 
 
+def test_a_learner_waiting_for_its_last_answer_has_not_finished(tmp_path, build):
+    """Without the final sync, tau = 0, K = 2: after its last step learner 0 waits for the merge of
+    its last send, which waits for learner 1's. Told finished then, it would be sent no broadcast and
+    stall until its stall limit (8 s booked); it is told once the answer has woken it."""
+    cfg = make_cfg(tmp_path, steps=8, fragments=dict(count=1, tau=0, final_sync=False), syncer=dict(quorum=2))
+    sim, _ = run_sim(cfg, build(cfg))
+    assert sim.syncer.finished == (0, 1)
+    assert stall_seconds(sim, 0) == stall_seconds(sim, 1) < 0.5 * cfg.runtime.step_time
+
+
 def test_bytes_are_the_serialized_frames_and_int4_payloads_are_analytic(tmp_path, build):
     """int4 without zstd: per tensor n / 2 bytes of codes plus a 4-byte scale per 64-value block."""
     cfg = make_cfg(tmp_path, steps=4, fragments=dict(count=2, tau=1), syncer=dict(quorum=1),

@@ -165,6 +165,23 @@ def test_a_learner_that_finishes_completes_the_rounds_waiting_for_it():
     assert [r["learners"] for r in merges(st)] == [[0], [0]]
 
 
+def test_a_finished_learner_keeps_no_old_references():
+    """K = 2: learner 0 contributes once (base 0) and finishes; learner 1 then merges alone 6 times
+    with int8 broadcasts (references differ from Theta). Learner 0 will send nothing more, so only
+    learner 1's last base and the newest reference are kept, not every one since learner 0's base 0
+    (up to Policy.history)."""
+    pol = policy(K=2, down_codec=make_codec("int8"), down_spec="int8")
+    st = start(pol)
+    st, _ = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 1), THETA0[0], learner=0), 0.0)
+    st, _ = sync.on_contribution(pol, st, frame(shifted(THETA0[0], 2), THETA0[0], learner=1), 0.5)
+    st, _ = sync.on_finished(pol, st, 0, 0, 1.0)
+    for k in range(1, 7):
+        ref = st.fragments[0].refs[-1][1]
+        st, _ = sync.on_contribution(pol, st, frame(shifted(ref, 1), ref, learner=1, seq=k + 1, base_version=k),
+                                     1.0 + k)
+    assert st.fragments[0].version == 7 and [v for v, _ in st.fragments[0].refs] == [6, 7]
+
+
 def grace_setup(M):
     """K = 1, tau = 2, gamma 0.8, cap 1 step, step time 1 s: grace = min(0.8 * 2, 1) = 1 s."""
     pol = policy(K=1, gamma=0.8, tau=2, cap=1.0)

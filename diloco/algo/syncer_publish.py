@@ -53,7 +53,10 @@ def _kept(st: SyncerState, fs: FragmentState, p: int, refs: tuple) -> tuple:
     last one. A live learner with no admitted contribution yet (a joiner) keeps them all, up to
     Policy.history (docs/design.md#syncer-memory)."""
     floor = min((c.base_version for c in fs.contributions), default=refs[-1][0])
+    done = set(st.finished)  # sends nothing more: its contributions in the round are counted above
     for m, inc in st.live.items():
+        if m in done:
+            continue
         base = st.bases.get((m, inc, p))
         if base is None:
             return refs

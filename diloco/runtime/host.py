@@ -247,8 +247,14 @@ class SyncerHost:
     def finish(self, m: int, inc: int, now: float) -> None:
         """Learner m's incarnation inc finished training and the syncer has every contribution it
         sent: rounds stop waiting for it (docs/algorithm.md#finished-learners)."""
-        if m in self.alive and self.incarnations.get(m) == inc:
+        if m in self.alive and self.incarnations.get(m) == inc and m not in self.state.finished:
             self.deliver(Input("finished", now, (m, inc)))
+
+    def finish_done(self) -> None:
+        """Every learner whose Done was booked, told finished at its Done's time: a no-op but for a
+        checkpoint saved before the syncer kept the finished set (docs/algorithm.md#finished-learners)."""
+        for m in sorted(self.done):
+            self.finish(m, self.incarnations.get(m, -1), self.finished_at.get(m, 0.0))
 
     def book_time(self, m: int, state: str, start: float, end: float) -> None:
         if self.learners_fetch:

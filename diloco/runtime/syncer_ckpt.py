@@ -167,6 +167,7 @@ def host_in(host, state: sync.SyncerState, arrays: dict, meta: dict) -> None:
     host.refused_events = meta.get("refused_events", 0)
     host.gaps = {(g["learner"], g["incarnation"]): g for g in meta.get("gaps", [])}
     host.events_lost = list(meta.get("events_lost", []))
+    host.finish_done()
 
 
 class SyncerCheckpoints:

@@ -293,11 +293,12 @@ class Sim(HostedRuntime):
             self.push(self.link_up[m] + r.latency, "contribution", frame, [m, inc, seq])
 
     def _maybe_finish(self, m: int) -> None:
-        """Tell the syncer learner m finished once it has trained and flushed and none of its
-        contributions is still on its link (the threads and procs runtimes do so on its Done)."""
+        """Tell the syncer learner m finished once it has trained, is not stalled waiting for an
+        answer (a broadcast is what wakes it), has flushed and none of its contributions is still on
+        its link (the threads and procs runtimes do so on its Done)."""
         unit = self.units[m]
         if (unit is None or not self.alive[m] or unit.ls.step < self.cfg.run.steps or m in self.syncer.finished
-                or (self.cfg.fragments.final_sync and m not in self.flushed)):
+                or m in self.stalled_since or (self.cfg.fragments.final_sync and m not in self.flushed)):
             return
         if any(kind == "contribution" and len(data) > 1 and data[1] is not None and data[1][0] == m
                for _, _, kind, data in self.heap):

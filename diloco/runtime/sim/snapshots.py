@@ -203,6 +203,8 @@ def restore(sim, arrays: dict, meta: dict) -> None:
     sim.rejoins = [Rejoin(*r) for r in meta["rejoins"]]
     sim.evals = [tuple(e) for e in meta["evals"]]
     sim.steps_done = meta["steps_done"]
+    for m in range(sim.M):  # a no-op but for a snapshot saved before the syncer kept the finished set
+        sim._maybe_finish(m)
 
 
 class SimSnapshots:
