@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from diloco.algo import codec_specs, hostpool, messages, payloads, roundsum
-from diloco.algo.syncer_state import FragmentState, Policy, Publish, SyncerState, Values, with_fragment
+from diloco.algo.syncer_state import FragmentState, Policy, Publish, SyncerState, Values, expected, with_fragment
 
 
 def publish(cfg: Policy, st: SyncerState, fs: FragmentState, p: int,
@@ -31,7 +31,7 @@ def publish(cfg: Policy, st: SyncerState, fs: FragmentState, p: int,
     full_copy = None
     frames, full = {}, []
     held = dict(st.held)
-    for m in sorted(set(st.live) - set(st.finished)):  # a finished learner reads no more broadcasts
+    for m in expected(st):  # the learners still training: a finished one reads no more broadcasts
         versions = held.get(m, (-1,) * len(st.fragments))
         if delta_frame is not None and versions[p] == prev_version:
             frames[m] = delta_frame
@@ -49,15 +49,12 @@ def publish(cfg: Policy, st: SyncerState, fs: FragmentState, p: int,
 
 def _kept(st: SyncerState, fs: FragmentState, p: int, refs: tuple) -> tuple:
     """Of fragment p's `refs` (newest last, always kept), those a contribution may still be based
-    on: none older than the oldest base of the open round's contributions or of any live learner's
-    last one. A live learner with no admitted contribution yet (a joiner) keeps them all, up to
+    on: none older than the oldest base of the open round's contributions or of the last one of any
+    learner still training. One with no admitted contribution yet (a joiner) keeps them all, up to
     Policy.history (docs/design.md#syncer-memory)."""
     floor = min((c.base_version for c in fs.contributions), default=refs[-1][0])
-    done = set(st.finished)  # sends nothing more: its contributions in the round are counted above
-    for m, inc in st.live.items():
-        if m in done:
-            continue
-        base = st.bases.get((m, inc, p))
+    for m in expected(st):  # a finished learner sends nothing more: its round's contributions count above
+        base = st.bases.get((m, st.live[m], p))
         if base is None:
             return refs
         floor = min(floor, base)

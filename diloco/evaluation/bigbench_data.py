@@ -82,10 +82,10 @@ def fetch(task: str, root: str | Path, path: str = "") -> Path:
     if task not in GENERATED and task not in PROGRAMMATIC:
         why = NOT_IN_SDIST.get(task, "it is not one of " + ", ".join([*GENERATED, *PROGRAMMATIC]))
         raise TaskError(f"task {task}: cannot be made from {SDIST[0]}=={SDIST[1]} ({why}); "
-                        f"give its task.json as tasks.{task}=<path>")
+                        f"give its task.json as +tasks.{task}=<path>")
     root = Path(root).resolve()  # the generator runs in a folder of its own
     if task in PROGRAMMATIC:
-        module, _, digest = PROGRAMMATIC[task]
+        *_, digest = PROGRAMMATIC[task]
         made = root / "generated" / task / "task.json"
         if not made.exists():
             raw = recorded(task, _sdist(root))
@@ -153,18 +153,17 @@ def recorded(task: str, src: Path) -> dict:
     try:
         cls = runpy.run_path(str(src / module))[name]
         questions, right, wrong = _Recorder(), _Recorder(solve), _Recorder(lambda t, c: 1 - solve(t, c))
-        scores = {}
-        for model in (questions, right, wrong):
-            scores[id(model)] = [x.score_dict["multiple_choice_grade"] for x in cls().evaluate_model(model)]
+        _, scored_right, scored_wrong = ([x.score_dict["multiple_choice_grade"] for x in cls().evaluate_model(model)]
+                                         for model in (questions, right, wrong))
         details = cls().get_task_details()
     finally:
         sys.path.remove(str(src))
         for loaded in [m for m in sys.modules if m == "bigbench" or m.startswith("bigbench.")]:
             del sys.modules[loaded]  # another sdist (or none) next time
         random.setstate(state)
-    if set(scores[id(right)]) != {1.0} or set(scores[id(wrong)]) != {0.0} or right.inputs != questions.inputs:
+    if set(scored_right) != {1.0} or set(scored_wrong) != {0.0} or right.inputs != questions.inputs:
         raise TaskError(f"{task}: the answers read off its questions disagree with its own scoring "
-                        f"({scores[id(right)]}, {scores[id(wrong)]})")
+                        f"({scored_right}, {scored_wrong})")
     examples = [{"input": text, "target_scores": {c: float(i == solve(text, choices)) for i, c in enumerate(choices)}}
                 for text, choices in zip(questions.inputs, questions.choices)]
     return {"name": task, "description": details.description, "keywords": list(details.keywords),
