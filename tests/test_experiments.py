@@ -321,3 +321,38 @@ def test_a_finished_run_survives_a_replacement_that_does_not_finish(tmp_path, mo
     assert runner.trained(job, settings)["eval_loss"] == 1.5
     assert runner._finished(cfg(7), run_dir)["eval_loss"] == 1.5
     assert not runner._aside(run_dir).exists() and "metrics.jsonl" not in files()
+
+
+def test_a_study_skips_a_run_refused_for_memory_trains_the_rest_and_then_fails_naming_it(monkeypatch, tmp_path):
+    """One run too big for the memory free now costs only itself: the runs after it still train,
+    the study writes its tables, and then fails naming the run and why (the same command later
+    trains only what is missing). Any other error still stops the study at once."""
+    from diloco.config import ConfigError
+    from diloco.experiments.spec import Job
+    from diloco.train.footprint import MemoryRefused
+
+    jobs = [Job("ft", v, s, None) for v in ("dp", "diloco_m4", "diloco_lora_m4") for s in (0, 1)]
+
+    def trained(job, settings):
+        if job.variant == "diloco_m4" and job.seed == 1:
+            raise MemoryRefused("this run needs about 15.9 GiB of memory and 14.0 GiB is available")
+        return {"eval_loss": float(job.seed)}
+
+    monkeypatch.setattr(runner, "trained", trained)
+    refused = []
+    done = [(j.variant, j.seed, s["eval_loss"]) for j, s in runner.trained_each(jobs, Settings(), refused)]
+    assert done == [("dp", 0, 0.0), ("dp", 1, 1.0), ("diloco_m4", 0, 0.0), ("diloco_lora_m4", 0, 0.0),
+                    ("diloco_lora_m4", 1, 1.0)]
+    assert refused == ["ft diloco_m4 seed 1: this run needs about 15.9 GiB of memory and 14.0 GiB is available"]
+    written = [tmp_path / "ft.md", tmp_path / "ft.json"]
+    with pytest.raises(ConfigError, match=r"1 run\(s\) refused for memory") as err:
+        runner.complete(refused, written)
+    assert "ft diloco_m4 seed 1: this run needs about 15.9 GiB" in str(err.value) and str(written[0]) in str(err.value)
+    assert runner.complete([], written) == written
+
+    def broken(job, settings):
+        raise ConfigError("data.paths matched no file")
+
+    monkeypatch.setattr(runner, "trained", broken)
+    with pytest.raises(ConfigError, match="no file"):
+        list(runner.trained_each(jobs, Settings(), []))

@@ -184,7 +184,7 @@ def test_a_run_that_cannot_fit_is_refused_naming_the_knobs(tmp_path):
     need = footprint.host_estimate(cfg, 100_000_000, 256).total
     lines = footprint.preflight(cfg, 100_000_000, 256, None, "cpu", int(need / footprint.MARGIN) + 1)
     assert lines[0].startswith("memory: about")
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(footprint.MemoryRefused) as err:
         footprint.preflight(cfg, 100_000_000, 256, None, "cpu", int(need))
     for knob in ("runtime.learners=4", "runtime.devices_per_learner=2", "data.batch_size=2", "finetune=lora",
                  "model.remat", "run.memory_check=false"):

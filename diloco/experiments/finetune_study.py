@@ -184,10 +184,9 @@ def run(cfg: StudyConfig) -> list[Path]:
         base["eval_loss"] = masked_loss(planned[0])
         cache.write_text(json.dumps(base, indent=2))
     print(f"[{NAME}] checkpoint before training: exact {base['exact']:.3f}, format {base['format']:.3f}", flush=True)
-    rows, dp_bytes = [], None
+    rows, dp_bytes, refused = [], None, []
     ref = dp_reference(settings.experiment, cfg.seed, settings)  # its slices, whether or not it runs
-    for job in planned:
-        summary = runner.trained(job, settings)
+    for job, summary in runner.trained_each(planned, settings, refused):
         if dp_bytes is None:  # the data-parallel reference: the full model, every step
             dp_bytes = dp_bytes_same_steps(ref, summary["params"])
         score = downstream(Path(job.cfg.run.out_dir) / "model", test, cfg,
@@ -201,4 +200,4 @@ def run(cfg: StudyConfig) -> list[Path]:
                   f"greedy answers of at most {cfg.max_new_tokens} tokens.\n\n" + table(base, rows))
     js = out / f"{NAME}.json"
     js.write_text(json.dumps({"before": base, "rows": rows}, indent=2))
-    return [md, js]
+    return runner.complete(refused, [md, js])

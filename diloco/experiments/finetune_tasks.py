@@ -197,7 +197,7 @@ def run(cfg: TasksConfig) -> list[Path]:
     if tokenizer is None:
         raise CheckpointError(f"{checkpoint} has no tokenizer, so task prompts cannot be encoded")
     out = Path(cfg.out_dir)
-    before, rows = {}, []
+    before, rows, refused = {}, [], []
     for task in (t for t in cfg.tasks if not cfg.only_tasks or t in cfg.only_tasks):
         data = prepare(cfg, task, tokenizer)
         settings, planned = jobs(cfg, task, checkpoint, data["train"])
@@ -214,8 +214,7 @@ def run(cfg: TasksConfig) -> list[Path]:
         # first data-parallel variant, run or not (runtime.learners: 4 in the default study)
         ref = dp_reference(settings.experiment, planned[0].seed, settings)
         dp_bytes = None
-        for job in planned:
-            summary = runner.trained(job, settings)
+        for job, summary in runner.trained_each(planned, settings, refused):
             if dp_bytes is None:
                 from diloco.run import dp_bytes_same_steps
                 dp_bytes = dp_bytes_same_steps(ref, summary["params"])
@@ -228,4 +227,4 @@ def run(cfg: TasksConfig) -> list[Path]:
     md.write_text(f"# Fine-tuning {cfg.checkpoint} on BIG-bench tasks\n\nsplit seed {cfg.split_seed}, "
                   f"{cfg.test_size} test examples a task, run seeds {list(cfg.seeds)}.\n\n" + table(before, rows))
     js.write_text(json.dumps({"before": before, "rows": rows}, indent=1))
-    return [md, js]
+    return runner.complete(refused, [md, js])

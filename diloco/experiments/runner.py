@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import yaml
@@ -170,6 +171,33 @@ def trained(job: Job, settings: Settings) -> dict:
     if _aside(run_dir).exists():
         shutil.rmtree(_aside(run_dir))
     return summary
+
+
+def trained_each(jobs: Iterable[Job], settings: Settings, refused: list[str]) -> Iterator[tuple[Job, dict]]:
+    """(job, summary) for each job that trains or is reused, in order. A run refused because it
+    cannot fit in the memory available now is skipped with its reason appended to `refused`, so one
+    run too big for the moment does not cost the rest of a study hours long; `complete` then fails
+    the study once its tables of the others are written."""
+    from diloco.train.footprint import MemoryRefused
+
+    for job in jobs:
+        try:
+            summary = trained(job, settings)
+        except MemoryRefused as err:
+            refused.append(f"{job.experiment} {job.variant} seed {job.seed}: {err}")
+            print(f"[{job.experiment}] {job.variant} seed {job.seed}: skipped, not enough memory now", flush=True)
+            continue
+        yield job, summary
+
+
+def complete(refused: list[str], written: list[Path]) -> list[Path]:
+    """`written` (the study's tables), or fail a study whose runs `trained_each` skipped, naming
+    each and why."""
+    if refused:
+        raise ConfigError(f"{len(refused)} run(s) refused for memory and skipped; the other runs are in "
+                          f"{', '.join(map(str, written))}, and the same command trains only what is missing "
+                          "(finished runs are reused):\n  " + "\n  ".join(refused))
+    return written
 
 
 def run_job(job: Job, settings: Settings) -> dict:

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from diloco.algo import outer_auto
 from diloco.algo.outer import AUTO
-from diloco.config import ModelConfig, TrainConfig
+from diloco.config import ConfigError, ModelConfig, TrainConfig
 from diloco.config.learner_batch import learner_batches
 from diloco.model.attention import cudnn_fits
 
@@ -222,6 +222,12 @@ def fits(f: Footprint, available: int | None) -> bool:
     return available is None or f.total <= MARGIN * available
 
 
+class MemoryRefused(ConfigError):
+    """A run refused at start because it cannot fit in the memory available now. A study skips it
+    and trains the rest (diloco/experiments/runner.py: trained_each): what is free depends on
+    what else the machine runs, and the same command later trains only what is missing."""
+
+
 def preflight(cfg: TrainConfig, params: int, vocab: int, trained: int | None, platform: str,
               available: int | None) -> list[str]:
     """The lines a run prints at start: its host memory estimate against the available memory.
@@ -232,12 +238,10 @@ def preflight(cfg: TrainConfig, params: int, vocab: int, trained: int | None, pl
     parts = ", ".join(f"{name} {size / GIB:.2f}" for name, size in f.parts.items())
     lines = [f"memory: about {f.total / GIB:.1f} GiB of {have} available ({parts} GiB)"]
     if cfg.run.memory_check and not fits(f, available):
-        from diloco.config import ConfigError
-
         r, d = cfg.runtime, cfg.data
         knobs = (f"runtime.learners={r.learners}, runtime.devices_per_learner={r.devices_per_learner}, "
                  if cfg.algo == "diloco" else f"mesh.devices={cfg.mesh.devices}, ")
-        raise ConfigError(
+        raise MemoryRefused(
             f"this run needs about {f.total / GIB:.1f} GiB of memory and {have} is available "
             f"(MemAvailable; runs are refused above {MARGIN:.0%} of it): {parts} GiB. Lower {knobs}"
             f"data.batch_size={d.batch_size} or data.seq_len={d.seq_len}, or train finetune=lora or with "
