@@ -100,16 +100,36 @@ def release_freed(now: float | None = None, force: bool = False) -> bool:
     threads that free and allocate a fragment's arrays (XLA's, this pool's) each grow an arena of
     their own, and without a trim the free space inside them is never returned, so resident memory
     climbs for the whole run (docs/design.md#syncer-memory: +450 MB in 96 steps of a 3.2M model).
-    Forced before a run's memory check, for what earlier runs in the process freed."""
+    Forced before a run's memory check, for what earlier runs in the process freed, and then it
+    also frees the idle buffers of aligned_empty (drop_idle)."""
     now = time.monotonic() if now is None else now
     if not force and now - _TRIMMED[0] < _TRIM_EVERY_S:
         return False
     _TRIMMED[0] = now
+    if force:  # between runs: the idle buffers are the last run's (a 135M model's: gigabytes)
+        drop_idle()
     libc = _libc()
     if libc is None:  # not glibc: nothing to ask
         return False
     libc.malloc_trim(0)
     return True
+
+
+def drop_idle() -> int:
+    """Free aligned_empty's buffers that nothing references; returns their bytes. The pool keeps up
+    to _IDLE of each size for the next round of a run, which a later run in the same process (a
+    study's next variant) does not reuse when its fragments differ, and which its memory check
+    would otherwise count as taken."""
+    with _BUFFERS_LOCK:
+        freed = 0
+        for n, owners in list(_BUFFERS.items()):
+            keep = [raw for raw in owners if sys.getrefcount(raw) > _ONLY_LISTED + 1]  # +1: the loop's name
+            freed += sum(raw.nbytes for raw in owners) - sum(raw.nbytes for raw in keep)
+            if keep:
+                _BUFFERS[n] = keep
+            else:
+                del _BUFFERS[n]
+        return freed
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
