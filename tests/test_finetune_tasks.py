@@ -306,10 +306,13 @@ def test_miniature_study_writes_the_table_from_its_runs(tiny_ckpt, tmp_path):
     summary = json.loads((tmp_path / "out" / "finetune_tasks" / "add" / "diloco_m2" / "seed0" / "summary.json").read_text())
     assert dl["bytes"] == summary["bytes_up"] + summary["bytes_down"] > 0
     assert dl["drift_rel_max"] == summary["drift_rel_max"] > 0 and -1.0 <= dl["pseudograd_cos_mean"] <= 1.0
+    assert dl["tokens_merged_share"] == summary["tokens_merged_share"] == 1.0  # H = 1, tau = 0: every step merged
+    assert "tokens_merged_share" not in dp
     table = md.read_text().splitlines()
     assert table[4].startswith("| task | model | seed | metric [95% CI] | n | held-out masked loss | bytes sent |")
     assert table[6].startswith("| add | base |") and table[7].startswith("| add | dp | 0 | exact_match")
     assert table[8].startswith("| add | diloco_m2 | 0 |") and f"| {dl['drift_rel_max']:.4f} of the base |" in table[8]
+    assert "| 1.000 |" in table[8] and table[7].count("|") == table[8].count("|") == table[4].count("|")
     assert len(score["correct"]) == 4 and score["correct"].count("1") == round(score["value"] * 4)
     assert table[-1].startswith("| add | diloco_m2 | dp | 0 |")  # paired with DP on the same questions
 

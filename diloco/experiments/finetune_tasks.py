@@ -23,7 +23,9 @@ from diloco.experiments import runner
 from diloco.experiments.spec import ExperimentSpec, Job, Settings, Variant, dp_reference, hydra_configs, train_config
 
 NAME = "finetune_tasks"
-DRIFT_KEYS = ("drift_rel_max", "drift_l2_max", "pseudograd_cos_mean")
+# The drift monitor's, and the share of the trained tokens the final model holds (a DiLoCo run's
+# progress overwritten by a merge, or never sent, is lost: docs/algorithm.md#applying-merged-fragments)
+DRIFT_KEYS = ("drift_rel_max", "drift_l2_max", "pseudograd_cos_mean", "tokens_merged_share")
 
 
 @dataclass(frozen=True)
@@ -137,16 +139,17 @@ def _drift(r: dict) -> str:
 def table(before: dict, rows: list[dict]) -> str:
     """One line per task and model (the base, then each run), in the order run."""
     head = ("| task | model | seed | metric [95% CI] | n | held-out masked loss | bytes sent | / data parallel | "
-            "drift: largest fragment's | pseudo-grad cos | trained params | wall s |")
+            "drift: largest fragment's | pseudo-grad cos | tokens merged | trained params | wall s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for task, b in before.items():
         lines.append(f"| {task} | base | - | {b['metric']} {b['value']:.3f} [{b['low']:.3f}, {b['high']:.3f}] | "
-                     f"{b['n']} | {_num(b.get('eval_loss'), '.4f')} | - | - | - | - | - | - |")
+                     f"{b['n']} | {_num(b.get('eval_loss'), '.4f')} | - | - | - | - | - | - | - |")
         for r in (r for r in rows if r["task"] == task):
             lines.append(f"| {task} | {r['variant']} | {r['seed']} | {r['metric']} {r['value']:.3f} "
                          f"[{r['low']:.3f}, {r['high']:.3f}] | {r['n']} | {r['eval_loss']:.4f} | "
                          f"{r['bytes'] / 1e9:.3f} GB | {_num(r['bytes_over_dp'], '.5f')} | "
                          f"{_drift(r)} | {_num(r.get('pseudograd_cos_mean'), '.3f')} | "
+                         f"{_num(r.get('tokens_merged_share'), '.3f')} | "
                          f"{r['trained_params']:,} | {r['wall_s']:.0f} |")
     return "\n".join(lines) + "\n" + paired_table(rows)
 
