@@ -209,7 +209,6 @@ def test_dropping_idle_buffers_frees_only_those_nothing_reads():
     n = 5 * CHUNK  # a size no other test asks for
     hostpool.drop_idle()
     a, b, c = (hostpool.aligned_empty(n) for _ in range(3))
-    at = {x.ctypes.data for x in (a, b, c)}
     view = b[CHUNK:]
     b.fill(3.0)
     held = jax.device_put(c)  # read in place

@@ -123,8 +123,9 @@ def drop_idle() -> int:
     with _BUFFERS_LOCK:
         freed = 0
         for n, owners in list(_BUFFERS.items()):
-            keep = [raw for raw in owners if sys.getrefcount(raw) > _ONLY_LISTED + 1]  # +1: the loop's name
-            freed += sum(raw.nbytes for raw in owners) - sum(raw.nbytes for raw in keep)
+            idle = set(_idle(owners))
+            freed += sum(owners[i].nbytes for i in idle)
+            keep = [raw for i, raw in enumerate(owners) if i not in idle]
             if keep:
                 _BUFFERS[n] = keep
             else:
@@ -221,7 +222,7 @@ def aligned_empty(n: int) -> np.ndarray:
         return _aligned(np.empty(4 * n + 64, np.uint8), n)
     with _BUFFERS_LOCK:
         owners = _BUFFERS.setdefault(n, [])
-        idle = [i for i in range(len(owners)) if sys.getrefcount(owners[i]) == _ONLY_LISTED]
+        idle = _idle(owners)
         for i in reversed(idle[_IDLE:]):
             del owners[i]
         if idle:
@@ -230,6 +231,11 @@ def aligned_empty(n: int) -> np.ndarray:
             raw = np.empty(4 * n + 64, np.uint8)
             owners.append(raw)
     return _aligned(raw, n)
+
+
+def _idle(owners: list[np.ndarray]) -> list[int]:
+    """Indices of the owners nothing but the list references (no view, numba call or jax buffer)."""
+    return [i for i in range(len(owners)) if sys.getrefcount(owners[i]) == _ONLY_LISTED]
 
 
 def _aligned(raw: np.ndarray, n: int) -> np.ndarray:

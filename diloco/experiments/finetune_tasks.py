@@ -23,9 +23,9 @@ from diloco.experiments import runner
 from diloco.experiments.spec import ExperimentSpec, Job, Settings, Variant, dp_reference, hydra_configs, train_config
 
 NAME = "finetune_tasks"
-# The drift monitor's, and the share of the trained tokens the final model holds (a DiLoCo run's
+# Copied from a run's summary into its row: the drift monitor's, and the share of the trained tokens the final model holds (a DiLoCo run's
 # progress overwritten by a merge, or never sent, is lost: docs/algorithm.md#applying-merged-fragments)
-DRIFT_KEYS = ("drift_rel_max", "drift_l2_max", "pseudograd_cos_mean", "tokens_merged_share")
+SUMMARY_KEYS = ("drift_rel_max", "drift_l2_max", "pseudograd_cos_mean", "tokens_merged_share")
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def row(task: str, job: Job, summary: dict, s: dict, dp_bytes: float) -> dict:
             "metric": s["metric"], "value": s["value"], "low": s["low"], "high": s["high"], "n": s["n"],
             "eval_loss": summary["eval_loss"], "bytes": sent, "bytes_over_dp": sent / dp_bytes if dp_bytes else math.nan,
             "wall_s": summary["wall_s"], "trained_params": summary.get("adapter_params", summary["params"]),
-            "params": summary["params"], **{k: summary[k] for k in DRIFT_KEYS if k in summary},
+            "params": summary["params"], **{k: summary[k] for k in SUMMARY_KEYS if k in summary},
             "correct": s["correct"], "run_dir": str(c.run.out_dir)}
 
 
