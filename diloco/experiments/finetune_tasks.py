@@ -23,8 +23,9 @@ from diloco.experiments import runner
 from diloco.experiments.spec import ExperimentSpec, Job, Settings, Variant, dp_reference, hydra_configs, train_config
 
 NAME = "finetune_tasks"
-# Copied from a run's summary into its row: the drift monitor's, and the share of the trained tokens the final model holds (a DiLoCo run's
-# progress overwritten by a merge, or never sent, is lost: docs/algorithm.md#applying-merged-fragments)
+# Copied from a run's summary into its row: the drift monitor's, and the share of the trained
+# tokens the final model holds (a DiLoCo run's progress overwritten by a merge, or never sent, is
+# lost: docs/algorithm.md#applying-merged-fragments)
 SUMMARY_KEYS = ("drift_rel_max", "drift_l2_max", "pseudograd_cos_mean", "tokens_merged_share")
 
 
